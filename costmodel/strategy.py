@@ -1,0 +1,198 @@
+"""The strategy vocabulary: parallel degrees and the single-device training techniques.
+
+`ParallelDims` is the mesh (torchtitan's `ParallelDims` shape): a validated value object that touches
+no torch.distributed. `TrainingConfig` holds everything else a strategy decides: micro-batching, the
+pipeline schedule, recomputation, precision, optimizer and offload. Together they are a `Strategy`,
+which the simulator prices and the Plan records.
+
+Batch accounting, per optimizer step:
+    global_batch = dp * micro_batch * num_microbatches
+`num_microbatches` is the number of micro-batches each data-parallel rank runs per step. With pp > 1
+the pipeline schedule runs them; `grad_accum` is the number of times the schedule (or, with pp == 1,
+one forward+backward) runs per step, so `num_microbatches % grad_accum == 0` and with pp == 1
+`grad_accum == num_microbatches`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tracer.errors import SoapError
+
+MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimension names, in torch DeviceMesh order (outermost first, as torchtitan builds it)."""
+
+SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+)
+"""Pipeline schedule names, as torch.distributed.pipelining's `get_schedule_class` accepts them."""
+
+MULTI_STAGE_SCHEDULES = frozenset({"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"})
+
+Precision = Literal["fp32", "tf32", "fp16", "bf16", "fp8"]
+PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
+Optimizer = Literal["adamw", "adamw8bit", "adafactor", "sgd"]
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "adafactor", "sgd")
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+ATTENTION_IMPLS: tuple[str, ...] = ("sdpa", "eager")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Degrees of each mesh dimension; their product is the world size."""
+
+    dp_replicate: int = 1
+    """Replicas of the model (DDP, or HSDP's replicate dimension)."""
+    dp_shard: int = 1
+    """Ranks that shard parameters/gradients/optimizer state (FSDP / ZeRO); 1 means no sharding."""
+    cp: int = 1
+    """Context parallel degree: the sequence (an attribute dimension) is split for attention."""
+    tp: int = 1
+    """Tensor parallel degree: parameter dimensions are split (Megatron column/row)."""
+    pp: int = 1
+    """Pipeline parallel degree: the operator sequence is split into stages."""
+    ep: int = 1
+    """Expert parallel degree for MoE; borrows ranks from dp_shard x cp (it is not a separate factor)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SoapError(f"{name}={value!r} must be a positive integer")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise SoapError(f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def check_model(self, *, num_layers: int, heads: int, kv_heads: int, vocab: int, seq_len: int) -> None:
+        """Divisibility rules, with messages that show the numbers."""
+        if self.tp > 1 and heads % self.tp:
+            raise SoapError(f"tp={self.tp} does not divide {heads} attention heads; pick a tp that divides {heads}")
+        if self.tp > 1 and kv_heads % self.tp and self.tp % kv_heads:
+            raise SoapError(f"tp={self.tp} and {kv_heads} KV heads do not divide one another")
+        if self.pp > num_layers:
+            raise SoapError(f"pp={self.pp} is larger than the {num_layers} layers; use pp <= {num_layers}")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise SoapError(f"cp={self.cp} needs the sequence length ({seq_len}) divisible by 2*cp={2 * self.cp}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """Everything a strategy decides besides the mesh."""
+
+    global_batch: int
+    """Samples (sequences) per optimizer step."""
+    seq_len: int
+    micro_batch: int = 1
+    """Samples per micro-batch on one data-parallel rank."""
+    num_microbatches: int = 1
+    """Micro-batches per step on one data-parallel rank."""
+    grad_accum: int = 1
+    """Schedule runs per step (see the module docstring)."""
+    schedule: str = "1F1B"
+    """Pipeline schedule, by torch.distributed.pipelining name (ignored when pp == 1)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (> 1 only for multi-stage schedules)."""
+    zero: int = 0
+    """ZeRO stage of the sample-parallel group: 0 (DDP), 1, 2 or 3 (FSDP full shard)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms/dropout on sequence shards between TP regions."""
+    recompute: str = "none"
+    """Default activation checkpointing policy; `recompute_per_block` overrides it per block id."""
+    recompute_per_block: tuple[tuple[str, str], ...] = ()
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    offload_optimizer: bool = False
+    """Optimizer state (and step) on the CPU."""
+    attention: str = "sdpa"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq_len < 1 or self.micro_batch < 1:
+            raise SoapError("global batch, sequence length and micro-batch must be positive")
+        if self.num_microbatches < 1 or self.grad_accum < 1 or self.num_microbatches % self.grad_accum:
+            raise SoapError(
+                f"grad_accum={self.grad_accum} must divide num_microbatches={self.num_microbatches}"
+            )
+        if self.schedule not in SCHEDULES:
+            raise SoapError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.virtual_stages > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
+            raise SoapError(f"schedule {self.schedule} runs one stage per rank; use Interleaved1F1B for virtual stages")
+        if self.zero not in (0, 1, 2, 3):
+            raise SoapError(f"zero={self.zero} must be 0, 1, 2 or 3")
+        for value, allowed, what in (
+            (self.precision, PRECISIONS, "precision"),
+            (self.optimizer, OPTIMIZERS, "optimizer"),
+            (self.recompute, RECOMPUTE, "recompute policy"),
+            (self.attention, ATTENTION_IMPLS, "attention implementation"),
+        ):
+            if value not in allowed:
+                raise SoapError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+        for _, policy in self.recompute_per_block:
+            if policy not in RECOMPUTE:
+                raise SoapError(f"unknown recompute policy {policy!r}; choose one of {', '.join(RECOMPUTE)}")
+
+    def recompute_for(self, block_id: str | None) -> str:
+        return dict(self.recompute_per_block).get(block_id or "", self.recompute)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A mesh plus a training configuration, and optional per-op SOAP overrides.
+
+    `op_splits` maps an op name (or module FQN pattern) to its SOAP configuration, e.g.
+    {"sample": 4, "parameter": 2}; ops not named follow the default implied by `dims`.
+    """
+
+    dims: ParallelDims
+    train: TrainingConfig
+    op_splits: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = field(default=())
+
+    def check_batch(self) -> None:
+        expect = self.dims.dp * self.train.micro_batch * self.train.num_microbatches
+        if expect != self.train.global_batch:
+            raise SoapError(
+                f"global batch {self.train.global_batch} != dp {self.dims.dp} x micro-batch "
+                f"{self.train.micro_batch} x micro-batches {self.train.num_microbatches}"
+            )

@@ -1,0 +1,1 @@
+"""Plan -> torch.distributed. Never searches."""

@@ -1,0 +1,1 @@
+"""Search space, search, the Plan and its JSON form, explanations and baselines."""

@@ -1,0 +1,267 @@
+"""`Plan` and plan.json: a versioned, validated, self-contained record of one parallelization.
+
+plan.json is read by people and by `soap execute` on another machine, so it holds everything:
+the model config inline (with its hash), the cluster profile inline, the batch, the mesh, per-block and
+per-op SOAP placements, pipeline stages and schedule, the training techniques, the predicted metrics
+and the launch command. Loading validates every field (pydantic, `extra="forbid"`), refuses unknown
+schema versions, and never pickles or evals. Saving is atomic (write a temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from costmodel.strategy import (
+    MESH_DIM_NAMES,
+    ParallelDims,
+    Strategy,
+    TrainingConfig,
+)
+from tracer.errors import SoapError
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """sha256 of the config's canonical JSON, so a tampered inline config is detected on load."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class ModelSpecRecord(_Strict):
+    name: str
+    """Preset name, path, Hub id, or a module's class name."""
+    source: Literal["preset", "file", "hub", "module"]
+    task: Literal["causal-lm", "masked-lm", "seq-cls", "seq2seq-lm"]
+    config: dict[str, Any]
+    """The HF config as `PretrainedConfig.to_dict()` gives it."""
+    config_hash: str
+
+    @model_validator(mode="after")
+    def _hash_matches(self) -> ModelSpecRecord:
+        if config_hash(self.config) != self.config_hash:
+            raise ValueError("model.config_hash does not match model.config (the config was edited)")
+        return self
+
+
+class ClusterRecord(_Strict):
+    name: str
+    gpus: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    profile: dict[str, Any]
+    """The cluster profile JSON inline (with its device profile), as costmodel loads it."""
+
+
+class MeshRecord(_Strict):
+    names: tuple[str, ...]
+    degrees: tuple[int, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> MeshRecord:
+        if self.names != MESH_DIM_NAMES:
+            raise ValueError(f"mesh.names must be {list(MESH_DIM_NAMES)}")
+        if len(self.degrees) != len(self.names) or any(d < 1 for d in self.degrees):
+            raise ValueError("mesh.degrees must be one positive integer per mesh dimension")
+        return self
+
+
+class ParallelismRecord(_Strict):
+    """The contract's `parallelism` object, plus the fields the executor needs."""
+
+    dp: int = Field(ge=1)
+    dp_replicate: int = Field(ge=1)
+    dp_shard: int = Field(ge=1)
+    zero: int = Field(ge=0, le=3)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    cp: int = Field(ge=1)
+    ep: int = Field(default=1, ge=1)
+    sequence_parallel: bool = False
+    micro_batch: int = Field(ge=1)
+    grad_accum: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    schedule: str
+    virtual_stages: int = Field(default=1, ge=1)
+    recompute: str
+    precision: str
+    optimizer: str
+    offload_optimizer: bool = False
+    attention: str = "sdpa"
+    compile: bool = False
+
+
+class OpPlacement(_Strict):
+    """One op's SOAP configuration, e.g. {"sample": 4, "parameter": 2}, and its TP style."""
+
+    op: str
+    soap: dict[Literal["sample", "operator", "attribute", "parameter"], int]
+    style: str | None = None
+    """torch.distributed.tensor.parallel style for the op's module: colwise, rowwise, sequence, replicate."""
+
+
+class BlockPlacement(_Strict):
+    id: str
+    """The block id (e.g. `model.layers`), or `<prologue>` / `<epilogue>` for non-block ops."""
+    module_type: str
+    count: int = Field(ge=1)
+    recompute: str
+    ops: tuple[OpPlacement, ...]
+
+
+class StageRecord(_Strict):
+    index: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    """The pipeline rank that runs this stage (stage index % pp for looped schedules)."""
+    modules: tuple[str, ...]
+    """Module FQNs in the stage, e.g. `model.embed_tokens`, `model.layers.0` ... `lm_head`."""
+
+
+class Plan(_Strict):
+    schema_version: int
+    model: ModelSpecRecord
+    cluster: ClusterRecord
+    global_batch: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    mesh: MeshRecord
+    parallelism: ParallelismRecord
+    tp_plan: dict[str, str] = Field(default_factory=dict)
+    """`dict[module_fqn_pattern, style]`, relative to one block, as parallelize_module takes it."""
+    blocks: tuple[BlockPlacement, ...] = ()
+    stages: tuple[StageRecord, ...] = ()
+    predicted: dict[str, Any] = Field(default_factory=dict)
+    """The contract's metrics: step_time_s, tokens_per_s, mfu, peak_memory_gib, breakdown_s, ..."""
+    launch: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "schema_version" in data and data["schema_version"] != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {data['schema_version']!r} is not supported (this soap reads {SCHEMA_VERSION})"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        p = self.parallelism
+        if self.mesh.degrees != (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp):
+            raise ValueError("mesh.degrees disagree with parallelism (pp, dp_replicate, dp_shard, cp, tp)")
+        if p.dp != p.dp_replicate * p.dp_shard:
+            raise ValueError("parallelism.dp must equal dp_replicate * dp_shard")
+        world = p.pp * p.dp * p.cp * p.tp
+        if world != self.cluster.gpus:
+            raise ValueError(f"mesh degrees multiply to {world} but cluster.gpus is {self.cluster.gpus}")
+        if p.dp * p.micro_batch * p.num_microbatches != self.global_batch:
+            raise ValueError("global_batch must equal dp * micro_batch * num_microbatches")
+        if p.pp > 1:
+            if len(self.stages) != p.pp * p.virtual_stages:
+                raise ValueError(f"stages: expected pp*virtual_stages={p.pp * p.virtual_stages}, got {len(self.stages)}")
+            for stage in self.stages:
+                if not stage.modules:
+                    raise ValueError(f"stages[{stage.index}] has no modules")
+        return self
+
+    # --- conversions -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.cluster.gpus
+
+    def strategy(self) -> Strategy:
+        """The costmodel's view of this plan (mesh + training configuration)."""
+        p = self.parallelism
+        dims = ParallelDims(
+            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep
+        )
+        train = TrainingConfig(
+            global_batch=self.global_batch,
+            seq_len=self.seq_len,
+            micro_batch=p.micro_batch,
+            num_microbatches=p.num_microbatches,
+            grad_accum=p.grad_accum,
+            schedule=p.schedule,
+            virtual_stages=p.virtual_stages,
+            zero=p.zero,
+            sequence_parallel=p.sequence_parallel,
+            recompute=p.recompute,
+            recompute_per_block=tuple((b.id, b.recompute) for b in self.blocks if b.recompute != p.recompute),
+            precision=p.precision,
+            optimizer=p.optimizer,
+            offload_optimizer=p.offload_optimizer,
+            attention=p.attention,
+            compile=p.compile,
+        )
+        return Strategy(dims=dims, train=train)
+
+    def to_json(self) -> str:
+        """Deterministic JSON text: the same plan always gives the same bytes."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_atomic(Path(path), self.to_json())
+
+
+def parallelism_record(strategy: Strategy) -> ParallelismRecord:
+    d, t = strategy.dims, strategy.train
+    return ParallelismRecord(
+        dp=d.dp, dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, zero=t.zero, tp=d.tp, pp=d.pp, cp=d.cp,
+        ep=d.ep, sequence_parallel=t.sequence_parallel, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+        num_microbatches=t.num_microbatches, schedule=t.schedule, virtual_stages=t.virtual_stages,
+        recompute=t.recompute, precision=t.precision, optimizer=t.optimizer,
+        offload_optimizer=t.offload_optimizer, attention=t.attention, compile=t.compile,
+    )
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a crash leaves either the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "plan"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}"
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read and validate plan.json; every problem becomes a SoapError naming the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise SoapError(f"plan file {str(p)!r} does not exist; write one with `soap plan MODEL --gpus N -o {p}`")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SoapError(f"{p} is not valid JSON ({exc}); regenerate it with `soap plan`") from None
+    return plan_from_dict(data, origin=str(p))
+
+
+def plan_from_dict(data: Any, *, origin: str = "plan") -> Plan:
+    if not isinstance(data, dict):
+        raise SoapError(f"{origin}: a plan must be a JSON object")
+    if "schema_version" not in data:
+        raise SoapError(f"{origin}: schema_version is missing; regenerate the plan with `soap plan`")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        raise SoapError(f"{origin}: invalid plan: {_first_error(exc)}") from None

@@ -1,0 +1,5 @@
+import sys
+
+from soap.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""The `soap` command line: a thin dispatcher over soap.commands.*.
+
+Each command module defines `add_parser(subparsers)` and `run(args) -> int`. Any `SoapError` (bad
+input) becomes one line `error: ...` on stderr and exit code 2; other exceptions too, unless `--debug`
+asks for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tracer.errors import SoapError
+
+COMMANDS = ("trace", "plan", "simulate", "execute", "calibrate", "profiles", "validate")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors in soap's one-line form."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="soap", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"soap.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"soap.commands.{name}":
+                raise
+            continue
+        cmd = module.add_parser(sub)
+        cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args._run(args) or 0)
+    except SoapError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI promises no traceback without --debug
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

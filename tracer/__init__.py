@@ -1,0 +1,1 @@
+"""Model spec -> OpGraph. Knows nothing of devices."""
