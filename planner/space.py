@@ -1,0 +1,278 @@
+"""The search space: every strategy soap may choose for one model on one cluster.
+
+A strategy is a mesh and a training configuration (`costmodel.strategy.Strategy`):
+
+    gpus = pp x dp x cp x tp,      dp = dp_replicate x dp_shard,
+    global_batch = dp x micro_batch x num_microbatches.
+
+Mesh rules (`mesh_choices`):
+- tp divides the heads; tp and the KV heads divide one another; tp divides gpus_per_node (TP stays
+  inside a node) unless the cluster says `tp_across_nodes`;
+- cp needs the sequence divisible by 2·cp (load-balanced causal chunks);
+- pp <= layers (stages need not hold equal layer counts: `planner.stages` balances them);
+- dp divides the global batch;
+- the sample-parallel group either replicates (ZeRO 0, DDP), shards over all of dp (ZeRO 1/2/3),
+  or shards inside a node and replicates across nodes (HSDP: ZeRO 3 with dp_shard = the data ranks
+  that fit in one node).
+`ParallelDims.check_model` states the divisibility rules; the search filters on it instead of raising.
+
+Training rules (`training_choices`), per mesh:
+- micro_batch divides the per-rank batch global_batch / dp; with pp == 1 every micro-batch is a
+  gradient-accumulation step; with pp > 1 one schedule run takes them all (grad_accum = 1 unless
+  pinned);
+- schedules (pp > 1): GPipe, 1F1B, Interleaved1F1B with v in {2, 4} (v·pp <= layers and a
+  micro-batch count divisible by pp, as torch's interleaved schedules require) and the zero-bubble
+  schedules the simulator prices;
+- recompute none / selective / full; precision bf16 (fp16 where the device lacks bf16), plus fp8
+  where the device supports it; the optimizer only when `optimizer="auto"`; optimizer offload on/off.
+
+Pins fix a dimension; `validate_pins` rejects impossible pins with the numbers, before any search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from costmodel.strategy import (
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
+    ParallelDims,
+    TrainingConfig,
+)
+from tracer.errors import SoapError
+from tracer.ir import ModelDims
+
+SEARCHED_SCHEDULES: tuple[tuple[str, int], ...] = (
+    ("1F1B", 1),
+    ("GPipe", 1),
+    ("Interleaved1F1B", 2),
+    ("Interleaved1F1B", 4),
+    ("ZBVZeroBubble", 2),
+)
+"""(schedule, virtual stages per rank) tried when pp > 1; ZBV's V shape always runs two stages per rank."""
+
+AUTO_OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "adafactor")
+"""Optimizers searched under `optimizer="auto"` (SGD changes training too much to pick silently)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pins:
+    """Dimensions the user fixed; None leaves a dimension to the search."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    """The whole data-parallel degree (replicate x shard)."""
+    cp: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    recompute: str | None = None
+    schedule: str | None = None
+    precision: str | None = None
+    optimizer: str = "adamw"
+    """A name from costmodel.strategy.OPTIMIZERS, or "auto" to search AUTO_OPTIMIZERS."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "micro_batch", "grad_accum"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise SoapError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise SoapError(f"--zero={self.zero!r} must be 0, 1, 2 or 3")
+        for value, allowed, what in (
+            (self.recompute, RECOMPUTE, "recompute"),
+            (self.schedule, SCHEDULES, "schedule"),
+            (self.precision, PRECISIONS, "precision"),
+            (self.optimizer, (*OPTIMIZERS, "auto"), "optimizer"),
+        ):
+            if value is not None and value not in allowed:
+                raise SoapError(f"unknown --{what} {value!r}; choose one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpaceRequest:
+    """What the search space depends on: the model's shape, the cluster's layout and the pins."""
+
+    gpus: int
+    gpus_per_node: int
+    tp_across_nodes: bool
+    dims: ModelDims
+    seq_len: int
+    global_batch: int
+    precisions: tuple[str, ...]
+    """Precisions the device runs (the keys of its peak FLOP/s table)."""
+    pins: Pins = field(default_factory=Pins)
+    schedules: tuple[tuple[str, int], ...] = SEARCHED_SCHEDULES
+    """(schedule, virtual stages) pairs the simulator can price."""
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    """A mesh plus how its sample-parallel group treats model state."""
+
+    dims: ParallelDims
+    zero: int
+
+    @property
+    def sort_key(self) -> tuple[int, ...]:
+        """A total order: (pp, dp_replicate, dp_shard, cp, tp, zero)."""
+        d = self.dims
+        return (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, self.zero)
+
+
+def divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return tuple(sorted({*small, *(n // d for d in small)}))
+
+
+def _rule_violation(req: SpaceRequest, *, tp: int, pp: int, cp: int) -> str | None:
+    """Why (tp, pp, cp) breaks a model or cluster rule, or None. Wraps ParallelDims.check_model."""
+    d = req.dims
+    if tp > req.gpus_per_node and not req.tp_across_nodes:
+        return f"tp={tp} would span nodes of {req.gpus_per_node} GPUs; this cluster keeps TP inside a node"
+    if tp > 1 and req.gpus_per_node % tp and not req.tp_across_nodes:
+        return f"tp={tp} does not divide the {req.gpus_per_node} GPUs of a node"
+    try:
+        ParallelDims(tp=tp, pp=pp, cp=cp).check_model(
+            num_layers=d.num_layers, heads=d.heads, kv_heads=d.kv_heads, vocab=d.vocab, seq_len=req.seq_len
+        )
+    except SoapError as exc:
+        return str(exc)
+    return None
+
+
+def validate_pins(req: SpaceRequest) -> None:
+    """Reject pins no strategy can satisfy, naming the numbers and the fix."""
+    p, n = req.pins, req.gpus
+    if not isinstance(n, int) or n < 1:
+        raise SoapError(f"--gpus={n!r} must be a positive integer")
+    if req.global_batch < 1 or req.seq_len < 1:
+        raise SoapError(f"global batch ({req.global_batch}) and sequence length ({req.seq_len}) must be positive")
+    for name in ("tp", "pp", "dp", "cp"):
+        value = getattr(p, name)
+        if value is not None and n % value:
+            raise SoapError(f"--{name} {value} does not divide --gpus {n}; pick a divisor of {n}")
+    pinned = [getattr(p, k) for k in ("tp", "pp", "dp", "cp") if getattr(p, k) is not None]
+    product = 1
+    for v in pinned:
+        product *= v
+    if n % product or (len(pinned) == 4 and product != n):
+        raise SoapError(f"pinned degrees multiply to {product}, which does not fit --gpus {n}")
+    reason = _rule_violation(req, tp=p.tp or 1, pp=p.pp or 1, cp=p.cp or 1)
+    if reason:
+        raise SoapError(reason)
+    if p.dp is not None and req.global_batch % p.dp:
+        raise SoapError(f"--dp {p.dp} does not divide the global batch {req.global_batch}; change --global-batch")
+    if p.precision is not None and p.precision not in req.precisions and p.precision != "tf32":
+        raise SoapError(
+            f"this device has no {p.precision} support (it runs {', '.join(req.precisions)}); pick another --precision"
+        )
+    if p.precision == "tf32" and "tf32" not in req.precisions:
+        raise SoapError("this device has no tf32 support; use --precision fp32")
+    if p.micro_batch is not None and p.grad_accum is not None and req.global_batch % (p.micro_batch * p.grad_accum):
+        raise SoapError(
+            f"--micro-batch {p.micro_batch} x --grad-accum {p.grad_accum} does not divide the global batch {req.global_batch}"
+        )
+
+
+def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
+    """Every mesh (with its ZeRO stage) that satisfies the model, cluster and pins, in a fixed order."""
+    p, n = req.pins, req.gpus
+    out: list[MeshChoice] = []
+    for tp in (p.tp,) if p.tp else divisors(n):
+        for cp in (p.cp,) if p.cp else divisors(n // tp):
+            for pp in (p.pp,) if p.pp else divisors(n // (tp * cp)):
+                if n % (tp * cp * pp):
+                    continue
+                dp = n // (tp * cp * pp)
+                if (p.dp and dp != p.dp) or req.global_batch % dp:
+                    continue
+                if _rule_violation(req, tp=tp, pp=pp, cp=cp):
+                    continue
+                for zero, shard in _sharding_choices(req, dp=dp, inner=tp * cp):
+                    if p.zero is not None and zero != p.zero:
+                        continue
+                    dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp)
+                    out.append(MeshChoice(dims=dims, zero=zero))
+    return sorted(out, key=lambda m: m.sort_key)
+
+
+def _sharding_choices(req: SpaceRequest, *, dp: int, inner: int) -> list[tuple[int, int]]:
+    """(zero stage, dp_shard) pairs: DDP, ZeRO 1/2/3 over all of dp, and HSDP inside a node."""
+    if dp == 1:
+        return [(req.pins.zero or 0, 1)]
+    choices = [(0, 1), (1, dp), (2, dp), (3, dp)]
+    per_node = max(1, req.gpus_per_node // inner)
+    hsdp = max((s for s in divisors(dp) if s <= per_node), default=1)
+    if 1 < hsdp < dp:
+        choices.append((3, hsdp))
+    return choices
+
+
+def precision_choices(req: SpaceRequest) -> tuple[str, ...]:
+    if req.pins.precision:
+        return (req.pins.precision,)
+    half = "bf16" if "bf16" in req.precisions else "fp16" if "fp16" in req.precisions else "fp32"
+    return (half, "fp8") if "fp8" in req.precisions else (half,)
+
+
+def optimizer_choices(req: SpaceRequest) -> tuple[str, ...]:
+    return AUTO_OPTIMIZERS if req.pins.optimizer == "auto" else (req.pins.optimizer,)
+
+
+def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [(req.pins.schedule or "1F1B", 1)]
+    out = []
+    for name, v in req.schedules:
+        if req.pins.schedule and name != req.pins.schedule:
+            continue
+        if v > 1 and (pp * v > req.dims.num_layers or num_microbatches % pp):
+            continue
+        out.append((name, v))
+    if req.pins.schedule and not out:
+        name = req.pins.schedule
+        v = 2 if name in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "LoopedBFS") else 1
+        if v == 1 or (pp * v <= req.dims.num_layers and num_microbatches % pp == 0):
+            out.append((name, v))
+    return out
+
+
+def micro_batching(req: SpaceRequest, *, dp: int, pp: int) -> list[tuple[int, int, int]]:
+    """(micro_batch, num_microbatches, grad_accum) per data-parallel rank, honouring the pins."""
+    local = req.global_batch // dp
+    p = req.pins
+    out = []
+    for mb in divisors(local):
+        if p.micro_batch and mb != p.micro_batch:
+            continue
+        count = local // mb
+        accum = count if pp == 1 else (p.grad_accum or 1)
+        if p.grad_accum and accum != p.grad_accum:
+            continue
+        if count % accum:
+            continue
+        out.append((mb, count, accum))
+    return out
+
+
+def training_choices(req: SpaceRequest, mesh: MeshChoice) -> Iterator[TrainingConfig]:
+    """Every training configuration of one mesh, in a fixed order."""
+    d = mesh.dims
+    recomputes = (req.pins.recompute,) if req.pins.recompute else RECOMPUTE
+    for mb, count, accum in micro_batching(req, dp=d.dp, pp=d.pp):
+        for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count):
+            for precision in precision_choices(req):
+                for optimizer in optimizer_choices(req):
+                    for recompute in recomputes:
+                        for offload in (False, True):
+                            yield TrainingConfig(
+                                global_batch=req.global_batch, seq_len=req.seq_len, micro_batch=mb,
+                                num_microbatches=count, grad_accum=accum, schedule=schedule, virtual_stages=v,
+                                zero=mesh.zero, sequence_parallel=d.tp > 1, recompute=recompute,
+                                precision=precision, optimizer=optimizer, offload_optimizer=offload,
+                            )
