@@ -1,0 +1,271 @@
+"""Cheap analytic step time and memory, to prune and rank candidates before full simulation.
+
+The estimate prices a strategy from per-unit aggregates (`planner.units`) instead of the op-level
+timeline the simulator builds, so it can look at every candidate of a 16k-GPU search. It decides what
+gets simulated, never what is reported: reported numbers come from `costmodel.simulator`.
+
+Time of one micro-batch on pipeline rank r (`_rank_times`), summed over the unit instances c_u of its
+stages:
+    t_r = sum_u c_u [fwd_u + bwd_u + recompute_u + tp_u + cp_u] + 2 p2p
+    fwd_u, bwd_u   `costmodel.opcost.op_time` over the unit's ops at local shapes
+                   (split: parameter=tp, attribute=cp) for micro-batch mb;
+    recompute_u    full: fwd_u again; selective: the attention cores' forward again;
+    tp_u           2 x (TP regions) all-reduces of mb*s/cp*hidden activations in the tp group;
+    cp_u           per attention core, all-gather K,V forward and reduce-scatter dK,dV backward in the
+                   cp group, hidden behind the attention compute where it can be;
+    p2p            one activation send and one gradient receive per stage boundary.
+Step time:
+    pp = 1:  T = m * t_0 + dp_exposed + zero3_exposed + optimizer
+    pp > 1:  T = A * ((m/A) * max_r t_r + bubble) + dp_exposed + zero3_exposed + optimizer,
+             bubble = (pp - 1) * max_r t_r / v      (GPipe/1F1B v = 1; Interleaved1F1B v chunks;
+                                                    ZBVZeroBubble halves it again: W fills it)
+    dp_exposed     grad all-reduce (ZeRO 0), reduce-scatter + all-gather (ZeRO 1/2), reduce-scatter
+                   (ZeRO 3; HSDP adds the replicate all-reduce), minus one micro-batch's backward it
+                   overlaps with;
+    zero3_exposed  per micro-batch parameter all-gathers (forward and backward) minus the compute
+                   they prefetch behind;
+    optimizer      device state read and written once at memory bandwidth; offloaded state moves
+                   over the host link twice.
+Memory of pipeline rank r (`_rank_memory`):
+    state(params_r / tp; precision, optimizer, zero, dp_shard, offload)   costmodel.memory
+    + in_flight_r x activations_r(mb, recompute)                          costmodel.memory
+    + ZeRO-3 gathered parameters of the two largest units + context overhead.
+In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
+(v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from costmodel.collectives import CommGroup, collective_time
+from costmodel.memory import activation_bytes, model_state_bytes
+from costmodel.opcost import op_time
+from costmodel.profiles import ClusterSpec
+from costmodel.strategy import TrainingConfig
+from planner.space import MeshChoice
+from planner.stages import partition_stages
+from planner.units import Unit
+from tracer.ir import OpGraph, OpKind
+
+ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}
+"""Bytes per activation element crossing a link (fp8 recipes keep activations in 16 bit between ops)."""
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """Per-GPU bytes on the worst pipeline rank, by what they hold."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float
+    """ZeRO-3 gathered parameters and the framework/context overhead."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.other
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_time_s: float
+    memory: MemoryParts
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    optimizer_s: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory.total
+
+
+def group_ranks_per_node(size: int, inner: int, gpus_per_node: int) -> int:
+    """Ranks of a mesh group that share a node, when `inner` consecutive ranks sit inside it."""
+    if size == 1:
+        return 1
+    return max(1, min(size, gpus_per_node // inner)) if inner <= gpus_per_node else 1
+
+
+class Estimator:
+    """Prices (mesh, training config) pairs for one graph on one cluster, caching per-unit costs."""
+
+    def __init__(self, graph: OpGraph, cluster: ClusterSpec, units: tuple[Unit, ...]) -> None:
+        self.graph, self.cluster, self.units = graph, cluster, units
+        self.hidden = graph.dims.hidden
+        self.kv_width = graph.dims.kv_heads * graph.dims.head_dim
+        self._unit_time = lru_cache(maxsize=None)(self._unit_time_uncached)
+        self._unit_activation = lru_cache(maxsize=None)(self._unit_activation_uncached)
+        self._stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
+        self._comm = lru_cache(maxsize=None)(self._comm_uncached)
+
+    # --- cached per-unit costs ------------------------------------------------------------------
+    def _unit_time_uncached(self, u: int, tp: int, cp: int, mb: int, precision: str) -> tuple[float, float, float]:
+        """(forward, backward, attention-core forward) seconds of one instance of unit u."""
+        split = {"parameter": tp, "attribute": cp}
+        fwd = bwd = attn = 0.0
+        for op in self.units[u].ops:
+            cost = op_time(
+                op, device=self.cluster.device, precision=precision, micro_batch=mb,
+                batch_traced=self.graph.batch, split=split,
+            )
+            fwd += cost.fwd_s
+            bwd += cost.bwd_s
+            if op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
+                attn += cost.fwd_s
+        return fwd, bwd, attn
+
+    def _unit_activation_uncached(self, u: int, tp: int, cp: int, mb: int, recompute: str) -> float:
+        return float(
+            activation_bytes(
+                self.units[u].ops, micro_batch=mb, batch_traced=self.graph.batch, recompute=recompute,
+                attention="sdpa", split={"parameter": tp, "attribute": cp},
+            )
+        )
+
+    def _comm_uncached(self, kind: str, nbytes: float, size: int, per_node: int) -> float:
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        return collective_time(kind, nbytes, CommGroup(size=size, ranks_per_node=per_node), self.cluster)
+
+    def _stage_counts_uncached(self, pp: int, v: int) -> np.ndarray:
+        """Instances of each unit on each pipeline rank: shape (pp, units), time-balanced at mb=1."""
+        layer_units = [i for i, u in enumerate(self.units) for _ in range(u.repeat)]
+        stages = pp * v
+        counts = np.zeros((pp, len(self.units)))
+        if stages == 1:
+            counts[0] = [u.repeat for u in self.units]
+            return counts
+        times = [sum(self._unit_time(i, 1, 1, 1, "bf16")[:2]) for i in layer_units]
+        zeros = [0.0] * len(layer_units)
+        part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
+        assert part is not None, "a partition without memory limits always exists when stages <= layers"
+        for stage, (a, b) in enumerate(zip(part.bounds, part.bounds[1:])):
+            for layer in range(a, b):
+                counts[stage % pp, layer_units[layer]] += 1
+        return counts
+
+    # --- the estimate ---------------------------------------------------------------------------
+    def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
+        d, t, gpn = mesh.dims, train, self.cluster.gpus_per_node
+        counts = self._stage_counts(d.pp, t.virtual_stages)
+        n_units = len(self.units)
+        act_b = ACTIVATION_BYTES[t.precision]
+        tokens_local = t.micro_batch * t.seq_len / d.cp
+        tp_group = (d.tp, group_ranks_per_node(d.tp, 1, gpn))
+        cp_group = (d.cp, group_ranks_per_node(d.cp, d.tp, gpn))
+
+        per_unit = np.zeros(n_units)
+        bwd_unit = np.zeros(n_units)
+        act_unit = np.zeros(n_units)
+        compute_unit = np.zeros(n_units)
+        for u, unit in enumerate(self.units):
+            fwd, bwd, attn = self._unit_time(u, d.tp, d.cp, t.micro_batch, t.precision)
+            recompute = t.recompute_for(unit.id if not unit.id.startswith("<") else None)
+            extra = fwd if recompute == "full" else attn if recompute == "selective" else 0.0
+            regions = unit.tp_regions if not unit.id.startswith("<") else 1
+            tp_comm = 2 * regions * self._comm("all_reduce", tokens_local * self.hidden * act_b, *tp_group)
+            kv_bytes = 2 * t.micro_batch * t.seq_len * self.kv_width * act_b / d.tp
+            cp_comm = unit.attention_ops * 3 * self._comm("all_gather", kv_bytes, *cp_group)
+            cp_exposed = max(0.0, cp_comm - 3 * attn) if d.cp > 1 else 0.0
+            compute_unit[u] = fwd + bwd + extra
+            per_unit[u] = compute_unit[u] + tp_comm + cp_exposed
+            bwd_unit[u] = bwd
+            act_unit[u] = self._unit_activation(u, d.tp, d.cp, t.micro_batch, recompute)
+
+        params_unit = np.array([unit.params for unit in self.units], dtype=float)
+        p2p = 0.0
+        if d.pp > 1:
+            p2p = 2 * t.virtual_stages * self._comm("send_recv", tokens_local * self.hidden * act_b / d.tp, 2, 1)
+        rank_time = counts @ per_unit + p2p
+        rank_compute = counts @ compute_unit
+        rank_bwd = counts @ bwd_unit
+        rank_params = counts @ params_unit / d.tp
+        rank_act = counts @ act_unit
+        bottleneck = float(rank_time.max())
+
+        m, runs = t.num_microbatches, t.grad_accum
+        bubble = 0.0
+        if d.pp > 1:
+            bubble = (d.pp - 1) * bottleneck / t.virtual_stages
+            if t.schedule == "ZBVZeroBubble":
+                bubble /= 2
+            bubble *= runs
+        pipeline = m * bottleneck + bubble
+
+        worst = int(np.argmax(rank_params))
+        params_local = float(rank_params[worst])
+        state = model_state_bytes(
+            int(params_local), precision=t.precision, optimizer=t.optimizer, zero=t.zero if d.dp > 1 else 0,
+            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
+        )
+        dp_exposed, zero3_exposed = self._dp_comm(mesh, t, params_local, state, float(rank_bwd[worst]),
+                                                  float(rank_compute[worst]))
+        device = self.cluster.device
+        resident = state.weights + state.grads + state.optimizer
+        optimizer_s = 2 * resident / device.memory_bandwidth + 2 * state.offloaded / device.host_bandwidth
+        step = pipeline + dp_exposed + zero3_exposed + optimizer_s
+        compute_s = m * float(rank_compute.max())
+
+        memory = self._rank_memory(mesh, t, counts, rank_act, params_local, state)
+        return Estimate(
+            step_time_s=step, memory=memory, compute_s=compute_s,
+            comm_s=max(0.0, pipeline - bubble - compute_s) + dp_exposed + zero3_exposed,
+            bubble_s=bubble, optimizer_s=optimizer_s,
+        )
+
+    def _dp_comm(self, mesh: MeshChoice, t: TrainingConfig, params_local: float, state, bwd_s: float,
+                 compute_s: float) -> tuple[float, float]:
+        d, gpn = mesh.dims, self.cluster.gpus_per_node
+        if d.dp == 1:
+            return 0.0, 0.0
+        inner = d.tp * d.cp
+        grad_b = 4.0 if t.precision in ("fp32", "tf32") else 2.0
+        weight_b = grad_b
+        grads = params_local * grad_b
+        dp_group = (d.dp, group_ranks_per_node(d.dp, inner, gpn))
+        if t.zero == 0:
+            sync = self._comm("all_reduce", grads, *dp_group)
+        elif t.zero in (1, 2):
+            sync = self._comm("reduce_scatter", grads, *dp_group) + self._comm("all_gather", params_local * weight_b, *dp_group)
+        else:
+            shard_group = (d.dp_shard, group_ranks_per_node(d.dp_shard, inner, gpn))
+            replicate_group = (d.dp_replicate, group_ranks_per_node(d.dp_replicate, inner * d.dp_shard, gpn))
+            sync = self._comm("reduce_scatter", grads, *shard_group)
+            sync += self._comm("all_reduce", grads / d.dp_shard, *replicate_group)
+        dp_exposed = max(0.0, sync - bwd_s)
+        zero3 = 0.0
+        if t.zero == 3 and d.dp_shard > 1:
+            shard_group = (d.dp_shard, group_ranks_per_node(d.dp_shard, inner, gpn))
+            gathers = 2 * self._comm("all_gather", params_local * weight_b, *shard_group)
+            zero3 = t.num_microbatches * max(0.0, gathers - compute_s)
+        return dp_exposed, zero3
+
+    def _rank_memory(self, mesh: MeshChoice, t: TrainingConfig, counts: np.ndarray, rank_act: np.ndarray,
+                     params_local: float, state) -> MemoryParts:
+        d = mesh.dims
+        pp, v, m = d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum
+        ranks = np.arange(pp)
+        if pp == 1:
+            in_flight = np.ones(1)
+        elif t.schedule == "GPipe":
+            in_flight = np.full(pp, float(m))
+        elif v > 1 and t.schedule != "ZBVZeroBubble":
+            in_flight = np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1 - ranks) + 1) / v
+        else:
+            in_flight = np.minimum(m, pp - ranks).astype(float)
+        activations = float((in_flight * rank_act).max())
+        gathered = 0.0
+        if t.zero == 3 and d.dp_shard > 1:
+            largest = sorted((u.params for u in self.units), reverse=True)[:2]
+            gathered = sum(largest) / d.tp * ACTIVATION_BYTES[t.precision]
+        return MemoryParts(
+            weights=float(state.weights), grads=float(state.grads), optimizer=float(state.optimizer),
+            activations=activations, other=gathered + self.cluster.device.context_bytes,
+        )

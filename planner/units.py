@@ -1,0 +1,110 @@
+"""The model as a sequence of pipeline units: the prologue, each repeated block, the epilogue.
+
+A unit is what a pipeline stage boundary may fall between: the ops before the first block
+(embeddings), one instance of a repeated block, or the ops after the last block (final norm, LM head,
+loss). `model_units` reads them off `OpGraph.segments()`; `layer_sequence` expands repeats into the
+per-layer list that `planner.stages.partition_stages` partitions, with the module FQNs each layer
+contributes to a stage record.
+
+A parameter read by several ops (tied embeddings) is counted once, in the first unit that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracer.ir import OpGraph, OpKind, OpNode
+
+PROLOGUE = "<prologue>"
+EPILOGUE = "<epilogue>"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One pipeline-partitionable piece of the model, as traced (one instance of a block)."""
+
+    id: str
+    """The block id, or PROLOGUE / EPILOGUE for the ops outside blocks."""
+    module_type: str
+    ops: tuple[OpNode, ...]
+    repeat: int
+    """Instances in the full model (1 outside blocks)."""
+    params: int
+    """Parameters of one instance (tied parameters counted once in the model)."""
+    fwd_flops: int
+    """Forward FLOPs of one instance at the traced batch."""
+    bwd_flops: int
+    attention_ops: int
+    """Attention cores in one instance (each is one TP region and one CP exchange)."""
+    has_mlp_down: bool
+    """Whether the instance ends an MLP with a down projection (a second TP region)."""
+    modules: tuple[str, ...]
+    """Module FQNs outside blocks (prologue/epilogue), in execution order."""
+
+    @property
+    def tp_regions(self) -> int:
+        """Megatron TP regions per instance: one all-reduce (or RS+AG pair) each way per region."""
+        return self.attention_ops + int(self.has_mlp_down)
+
+
+def _is_down_projection(op: OpNode) -> bool:
+    if op.kind is not OpKind.MATMUL or not op.params or not op.inputs or not op.outputs:
+        return False
+    k, n = op.inputs[0].shape[-1], op.outputs[0].shape[-1]
+    return k > n
+
+
+def model_units(graph: OpGraph) -> tuple[Unit, ...]:
+    """The graph's segments as units, in execution order."""
+    seen: set[str] = set()
+    units: list[Unit] = []
+    segments = list(graph.segments())
+    for index, seg in enumerate(segments):
+        params = 0
+        for op in seg.ops:
+            for p in op.params:
+                if p.name not in seen:
+                    seen.add(p.name)
+                    params += p.numel
+        if seg.block_id is None:
+            uid = PROLOGUE if index == 0 else EPILOGUE if index == len(segments) - 1 else f"<between-{index}>"
+            module_type = uid
+            modules = tuple(dict.fromkeys(op.module_fqn for op in seg.ops if op.module_fqn))
+        else:
+            uid = seg.block_id
+            module_type = graph.block(seg.block_id).module_type
+            modules = ()
+        units.append(
+            Unit(
+                id=uid, module_type=module_type, ops=seg.ops, repeat=seg.repeat, params=params,
+                fwd_flops=sum(op.fwd_flops for op in seg.ops), bwd_flops=sum(op.bwd_flops for op in seg.ops),
+                attention_ops=sum(op.kind is OpKind.ATTENTION for op in seg.ops),
+                has_mlp_down=any(_is_down_projection(op) for op in seg.ops), modules=modules,
+            )
+        )
+    return tuple(units)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One position of the layer sequence a pipeline partition cuts: a unit instance."""
+
+    unit: int
+    """Index into the units tuple."""
+    modules: tuple[str, ...]
+    """Module FQNs this layer puts on its stage."""
+
+
+def layer_sequence(units: tuple[Unit, ...]) -> tuple[Layer, ...]:
+    layers: list[Layer] = []
+    for index, unit in enumerate(units):
+        if unit.id.startswith("<"):
+            layers.append(Layer(unit=index, modules=unit.modules))
+            continue
+        for instance in range(unit.repeat):
+            layers.append(Layer(unit=index, modules=(f"{unit.id}.{instance}",)))
+    return tuple(layers)
+
+
+def total_params(units: tuple[Unit, ...]) -> int:
+    return sum(u.params * u.repeat for u in units)

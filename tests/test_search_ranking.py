@@ -1,0 +1,60 @@
+"""Ranking by simulation, baselines and MCMC refinement, with a synthetic simulator."""
+
+from __future__ import annotations
+
+from costmodel.strategy import ParallelDims, TrainingConfig
+from planner.estimate import Estimate, MemoryParts
+from planner.search import Candidate, Priced, SearchConfig, search
+from planner.space import MeshChoice
+
+
+def _candidate(tp, dp, mb, estimated_s):
+    mesh = MeshChoice(dims=ParallelDims(dp_replicate=dp, tp=tp), zero=0)
+    train = TrainingConfig(global_batch=dp * 8, seq_len=128, micro_batch=mb, num_microbatches=8 // mb, grad_accum=8 // mb)
+    parts = MemoryParts(weights=0, grads=0, optimizer=0, activations=0, other=0)
+    est = Estimate(step_time_s=estimated_s, memory=parts, compute_s=0, comm_s=0, bubble_s=0, optimizer_s=0)
+    return Candidate(mesh, train, est)
+
+
+def _space():
+    # the estimate prefers tp=8, but the "simulator" says pure data parallelism is fastest
+    cands = [_candidate(tp, 8 // tp, mb, estimated_s=1.0 / tp + 0.01 * mb) for tp in (1, 2, 4, 8) for mb in (1, 2, 4, 8)]
+    return sorted(cands, key=lambda c: (c.estimate.step_time_s, c.key))
+
+
+def _simulate(c, memory_limit=1e9):
+    step = 1.0 + 0.1 * c.mesh.dims.tp - 0.01 * c.train.micro_batch
+    memory = 1e8 * c.train.micro_batch
+    return Priced(candidate=c, step_time_s=step, peak_memory_bytes=memory, result=None, fits=memory <= memory_limit)
+
+
+def test_chosen_plan_is_at_least_as_fast_as_every_baseline():
+    ddp = ("DDP", lambda c: c.mesh.dims.tp == 1)
+    outcome = search(_space(), _simulate, baselines=[ddp], config=SearchConfig(simulate_top=2, simulate_meshes=1))
+    best = outcome.ranked[0]
+    name, baseline = outcome.baselines[0]
+    assert baseline is not None and best.step_time_s <= baseline.step_time_s
+    assert best.candidate.mesh.dims.tp == 1  # the baseline family's simulation revealed the faster plan
+
+
+def test_plans_over_the_memory_limit_in_simulation_are_dropped():
+    outcome = search(_space(), lambda c: _simulate(c, memory_limit=4e8), config=SearchConfig(simulate_top=64))
+    assert outcome.ranked and all(p.peak_memory_bytes <= 4e8 for p in outcome.ranked)
+    assert outcome.rejected_by_simulation
+
+
+def test_refinement_is_reproducible_for_a_seed_and_improves_on_the_estimate():
+    config = SearchConfig(simulate_top=1, simulate_meshes=1, time_budget_s=60, max_refine_steps=40, seed=7)
+    first = search(_space(), _simulate, config=config)
+    second = search(_space(), _simulate, config=config)
+    assert [p.candidate.key for p in first.ranked] == [p.candidate.key for p in second.ranked]
+    assert first.refine_steps == 40
+    unrefined = search(_space(), _simulate, config=SearchConfig(simulate_top=1, simulate_meshes=1))
+    assert first.ranked[0].step_time_s < unrefined.ranked[0].step_time_s
+
+
+def test_ranking_breaks_time_ties_by_strategy_key():
+    flat = [_candidate(1, 8, mb, estimated_s=1.0) for mb in (8, 4, 2, 1)]
+    tie = lambda c: Priced(candidate=c, step_time_s=1.0, peak_memory_bytes=0, result=None, fits=True)  # noqa: E731
+    ranked = search(sorted(flat, key=lambda c: c.key), tie, config=SearchConfig(simulate_top=8)).ranked
+    assert [p.candidate.train.micro_batch for p in ranked] == [1, 2, 4, 8]
