@@ -193,23 +193,29 @@ def search(
     candidates: Sequence[Candidate],
     price: Price,
     *,
-    baselines: Sequence[tuple[str, Callable[[Candidate], bool]]] = (),
+    baselines: Callable[[Candidate], Sequence[Any]] | None = None,
     config: SearchConfig = SearchConfig(),
     estimated: int = 0,
 ) -> SearchOutcome:
-    """Rank `candidates` (sorted by estimate) by full simulation; see the module docstring."""
+    """Rank `candidates` (sorted by estimate) by full simulation; see the module docstring.
+
+    `baselines(best)` names the baseline families (objects with `.name` and `.member(candidate)`)
+    once the best plan is known; their best members are simulated and join the ranking.
+    """
     cache = _PriceCache(price)
     for c in select_for_simulation(candidates, config):
         cache(c)
-    family_best: list[tuple[str, Priced | None]] = []
-    for name, member in baselines:
-        tried = [cache(c) for c in [c for c in candidates if member(c)][: config.baseline_tries]]
-        fitting = sorted((p for p in tried if p.fits), key=lambda p: p.order)
-        family_best.append((name, fitting[0] if fitting else None))
     steps = 0
     fitting_now = [p for p in cache.priced if p.fits]
     if config.time_budget_s and fitting_now:
         steps = refine(fitting_now[0], candidates, cache, config)
+        fitting_now = [p for p in cache.priced if p.fits]
+    family_best: list[tuple[str, Priced | None]] = []
+    if baselines is not None and fitting_now:
+        for family in baselines(fitting_now[0].candidate):
+            members = [c for c in candidates if family.member(c)][: config.baseline_tries]
+            fitting = sorted((p for p in map(cache, members) if p.fits), key=lambda p: p.order)
+            family_best.append((family.name, fitting[0] if fitting else None))
     priced = cache.priced
     ranked = tuple(p for p in priced if p.fits)
     return SearchOutcome(

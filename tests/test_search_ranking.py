@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from costmodel.strategy import ParallelDims, TrainingConfig
 from planner.estimate import Estimate, MemoryParts
 from planner.search import Candidate, Priced, SearchConfig, search
@@ -29,8 +31,8 @@ def _simulate(c, memory_limit=1e9):
 
 
 def test_chosen_plan_is_at_least_as_fast_as_every_baseline():
-    ddp = ("DDP", lambda c: c.mesh.dims.tp == 1)
-    outcome = search(_space(), _simulate, baselines=[ddp], config=SearchConfig(simulate_top=2, simulate_meshes=1))
+    ddp = SimpleNamespace(name="DDP", member=lambda c: c.mesh.dims.tp == 1)
+    outcome = search(_space(), _simulate, baselines=lambda best: [ddp], config=SearchConfig(simulate_top=2, simulate_meshes=1))
     best = outcome.ranked[0]
     name, baseline = outcome.baselines[0]
     assert baseline is not None and best.step_time_s <= baseline.step_time_s
