@@ -1,0 +1,275 @@
+"""`soap calibrate`: measure this machine, fit a device and a cluster profile, validate on held-out points.
+
+Pipeline (`calibrate`):
+1. `measure`: run every kernel sweep (`calibrate_suite.kernel_sweeps`) in this process, with
+   `threads` torch threads (on CPU one rank is one core by default), and every collective sweep
+   (`calibrate_suite.comm_sweeps`) in spawned process groups of 2, 4, ... ranks.
+2. Split each sweep: every third point is held out (`calibrate_fit.held_out`); the rest is the fit set.
+3. `calibrate_device.fit_device` / `calibrate_cluster.fit_cluster` turn the fit set into profile JSON:
+   closed-form estimates refined through the cost model's own functions.
+4. `validate` predicts the held-out points with the fitted profile through `costmodel.opcost.op_time`
+   and `costmodel.collectives.collective_time` and reports the median absolute % error.
+
+Every fitted number's source reads "measured by soap calibrate on <machine>, <date>".
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from costmodel.calibrate_cluster import closed_form_link, cluster_json, refine_link
+from costmodel.calibrate_device import closed_form_device, refine_device
+from costmodel.calibrate_fit import held_out
+from costmodel.calibrate_predict import PointError, predict_comm, predict_kernel
+from costmodel.calibrate_suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
+from costmodel.microbench import KernelSample, TimingConfig, measure_case
+from costmodel.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
+from costmodel.profiles import PROFILES_DIR, ClusterSpec, cluster_from_dict
+from tracer.errors import SoapError
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationConfig:
+    """What to measure."""
+
+    device: str = "cpu"
+    """"cpu" or "cuda"."""
+    nproc: int = 4
+    """Largest collective group: groups of 2, 4, ... up to nproc ranks are measured (1: none)."""
+    quick: bool = False
+    """A reduced sweep (small shapes, 2 ranks, messages up to 1 MiB) for tests: seconds, not minutes."""
+    threads: int = 1
+    """Torch threads per rank on CPU: a local-cpu "device" is `threads` cores."""
+    name: str = "local-cpu"
+    """Profile name for the device and the cluster."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement, with its place in its sweep (which decides fit or held out)."""
+
+    sweep: str
+    index: int
+    sample: KernelSample | CommSample
+
+    @property
+    def is_held_out(self) -> bool:
+        return held_out(self.index)
+
+
+@dataclass(frozen=True)
+class Measurements:
+    machine: str
+    """The CPU model (and GPU name on CUDA)."""
+    date: str
+    threads: int
+    kernels: tuple[Point, ...]
+    comms: tuple[Point, ...]
+    overhead_s: float
+    memory_bytes: int
+    """Device memory (CPU: physical RAM)."""
+    rank_rss_bytes: int
+    """Resident memory of a rank process after torch and the process group are up (context overhead)."""
+
+    @property
+    def source(self) -> str:
+        return f"measured by soap calibrate on {self.machine}, {self.date}"
+
+
+def check_config(config: CalibrationConfig) -> None:
+    if config.device not in ("cpu", "cuda"):
+        raise SoapError(f"--device {config.device!r} is not supported; use cpu or cuda")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise SoapError("--device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu")
+    if config.nproc < 1:
+        raise SoapError(f"--nproc {config.nproc} must be at least 1 (1 measures the device only)")
+    if config.device == "cuda" and config.nproc > torch.cuda.device_count():
+        raise SoapError(f"--nproc {config.nproc} exceeds the {torch.cuda.device_count()} visible GPUs; lower it")
+    if config.threads < 1:
+        raise SoapError(f"threads={config.threads} must be at least 1")
+
+
+def machine_name(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return torch.cuda.get_device_name(0) if device == "cuda" else cpu
+
+
+def planned_points(config: CalibrationConfig) -> int:
+    """How many measurements `measure` makes (for a progress bar)."""
+    kernels = sum(len(s.cases) for s in kernel_sweeps(config.device, quick=config.quick))
+    comms = sum(len(s.cases) for s in comm_sweeps(config.nproc, quick=config.quick))
+    return kernels + comms + 1
+
+
+def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda _: None) -> Measurements:
+    """Run every microbenchmark; `progress(label)` is called after each measurement."""
+    check_config(config)
+    dev = "cuda" if config.device == "cuda" else "cpu"
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    timing = TimingConfig(samples=5, max_case_s=0.5) if config.quick else TimingConfig()
+    try:
+        overhead = measure_case(OVERHEAD_CASE, dev, timing).seconds
+        progress("kernel overhead")
+        kernels = []
+        for sweep in kernel_sweeps(config.device, quick=config.quick):
+            for i, case in enumerate(sweep.cases):
+                kernels.append(Point(sweep.name, i, measure_case(case, dev, timing)))
+                progress(case.label)
+    finally:
+        torch.set_num_threads(old_threads)
+    comm_timing = CommTimingConfig(samples=5, max_case_s=0.3) if config.quick else CommTimingConfig()
+    comms: list[Point] = []
+    rss = 0
+    for group in sorted({c.group_size for s in comm_sweeps(config.nproc, quick=config.quick) for c in s.cases}):
+        sweeps = [s for s in comm_sweeps(config.nproc, quick=config.quick) if s.cases[0].group_size == group]
+        place = {c: (s.name, i) for s in sweeps for i, c in enumerate(s.cases)}
+        for item in run_collectives(list(place), group_size=group, device=config.device, timing=comm_timing,
+                                    threads=config.threads):
+            if isinstance(item, RankMemory):
+                rss = max(rss, item.nbytes)
+                continue
+            name, i = place[item.case]
+            comms.append(Point(name, i, item))
+            progress(item.case.label)
+    return Measurements(
+        machine=machine_name(config.device),
+        date=_dt.date.today().isoformat(),
+        threads=config.threads,
+        kernels=tuple(kernels),
+        comms=tuple(comms),
+        overhead_s=overhead,
+        memory_bytes=_device_memory(config.device),
+        rank_rss_bytes=rss,
+    )
+
+
+def _device_memory(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def validate(meas: Measurements, cluster: ClusterSpec) -> tuple[list[PointError], list[PointError]]:
+    """Held-out kernel and collective points against the profile's predictions."""
+    kernels = [
+        PointError(p.sample.case.family, p.sample.case.label, p.sample.seconds, predict_kernel(p.sample.case, cluster.device))
+        for p in meas.kernels if p.is_held_out
+    ]
+    comms = [
+        PointError(p.sample.case.kind, p.sample.case.label, p.sample.seconds, predict_comm(p.sample.case, cluster))
+        for p in meas.comms if p.is_held_out
+    ]
+    return kernels, comms
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write `data` to `path` through a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_inline(cluster_json: dict) -> ClusterSpec:
+    """Validate a fitted cluster (device inline) with the profile loader."""
+    return cluster_from_dict(cluster_json)
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    measurements: Measurements
+    device_json: dict
+    cluster_json: dict | None
+    """None when no collective was measured (nproc 1)."""
+    kernel_errors: tuple[PointError, ...]
+    comm_errors: tuple[PointError, ...]
+
+
+def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
+    """Fit the profiles on the fit set and validate them on the held-out set."""
+    fit_kernels = [p.sample for p in meas.kernels if not p.is_held_out]
+    fit_comms = [p.sample for p in meas.comms if not p.is_held_out]
+    threads = f"{meas.threads} torch thread{'s' if meas.threads > 1 else ''} per rank"
+    device_json = closed_form_device(
+        fit_kernels,
+        name=config.name,
+        description=f"{meas.machine} ({threads}), calibrated {meas.date}" if config.device == "cpu"
+        else f"{meas.machine}, calibrated {meas.date}",
+        source=meas.source,
+        overhead_s=meas.overhead_s,
+        memory_bytes=meas.memory_bytes,
+        context_bytes=meas.rank_rss_bytes,
+    )
+    device_json = refine_device(device_json, fit_kernels)
+    cluster: dict | None = None
+    if fit_comms:
+        group = max(p.sample.case.group_size for p in meas.comms)
+        backend = "NCCL" if config.device == "cuda" else "gloo over 127.0.0.1"
+        cluster = cluster_json(
+            name=config.name,
+            description=f"this machine: up to {group} ranks, collectives on {backend}, calibrated {meas.date}",
+            device_json=device_json,
+            gpus_per_node=group,
+            link=closed_form_link(fit_comms, meas.source),
+        )
+        cluster = refine_link(cluster, fit_comms)
+    spec = load_inline(cluster) if cluster else load_inline(cluster_json(
+        name=config.name, description="device only", device_json=device_json, gpus_per_node=1,
+        link=_placeholder_link()))
+    kernel_errors, comm_errors = validate(meas, spec)
+    return CalibrationResult(meas, device_json, cluster, tuple(kernel_errors), tuple(comm_errors))
+
+
+def _placeholder_link() -> dict:
+    return {"bandwidth_gbps": {"value": 1, "source": "unused"}, "latency_us": {"value": 0, "source": "unused"},
+            "efficiency": {"points": [[1, 1]], "source": "unused"}, "sharp": False}
+
+
+def calibrate(config: CalibrationConfig, progress: Callable[[str], None] = lambda _: None) -> CalibrationResult:
+    return fit(measure(config, progress), config)
+
+
+def default_paths(name: str) -> tuple[Path, Path]:
+    """Where `soap calibrate` writes by default: profiles/devices/NAME.json and profiles/clusters/NAME.json."""
+    return PROFILES_DIR / "devices" / f"{name}.json", PROFILES_DIR / "clusters" / f"{name}.json"
+
+
+def write_profiles(result: CalibrationResult, output: Path | None) -> list[Path]:
+    """Write the fitted profiles atomically and return the paths written.
+
+    Without `output`: the device and cluster files under profiles/ (cluster's device by name). With
+    `output`: one self-contained file, the cluster with its device inline (device only for nproc 1).
+    """
+    name = result.device_json["name"]
+    if output is not None:
+        write_json_atomic(output, result.cluster_json or result.device_json)
+        return [output]
+    device_path, cluster_path = default_paths(name)
+    write_json_atomic(device_path, result.device_json)
+    if result.cluster_json is None:
+        return [device_path]
+    write_json_atomic(cluster_path, {**result.cluster_json, "device": name})
+    return [device_path, cluster_path]
