@@ -1,12 +1,54 @@
-"""Collective cost over the cluster topology. INTERFACE STUB (see profiles.py)."""
+"""Collective cost over the cluster topology: ring, tree, hierarchical and in-network (SHARP).
+
+Notation: n ranks in the group, g of them per node (`CommGroup.ranks_per_node`), N = ceil(n / g) nodes,
+S = `nbytes` in nccl-tests' convention (the full buffer per rank: the all-reduce tensor, the gathered
+all-gather output, the reduce-scatter input, the message of a send/recv or broadcast).
+
+Every phase is an alpha-beta term (`phase_time`, with `achieved` = bw * e(S)):
+
+    t = factor(kind, n) * S / (bw * e(S)) + steps * alpha
+
+with nccl-tests' bus-bandwidth factors (`bus_factor`): 2(n-1)/n for all-reduce; (n-1)/n for
+reduce-scatter, all-gather and all-to-all; 1 for broadcast and send/recv. e(S) is the link level's
+efficiency curve at the message size, alpha its per-step latency.
+
+Which link (`flat_path`): a group inside one node (N == 1) uses the intra-node level. A group spanning
+nodes is bounded by the inter-node NICs: the node's g ranks share g per-GPU shares of the node's NICs
+(the profile's inter-node bandwidth is per GPU; the node's other GPUs are busy with their own groups),
+so a flat ring across nodes runs at bw*e = min(intra_bw * e_intra(S), g * inter_bw * e_inter(S)) with
+alpha = max(alpha_intra, alpha_inter) (each synchronous ring step waits for its slowest hop).
+
+Algorithms (`collective_cost` prices every applicable one and keeps the fastest):
+- ring (`ring_time`): steps 2(n-1) for all-reduce, n-1 for the others except send/recv (1 step).
+- tree (`tree_time`, all-reduce and broadcast): NCCL's double binary tree, bandwidth factor 2 for
+  all-reduce (reduce up, broadcast down) and 1 for broadcast, 2*ceil(log2 n) (all-reduce) or
+  ceil(log2 n) (broadcast) latency steps.
+- hierarchical (`hierarchical_time`, N > 1 and g > 1): all-reduce = intra-node reduce-scatter(S) ->
+  inter-node all-reduce(S/g) among the N ranks holding the same shard -> intra-node all-gather(S);
+  reduce-scatter = intra RS(S) -> inter RS(S/g); all-gather = inter AG(S/g) -> intra AG(S). Each
+  inter-node phase runs g concurrent groups of N ranks (one rank per node), each on its own per-GPU
+  NIC share.
+- SHARP (`sharp_time`, all-reduce inside a node whose intra link has `sharp`, e.g. NVLS; or the
+  inter-node phase of the hierarchical algorithm when the inter link has it): the reduction happens in
+  the switch, so the bus factor 2(n-1)/n becomes the link's `sharp_all_reduce_factor` (~1, from a
+  measurement where the profile has one) and the latency is two steps (up to the switch and back).
+- all-to-all across nodes (`all_to_all_time`): each rank sends (g-1)/n of S inside its node and (n-g)/n
+  across nodes at the same time: t = max(intra part, inter part) + (n-1) * alpha, the inter part at
+  the rank's own NIC share (bounded by the flat path).
+
+A group of size 1 or zero bytes costs 0.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from costmodel.profiles import ClusterSpec
+from costmodel.profiles import ClusterSpec, LinkLevel
+from tracer.errors import SoapError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+ALGORITHMS = ("ring", "tree", "hierarchical", "sharp")
 
 
 @dataclass(frozen=True)
@@ -16,9 +58,150 @@ class CommGroup:
     ranks_per_node: int
     """How many of them share a node (== size for an intra-node group)."""
 
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.size / self.ranks_per_node)
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """The fastest algorithm's time for one collective, with the alternatives it beat."""
+
+    seconds: float
+    algorithm: str
+    alternatives: tuple[tuple[str, float], ...] = ()
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' busbw / algbw factor."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def ring_steps(kind: str, n: int) -> int:
+    if kind == "all_reduce":
+        return 2 * (n - 1)
+    if kind == "send_recv":
+        return 1
+    return n - 1
+
+
+def phase_time(factor: float, nbytes: float, bandwidth: float, latency_s: float, steps: float) -> float:
+    """factor * S / bandwidth + steps * alpha, with `bandwidth` already scaled by the efficiency at S."""
+    return factor * nbytes / bandwidth + steps * latency_s
+
+
+def achieved(link: LinkLevel, nbytes: float, share: float = 1.0) -> float:
+    """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message."""
+    return share * link.bandwidth * link.efficiency.at(nbytes)
+
+
+def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> tuple[float, float]:
+    """(achieved bandwidth, per-step latency) of a flat algorithm over `group`."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+    if group.nodes == 1:
+        return achieved(intra, nbytes), intra.latency_s
+    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node))
+    return bandwidth, max(intra.latency_s, inter.latency_s)
+
+
+def ring_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float:
+    bandwidth, alpha = flat_path(nbytes, group, cluster)
+    return phase_time(bus_factor(kind, group.size), nbytes, bandwidth, alpha, ring_steps(kind, group.size))
+
+
+def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float | None:
+    if kind not in ("all_reduce", "broadcast"):
+        return None
+    bandwidth, alpha = flat_path(nbytes, group, cluster)
+    depth = math.ceil(math.log2(group.size))
+    if kind == "all_reduce":
+        return phase_time(2.0, nbytes, bandwidth, alpha, 2 * depth)
+    return phase_time(1.0, nbytes, bandwidth, alpha, depth)
+
+
+def sharp_time(nbytes: float, link: LinkLevel) -> float:
+    """All-reduce reduced in the switch of `link`: bus factor `sharp_all_reduce_factor`, two steps."""
+    return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes), link.latency_s, 2)
+
+
+def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel) -> float:
+    return phase_time(bus_factor(kind, n), nbytes, achieved(link, nbytes), link.latency_s, ring_steps(kind, n))
+
+
+def _inter(kind: str, nbytes: float, nodes: int, cluster: ClusterSpec) -> float:
+    link = cluster.inter_node
+    ring = _level_ring(kind, nbytes, nodes, link)
+    if kind == "all_reduce" and link.sharp:
+        return min(ring, sharp_time(nbytes, link))
+    return ring
+
+
+def hierarchical_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float | None:
+    g, nodes = group.ranks_per_node, group.nodes
+    if nodes == 1 or g == 1 or kind not in ("all_reduce", "reduce_scatter", "all_gather"):
+        return None
+    shard = nbytes / g
+    intra = cluster.intra_node
+    if kind == "all_reduce":
+        return (
+            _level_ring("reduce_scatter", nbytes, g, intra)
+            + _inter("all_reduce", shard, nodes, cluster)
+            + _level_ring("all_gather", nbytes, g, intra)
+        )
+    if kind == "reduce_scatter":
+        return _level_ring("reduce_scatter", nbytes, g, intra) + _inter("reduce_scatter", shard, nodes, cluster)
+    return _inter("all_gather", shard, nodes, cluster) + _level_ring("all_gather", nbytes, g, intra)
+
+
+def all_to_all_time(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float:
+    n, g = group.size, group.ranks_per_node
+    if group.nodes == 1:
+        return ring_time("all_to_all", nbytes, group, cluster)
+    remote_bw, alpha = flat_path(nbytes, group, cluster)
+    local = (g - 1) / n * nbytes / achieved(cluster.intra_node, nbytes)
+    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes))
+    return max(local, remote) + (n - 1) * alpha
+
+
+def _check(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> None:
+    if kind not in COLLECTIVES:
+        raise SoapError(f"unknown collective {kind!r}; choose one of {', '.join(COLLECTIVES)}")
+    if nbytes < 0 or not math.isfinite(nbytes):
+        raise SoapError(f"collective size must be a non-negative number of bytes, got {nbytes}")
+    if group.size < 1 or group.ranks_per_node < 1:
+        raise SoapError(f"group size ({group.size}) and ranks per node ({group.ranks_per_node}) must be positive")
+    if group.ranks_per_node > min(group.size, cluster.gpus_per_node):
+        raise SoapError(
+            f"{group.ranks_per_node} ranks per node exceeds the group size ({group.size}) or the "
+            f"{cluster.gpus_per_node} GPUs per node of {cluster.name}"
+        )
+
+
+def collective_cost(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> CollectiveCost:
+    """Price every applicable algorithm and keep the fastest (see the module docstring)."""
+    _check(kind, nbytes, group, cluster)
+    if group.size == 1 or nbytes == 0:
+        return CollectiveCost(0.0, "none")
+    if kind == "all_to_all":
+        return CollectiveCost(all_to_all_time(nbytes, group, cluster), "direct")
+    options: dict[str, float | None] = {
+        "ring": ring_time(kind, nbytes, group, cluster),
+        "tree": tree_time(kind, nbytes, group, cluster),
+        "hierarchical": hierarchical_time(kind, nbytes, group, cluster),
+    }
+    if kind == "all_reduce" and group.nodes == 1 and cluster.intra_node.sharp:
+        options["sharp"] = sharp_time(nbytes, cluster.intra_node)
+    priced = tuple((name, t) for name, t in options.items() if t is not None)
+    best = min(priced, key=lambda item: item[1])
+    return CollectiveCost(best[1], best[0], priced)
+
 
 def collective_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float:
     """Seconds for one collective. `nbytes` follows nccl-tests' "size": the full buffer per rank
     (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the input;
     send_recv: the message)."""
-    raise NotImplementedError
+    return collective_cost(kind, nbytes, group, cluster).seconds

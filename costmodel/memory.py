@@ -1,11 +1,68 @@
-"""Memory: model state, activations, buffers and overhead per rank. INTERFACE STUB (see profiles.py)."""
+"""Memory per rank: model state, activations, communication buffers and context overhead.
+
+Model state (`model_state_bytes`), per parameter element (shared/reference/techniques.md):
+
+| precision       | weights                         | gradients | adamw        | adamw8bit | sgd | adafactor |
+|-----------------|---------------------------------|-----------|--------------|-----------|-----|-----------|
+| fp32, tf32      | 4                               | 4         | 8            | 2         | 4   | factored  |
+| fp16, bf16      | 6 (fp32 master + 16-bit copy)   | 4 (fp32)  | 8            | 2         | 4   | factored  |
+| fp8 (MS-AMP O2) | 3 (fp16 master + fp8 copy)      | 1 (fp8)   | 3 (fp8 m, fp16 v) | 2    | 4   | factored  |
+
+- adamw: two fp32 moments. adamw8bit: bitsandbytes' two 8-bit moments (its per-block absmax scales,
+  8 bytes per 2048 elements, are ignored). sgd: one fp32 momentum buffer.
+- adafactor (`adafactor_bytes`): fp32 second-moment statistics, factored for a tensor of 2+ dims into
+  a row vector (all dims but the last) and a column vector (all dims but the second to last), 4 bytes
+  each: 4 * (prod(shape[:-1]) + prod(shape[:-2]) * shape[-1]); a 1-D tensor keeps a full fp32 vector
+  (4 bytes per element). No first moment (transformers' default beta1=None). Exact when the shapes are
+  given; without them every parameter is assumed to sit in square matrices of side
+  `ADAFACTOR_ASSUMED_SIDE` (8 / side bytes per element), an approximation.
+- fp8 follows MS-AMP's O2 level (FP8-LM): fp16 master weights with an fp8 compute copy, fp8 weight
+  gradients, Adam's first moment in fp8 and second in fp16. O2 changes Adam only, so sgd and adafactor
+  keep their fp32 state; adamw8bit is already 8-bit.
+- Optimizer-step scalars (torch keeps one `step` value per parameter tensor) are not counted.
+- Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit, 1 in fp8.
+
+ZeRO over the `dp_shard` ranks: stage 1 shards the optimizer state, 2 also the gradients, 3 also the
+weights (both the master and the low-precision copy): each sharded term is ceil(bytes / dp_shard).
+`offload_optimizer` moves the (sharded) optimizer state to host memory: it is reported as `offloaded`
+and not counted on the device.
+
+Activations: `costmodel.memory_activations.activation_bytes` (re-exported here).
+
+Buffers (`buffer_bytes`): with data parallelism and ZeRO < 3, two 25 MB gradient buckets (DDP's default
+bucket_cap_mb, one being reduced while the next fills); with ZeRO-3 over dp_shard > 1, FSDP's
+all-gather of the largest unit's parameters at compute width (the current unit and the prefetched
+next one, 2x) plus that unit's fp32 gradients before their reduce-scatter. A unit is one block instance,
+or the non-block parameters together (the root FSDP unit).
+
+Whole stage (`estimate_memory`): the sum of the above for one rank holding `ops` (default: the whole
+graph), with activations multiplied by the micro-batches in flight (a pipeline stage's 1F1B warm-up),
+plus the device profile's context overhead.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tracer.ir import OpNode
+from costmodel.memory_activations import activation_bytes as _activation_bytes
+from costmodel.opcost import activation_itemsize
+from costmodel.profiles import DeviceProfile
+from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
+from tracer.errors import SoapError
+from tracer.ir import OpGraph, OpKind, OpNode
+
+WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 6, "bf16": 6, "fp8": 3}
+FROZEN_WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+GRAD_BYTES = {"fp32": 4, "tf32": 4, "fp16": 4, "bf16": 4, "fp8": 1}
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
+FP8_ADAM_BYTES = 3
+"""MS-AMP O2: 1-byte first moment + 2-byte second moment."""
+ADAFACTOR_ASSUMED_SIDE = 1024
+DDP_BUCKET_BYTES = 25 * 2**20
+DDP_BUCKETS = 2
+TENSOR_PARALLEL_KINDS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING})
 
 
 @dataclass(frozen=True)
@@ -25,17 +82,77 @@ class MemoryEstimate:
     activations: int
     buffers: int
     overhead: int
+    offloaded: int = 0
+    """Host bytes (offloaded optimizer state); not part of `total`."""
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
 
 
+def adafactor_bytes(shape: Sequence[int]) -> int:
+    """Adafactor's fp32 statistics for one tensor (see the module docstring)."""
+    if len(shape) < 2:
+        return 4 * math.prod(shape)
+    rows = math.prod(shape[:-1])
+    cols = math.prod(shape[:-2]) * shape[-1]
+    return 4 * (rows + cols)
+
+
+def optimizer_state_bytes(
+    params: int, *, precision: str, optimizer: str, param_shapes: Iterable[Sequence[int]] | None = None
+) -> int:
+    """Unsharded optimizer state for `params` trainable elements (shapes needed for exact adafactor)."""
+    if optimizer == "adafactor":
+        if param_shapes is not None:
+            return sum(adafactor_bytes(s) for s in param_shapes)
+        return math.ceil(params * 8 / ADAFACTOR_ASSUMED_SIDE)
+    if optimizer == "adamw" and precision == "fp8":
+        return params * FP8_ADAM_BYTES
+    return params * OPTIMIZER_BYTES[optimizer]
+
+
+def _check_state_args(precision: str, optimizer: str, zero: int, dp_shard: int) -> None:
+    if precision not in PRECISIONS:
+        raise SoapError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise SoapError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if zero not in (0, 1, 2, 3):
+        raise SoapError(f"zero={zero} must be 0, 1, 2 or 3")
+    if dp_shard < 1:
+        raise SoapError(f"dp_shard={dp_shard} must be a positive integer")
+
+
 def model_state_bytes(
-    params: int, *, precision: str, optimizer: str, zero: int, dp_shard: int, offload_optimizer: bool
+    params: int,
+    *,
+    precision: str,
+    optimizer: str,
+    zero: int,
+    dp_shard: int,
+    offload_optimizer: bool,
+    param_shapes: Iterable[Sequence[int]] | None = None,
+    frozen: int = 0,
 ) -> StateBytes:
-    """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding."""
-    raise NotImplementedError
+    """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding.
+
+    `params` counts trainable elements (their shapes in `param_shapes`, for adafactor); `frozen`
+    elements add weights only."""
+    _check_state_args(precision, optimizer, zero, dp_shard)
+    weights = params * WEIGHT_BYTES[precision] + frozen * FROZEN_WEIGHT_BYTES[precision]
+    grads = params * GRAD_BYTES[precision]
+    state = optimizer_state_bytes(params, precision=precision, optimizer=optimizer, param_shapes=param_shapes)
+
+    def shard(nbytes: int, stage: int) -> int:
+        return math.ceil(nbytes / dp_shard) if zero >= stage else nbytes
+
+    optimizer_local = shard(state, 1)
+    return StateBytes(
+        weights=shard(weights, 3),
+        grads=shard(grads, 2),
+        optimizer=0 if offload_optimizer else optimizer_local,
+        offloaded=optimizer_local if offload_optimizer else 0,
+    )
 
 
 def activation_bytes(
@@ -46,7 +163,131 @@ def activation_bytes(
     recompute: str,
     attention: str,
     split: Mapping[str, int] | None = None,
+    precision: str | None = None,
+    block_counts: Mapping[str, int] | None = None,
+    recompute_per_block: Mapping[str, str] | None = None,
 ) -> int:
     """Bytes saved for backward by `ops` for one micro-batch, under a recompute policy and attention
-    implementation, at local shapes (`split` as in opcost.op_time)."""
-    raise NotImplementedError
+    implementation, at local shapes (`split` as in opcost.op_time). See costmodel.memory_activations."""
+    return _activation_bytes(
+        ops,
+        micro_batch=micro_batch,
+        batch_traced=batch_traced,
+        recompute=recompute,
+        attention=attention,
+        split=split,
+        precision=precision,
+        block_counts=block_counts,
+        recompute_per_block=recompute_per_block,
+    )
+
+
+@dataclass(frozen=True)
+class ParamSet:
+    """The distinct parameters a rank holds for a set of ops, at local (tensor-parallel) size."""
+
+    trainable: int
+    frozen: int
+    shapes: tuple[tuple[int, ...], ...]
+    """Local shapes of the trainable tensors, one entry per instance (for adafactor)."""
+    largest_unit: int
+    """Elements of the largest FSDP unit: one block instance, or all non-block parameters."""
+
+
+def stage_params(
+    ops: Iterable[OpNode], *, block_counts: Mapping[str, int], tensor_parallel: int = 1
+) -> ParamSet:
+    """Distinct parameters (by name) of `ops`, each block's times its instance count. Parameters read by
+    matmuls and embeddings are sharded `tensor_parallel` ways (their first dimension); others replicate."""
+    seen: set[str] = set()
+    trainable = frozen = 0
+    shapes: list[tuple[int, ...]] = []
+    units: dict[str | None, int] = {}
+    for op in ops:
+        degree = tensor_parallel if op.kind in TENSOR_PARALLEL_KINDS else 1
+        count = 1 if op.block_id is None else block_counts.get(op.block_id, 1)
+        for p in op.params:
+            if p.name in seen:
+                continue
+            seen.add(p.name)
+            local = math.ceil(p.numel / degree)
+            units[op.block_id] = units.get(op.block_id, 0) + local
+            if p.trainable:
+                trainable += local * count
+                shape = (math.ceil(p.shape[0] / degree), *p.shape[1:]) if p.shape else ()
+                shapes.extend([shape] * count)
+            else:
+                frozen += local * count
+    return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0))
+
+
+def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int) -> int:
+    """Communication buffers (see the module docstring)."""
+    if zero == 3 and dp_shard > 1:
+        return params.largest_unit * (2 * activation_itemsize(precision) + 4)
+    if dp > 1:
+        return DDP_BUCKETS * DDP_BUCKET_BYTES
+    return 0
+
+
+def estimate_memory(
+    graph: OpGraph,
+    *,
+    device: DeviceProfile,
+    train: TrainingConfig,
+    dp: int = 1,
+    dp_shard: int = 1,
+    tp: int = 1,
+    ops: Sequence[OpNode] | None = None,
+    block_counts: Mapping[str, int] | None = None,
+    split: Mapping[str, int] | None = None,
+    in_flight_microbatches: int = 1,
+) -> MemoryEstimate:
+    """Peak memory of one rank that runs `ops` (default: all of `graph`) under `train`.
+
+    - `dp`, `dp_shard`, `tp`: the data-parallel degree, the ZeRO/FSDP shard degree (train.zero says
+      what is sharded) and the tensor-parallel degree that shards matmul/embedding weights.
+    - `block_counts`: block instances on this rank (default: the graph's counts; a pipeline stage
+      passes its share).
+    - `split`: role degrees for local activation shapes (default {"parameter": tp}).
+    - `in_flight_microbatches`: micro-batches whose activations are live at once (1 without pipeline;
+      a 1F1B stage s of p holds p - s).
+    """
+    if train.seq_len != graph.seq_len:
+        raise SoapError(
+            f"the graph was traced at sequence length {graph.seq_len} but training uses {train.seq_len}; "
+            "trace at the training sequence length"
+        )
+    ops = graph.ops if ops is None else ops
+    counts = {b.id: b.count for b in graph.blocks} if block_counts is None else dict(block_counts)
+    params = stage_params(ops, block_counts=counts, tensor_parallel=tp)
+    state = model_state_bytes(
+        params.trainable,
+        precision=train.precision,
+        optimizer=train.optimizer,
+        zero=train.zero,
+        dp_shard=dp_shard,
+        offload_optimizer=train.offload_optimizer,
+        param_shapes=params.shapes,
+        frozen=params.frozen,
+    )
+    activations = in_flight_microbatches * activation_bytes(
+        ops,
+        micro_batch=train.micro_batch,
+        batch_traced=graph.batch,
+        recompute=train.recompute,
+        attention=train.attention,
+        split={"parameter": tp} if split is None else split,
+        precision=train.precision,
+        block_counts=counts,
+        recompute_per_block=dict(train.recompute_per_block),
+    )
+    return MemoryEstimate(
+        weights=state.weights,
+        grads=state.grads,
+        optimizer=state.optimizer,
+        activations=activations,
+        buffers=buffer_bytes(params=params, precision=train.precision, zero=train.zero, dp=dp, dp_shard=dp_shard),
+        overhead=device.context_bytes,
+        offloaded=state.offloaded,
+    )

@@ -1,4 +1,32 @@
-"""Op cost: the time of one OpGraph op on its local shard. INTERFACE STUB (see profiles.py)."""
+"""Op cost: the time of one OpGraph op on its local shard, forward and backward.
+
+Model (a roofline per kernel, with the device profile's efficiency curves):
+
+    t_kernel(F, B) = max( F / (P[prec] * e_mm(F)),  B / (W * e_mem(B)) ) + t_launch
+
+- F: the kernel's FLOPs on the local shard; B: the bytes it reads and writes.
+- P[prec]: peak FLOP/s at the op's precision (`compute_peak`): matmuls and the attention core use the
+  run's precision (fp32, tf32, fp16, bf16, or fp8 for matmuls only; fp8 on a device without it is a
+  SoapError); other ops run on the fp32 (non-tensor-core) rate. e_mm: `matmul_efficiency` at F for
+  matmuls and attention, 1 for the rest (their FLOPs are never the bound in practice).
+- W: memory bandwidth; e_mem: `memory_efficiency` at B. t_launch: `kernel_overhead_s`.
+- Forward (`forward_time`): one kernel with the op's `fwd_flops` and `bytes_moved`.
+- Backward (`backward_time`): `bwd_flops` and twice the forward bytes (gradients are read and written
+  besides the saved inputs). A matmul's backward is two kernels (input and weight gradient), each with
+  half the FLOPs and half the bytes; every other op's is one kernel. An op without backward FLOPs,
+  saved tensors or parameters (a view, an index computation) has no backward kernel.
+- Views with no FLOPs and no bytes cost nothing (no kernel).
+
+Local shapes (`local_scale`): the graph was traced at `batch_traced` samples. A tensor's bytes scale by
+micro_batch / batch_traced if it has a SAMPLE dimension, and by 1/d for each role r in `split` with
+degree d that one of its dimensions carries (once per role, not per dimension: a [b, h, s, s] score
+tensor under context parallelism shrinks by cp, not cp^2). An op's FLOPs scale by the same factors over
+the roles present in any of its tensors (the op's iteration space is partitioned d ways along that role).
+Parameters shrink only by the "parameter" degree (tensor parallelism shards weights).
+
+Byte width: under fp16/bf16/fp8 floating-point activations are 16-bit (autocast), so the traced bytes of
+floating tensors are rescaled to 2 bytes per element (`activation_itemsize`); fp32/tf32 keep 4.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from costmodel.profiles import DeviceProfile
-from tracer.ir import OpNode
+from tracer.errors import SoapError
+from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta
+
+MATMUL_LIKE = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -16,6 +49,110 @@ class OpCost:
     fwd_flops: float
     bwd_flops: float
     bytes_moved: float
+    """Local forward bytes."""
+    fwd_bound: str = "none"
+    """What limits the forward kernel: `compute`, `memory` or `none` (no kernel)."""
+
+
+def activation_itemsize(precision: str) -> int:
+    """Bytes per floating-point activation element at `precision` (autocast keeps 16-bit activations)."""
+    if precision not in PRECISIONS:
+        raise SoapError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    return 4 if precision in ("fp32", "tf32") else 2
+
+
+def local_scale(t: TensorMeta, *, sample_scale: float, split: Mapping[str, int]) -> float:
+    """Factor from the traced tensor's size to its local size on one rank (see the module docstring)."""
+    factor = 1.0
+    present = set(t.roles)
+    if DimRole.SAMPLE in present:
+        factor *= sample_scale
+    for role, degree in split.items():
+        if DimRole(role) in present:
+            factor /= degree
+    return factor
+
+
+def _check_split(split: Mapping[str, int] | None) -> dict[str, int]:
+    split = dict(split or {})
+    for role, degree in split.items():
+        if role not in ("sample", "attribute", "parameter"):
+            raise SoapError(f"unknown split role {role!r}; use sample, attribute or parameter")
+        if not isinstance(degree, int) or degree < 1:
+            raise SoapError(f"split degree for {role} must be a positive integer, got {degree!r}")
+    return split
+
+
+def _element_bytes(dtype: str, float_width: int) -> int:
+    """Floating-point tensors take the precision's activation width; others keep their dtype's size."""
+    return float_width if dtype in FLOAT_DTYPES else DTYPE_BYTES.get(dtype, 4)
+
+
+def local_work(
+    op: OpNode, *, precision: str, micro_batch: int, batch_traced: int, split: Mapping[str, int] | None = None
+) -> tuple[float, float, float]:
+    """(forward FLOPs, backward FLOPs, forward bytes) of `op` on one rank's shard."""
+    if micro_batch < 1 or batch_traced < 1:
+        raise SoapError(f"micro_batch ({micro_batch}) and batch_traced ({batch_traced}) must be positive")
+    split = _check_split(split)
+    sample_scale = micro_batch / batch_traced
+    tensors = (*op.inputs, *op.outputs)
+    roles = {r for t in tensors for r in t.roles}
+    flop_scale = sample_scale if DimRole.SAMPLE in roles else 1.0
+    for role, degree in split.items():
+        if DimRole(role) in roles:
+            flop_scale /= degree
+    width = activation_itemsize(precision)
+    traced = sum(t.nbytes for t in tensors) + sum(p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in op.params)
+    local = sum(
+        t.numel * _element_bytes(t.dtype, width) * local_scale(t, sample_scale=sample_scale, split=split)
+        for t in tensors
+    )
+    local += sum(p.numel * _element_bytes(p.dtype, width) / split.get("parameter", 1) for p in op.params)
+    # op.bytes_moved is the tracer's forward byte count; rescale it by how the tensors it counts shrink.
+    byte_scale = local / traced if traced else 0.0
+    return op.fwd_flops * flop_scale, op.bwd_flops * flop_scale, op.bytes_moved * byte_scale
+
+
+def compute_peak(op: OpNode, device: DeviceProfile, precision: str) -> float:
+    """Peak FLOP/s that bounds `op`: the precision's tensor-core rate for matmuls and attention (fp8 for
+    matmuls only; attention runs at bf16 under fp8), the fp32 rate for everything else."""
+    if precision not in PRECISIONS:
+        raise SoapError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp8" and not device.supports_fp8:
+        raise SoapError(f"device {device.name} has no fp8 tensor cores; use bf16 (fp8 needs Ada or Hopper)")
+    if op.kind not in MATMUL_LIKE:
+        return device.effective_peak("fp32")
+    if precision == "fp8" and op.kind is OpKind.ATTENTION:
+        precision = "bf16"
+    return device.effective_peak(precision)
+
+
+def kernel_time(flops: float, nbytes: float, *, peak: float, matmul: bool, device: DeviceProfile) -> tuple[float, str]:
+    """Roofline time of one kernel plus launch overhead, and its bound."""
+    if flops <= 0 and nbytes <= 0:
+        return 0.0, "none"
+    compute = flops / (peak * device.matmul_efficiency.at(flops)) if matmul and flops > 0 else flops / peak
+    memory = nbytes / (device.memory_bandwidth * device.memory_efficiency.at(nbytes)) if nbytes > 0 else 0.0
+    return max(compute, memory) + device.kernel_overhead_s, "compute" if compute >= memory else "memory"
+
+
+def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfile, precision: str) -> tuple[float, str]:
+    peak = compute_peak(op, device, precision)
+    return kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device)
+
+
+def has_backward(op: OpNode) -> bool:
+    return op.bwd_flops > 0 or bool(op.saved) or bool(op.params)
+
+
+def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceProfile, precision: str) -> float:
+    if not has_backward(op):
+        return 0.0
+    peak = compute_peak(op, device, precision)
+    kernels = 2 if op.kind is OpKind.MATMUL else 1
+    t, _ = kernel_time(flops / kernels, 2 * fwd_bytes / kernels, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device)
+    return kernels * t
 
 
 def op_time(
@@ -29,7 +166,13 @@ def op_time(
 ) -> OpCost:
     """Time of `op` for a micro-batch of `micro_batch` samples (the graph was traced at `batch_traced`).
 
-    `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); every
-    dimension of the op's tensors with that role is divided by the degree, so the local work shrinks.
+    `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); each tensor
+    of the op that has a dimension with that role is divided by the degree (once per role), so the
+    local work shrinks (see the module docstring).
     """
-    raise NotImplementedError
+    fwd_flops, bwd_flops, nbytes = local_work(
+        op, precision=precision, micro_batch=micro_batch, batch_traced=batch_traced, split=split
+    )
+    fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision)
+    bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision)
+    return OpCost(fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd_flops, bwd_flops=bwd_flops, bytes_moved=nbytes, fwd_bound=bound)

@@ -1,0 +1,152 @@
+"""Activation memory: the tensors saved for backward by one micro-batch, under a recompute policy.
+
+Inputs are the traced graph's ops with their `saved` tensors (each saved tensor is expected once in the
+graph, attributed to the op that saves it). Sizes are at local shapes: every saved tensor is scaled by
+`opcost.local_scale` (micro_batch / batch_traced on its sample dimension, 1/d per split role it
+carries), and under fp16/bf16/fp8 floating-point tensors take 2 bytes per element (`precision`; None
+keeps the traced dtypes).
+
+Attention implementation (`attention_saved`), for ops of kind ATTENTION (the fused SDPA core):
+- sdpa: what the traced SDPA op saves (q, k, v, out, logsumexp, and RNG state under dropout); if the
+  graph recorded nothing, q, k, v, out and an fp32 logsumexp of [b, h, s_q].
+- eager: the unfused math, q, k, v and the softmax probabilities [b, h, s_q, s_k] (one s x s matrix per
+  head); with attention dropout (`attrs["dropout"] > 0`) also the 1-byte dropout mask and the dropped
+  probabilities the second matmul saves.
+
+Recompute policies (`block_saved`), applied to ops inside repeated blocks (ops outside blocks, the
+embeddings, final norm, LM head and loss, are never checkpointed):
+- none: every op keeps its saved tensors.
+- selective: keep what matmuls, embeddings and losses save (their inputs) and the attention core's
+  q, k, v inputs; drop what the attention core itself, softmax, norms, element-wise, reduction and copy
+  ops save: backward recomputes those memory-bound ops (and the attention core) from the kept tensors.
+- full: each block instance keeps only its input (the first input of its first op that has a sample
+  dimension); backward recomputes one block at a time, so one block's "none" set is live at once.
+
+Peak (`activation_bytes`): with none/selective, the end of the forward pass, when everything is live:
+prologue + sum over blocks (instances x kept) + epilogue. With full, the same at the end of forward with
+block inputs only, or later, once the epilogue's backward has freed its tensors, the block inputs plus
+one recomputed block: prologue + inputs + max(epilogue, largest block's none set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from costmodel.opcost import FLOAT_DTYPES, activation_itemsize, local_scale
+from tracer.errors import SoapError
+from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+ATTENTION_IMPLS = ("sdpa", "eager")
+SELECTIVE_KEEPS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS})
+
+
+def attention_saved(op: OpNode, attention: str) -> tuple[TensorMeta, ...]:
+    """What an ATTENTION op saves under `attention` (see the module docstring)."""
+    q, k, v = op.inputs[:3]
+    if attention == "sdpa":
+        if op.saved:
+            return op.saved
+        lse = TensorMeta(q.shape[:-1], "float32", q.roles[:-1])
+        return (q, k, v, op.outputs[0], lse)
+    probs = TensorMeta((*q.shape[:-1], k.shape[-2]), q.dtype, (*q.roles[:-1], k.roles[-2]))
+    if float(op.attrs.get("dropout", 0.0)) > 0:
+        mask = TensorMeta(probs.shape, "bool", probs.roles)
+        return (q, k, v, probs, mask, probs)
+    return (q, k, v, probs)
+
+
+def op_saved(op: OpNode, attention: str) -> tuple[TensorMeta, ...]:
+    if op.kind is OpKind.ATTENTION and len(op.inputs) >= 3:
+        return attention_saved(op, attention)
+    return op.saved
+
+
+def block_input(ops: Sequence[OpNode]) -> TensorMeta | None:
+    """The tensor entering a block: the first input with a sample dimension of its first such op."""
+    for op in ops:
+        for t in op.inputs:
+            if DimRole.SAMPLE in t.roles:
+                return t
+    return None
+
+
+def block_saved(ops: Sequence[OpNode], policy: str, attention: str) -> tuple[TensorMeta, ...]:
+    """Tensors one block instance keeps through the forward pass under `policy`."""
+    if policy == "none":
+        return tuple(t for op in ops for t in op_saved(op, attention))
+    if policy == "selective":
+        kept: list[TensorMeta] = []
+        for op in ops:
+            if op.kind in SELECTIVE_KEEPS:
+                kept.extend(op_saved(op, attention))
+            elif op.kind is OpKind.ATTENTION:
+                kept.extend(op.inputs[:3])
+        return tuple(kept)
+    first = block_input(ops)
+    return () if first is None else (first,)
+
+
+class _Sizer:
+    """Local bytes of saved tensors for one micro-batch."""
+
+    def __init__(self, *, micro_batch: int, batch_traced: int, split: Mapping[str, int] | None, precision: str | None):
+        if micro_batch < 1 or batch_traced < 1:
+            raise SoapError(f"micro_batch ({micro_batch}) and batch_traced ({batch_traced}) must be positive")
+        self.sample_scale = micro_batch / batch_traced
+        self.split = dict(split or {})
+        self.width = None if precision is None else activation_itemsize(precision)
+
+    def __call__(self, tensors: Iterable[TensorMeta]) -> float:
+        total = 0.0
+        for t in tensors:
+            size = self.width if self.width is not None and t.dtype in FLOAT_DTYPES else DTYPE_BYTES.get(t.dtype, 4)
+            total += t.numel * size * local_scale(t, sample_scale=self.sample_scale, split=self.split)
+        return total
+
+
+def activation_bytes(
+    ops: Iterable[OpNode],
+    *,
+    micro_batch: int,
+    batch_traced: int,
+    recompute: str,
+    attention: str,
+    split: Mapping[str, int] | None = None,
+    precision: str | None = None,
+    block_counts: Mapping[str, int] | None = None,
+    recompute_per_block: Mapping[str, str] | None = None,
+) -> int:
+    """Peak bytes saved for backward by `ops` for one micro-batch (see the module docstring).
+
+    `block_counts[block_id]` says how many instances of a block the representative ops stand for
+    (default 1); `recompute_per_block` overrides `recompute` per block id.
+    """
+    if recompute not in RECOMPUTE_POLICIES:
+        raise SoapError(f"unknown recompute policy {recompute!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
+    if attention not in ATTENTION_IMPLS:
+        raise SoapError(f"unknown attention implementation {attention!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
+    size = _Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=split, precision=precision)
+    counts = dict(block_counts or {})
+    policies = dict(recompute_per_block or {})
+    prologue = epilogue = kept = window = 0.0
+    blocks: dict[str, list[OpNode]] = {}
+    seen_block = False
+    for op in ops:
+        if op.block_id is None:
+            saved = size(op_saved(op, attention))
+            if seen_block:
+                epilogue += saved
+            else:
+                prologue += saved
+        else:
+            seen_block = True
+            blocks.setdefault(op.block_id, []).append(op)
+    for block_id, block_ops in blocks.items():
+        policy = policies.get(block_id, recompute)
+        kept += counts.get(block_id, 1) * size(block_saved(block_ops, policy, attention))
+        if policy == "full":
+            window = max(window, size(block_saved(block_ops, "none", attention)))
+    if window:
+        return int(prologue + kept + max(epilogue, window))
+    return int(prologue + kept + epilogue)
