@@ -1,0 +1,293 @@
+"""The pipeline schedule IR shared by the simulator and the executor.
+
+A schedule is data: for every pipeline rank, the ordered list of `Action`s it runs in one pass over
+`num_microbatches` micro-batches. An action is torch.distributed.pipelining's `_Action` without the
+torch dependency, and prints the same way (`2F0` = stage 2 forward of micro-batch 0, `1SEND_B3`):
+
+    F        forward of one micro-batch on one stage
+    B        full backward (input and weight gradients)
+    I / W    backward split into input gradient (I, on the critical path) and weight gradient (W,
+             deferrable): zero-bubble schedules
+    SEND_F / RECV_F   activation to / from the next / previous stage (on another rank)
+    SEND_B / RECV_B   gradient to / from the previous / next stage (on another rank)
+
+`PipelineSchedule.to_torch()` turns it into `{rank: [torch _Action, ...]}` for
+`_PipelineScheduleRuntime`, so the executor runs exactly the order the simulator priced.
+
+Compute orders come from torch's own generators where they are correct as data (GPipe,
+Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble: their `_calculate_single_rank_
+operations` run on a plain namespace, no process group). 1F1B is generated here in the order torch's
+`Schedule1F1B` runtime executes (warm-up of `pp - rank` forwards, then backward/forward pairs):
+torch's `Schedule1F1B._get_pipeline_order` is a display helper that is off by one.
+
+Communication is inserted by `_with_comms`: a RECV right before the compute that consumes it, a SEND
+right after the compute that produces it, and none between two stages on the same rank (the turn of
+the V in ZBV). `dry_run` executes the actions with torch's runtime semantics: sends are posted
+asynchronously (isend), a receive blocks until its matching send was posted, every rank runs its list
+in order, and a compute action may only run once its inputs exist on the rank. If no rank can make
+progress before all are done, it raises `ScheduleDeadlock` naming the blocked actions.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from enum import Enum
+from types import SimpleNamespace
+
+from tracer.errors import SoapError
+
+
+class ActionKind(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+
+F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+COMPUTE_KINDS = frozenset({F, B, I, W})
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @staticmethod
+    def from_str(text: str) -> Action:
+        match = _ACTION_RE.match(text.strip())
+        if not match:
+            raise SoapError(f"bad pipeline action {text!r}; expected e.g. 2F0, 1B3 or 0SEND_F1")
+        return Action(int(match[1]), ActionKind(match[2]), int(match[3]))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+
+class ScheduleDeadlock(SoapError):
+    """The schedule cannot finish: some rank waits forever."""
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    name: str
+    pp: int
+    stages_per_rank: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    """Pipeline rank of each stage (looped `s % pp`, or V-shaped for ZBVZeroBubble)."""
+    actions: tuple[tuple[Action, ...], ...]
+    """Per pipeline rank, compute and communication in execution order."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def splits_backward(self) -> bool:
+        return any(a.kind is I for acts in self.actions for a in acts)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def to_strings(self) -> dict[int, list[str]]:
+        return {rank: [str(a) for a in acts] for rank, acts in enumerate(self.actions)}
+
+    def to_torch(self) -> dict[int, list]:
+        """`{rank: [torch _Action]}` for torch.distributed.pipelining's `_PipelineScheduleRuntime`."""
+        from torch.distributed.pipelining.schedules import _Action
+
+        return {rank: [_Action.from_str(s) for s in acts] for rank, acts in self.to_strings().items()}
+
+
+# --- generators ----------------------------------------------------------------------------------
+
+
+def _gpipe(pp: int, m: int) -> list[list[Action]]:
+    from torch.distributed.pipelining.schedules import ScheduleGPipe
+
+    order = ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=pp, _n_microbatches=m))
+    return [_from_torch(order[rank]) for rank in range(pp)]
+
+
+def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
+    ranks = []
+    for rank in range(pp):
+        warmup = min(m, pp - rank)
+        acts = [Action(rank, F, mb) for mb in range(warmup)]
+        fwd = warmup
+        for bwd in range(m):
+            acts.append(Action(rank, B, bwd))
+            if fwd < m:
+                acts.append(Action(rank, F, fwd))
+                fwd += 1
+        ranks.append(acts)
+    return ranks
+
+
+def _torch_multi_stage(name: str, pp: int, m: int, v: int) -> list[list[Action]]:
+    from torch.distributed.pipelining import schedules as ts
+
+    cls = ts.get_schedule_class(name)
+    rounds = max(1, m // pp)
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+        raise SoapError(f"{name} needs num_microbatches ({m}) divisible by max(1, m // pp) = {rounds}")
+    ns = SimpleNamespace(
+        pp_group_size=pp, n_local_stages=v, _n_microbatches=m, num_stages=pp * v, _num_stages=pp * v,
+        _stages=[None] * v, number_of_rounds=rounds, microbatches_per_round=m // rounds,
+    )
+    ns.pipeline_order = {rank: cls._calculate_single_rank_operations(ns, rank) for rank in range(pp)}
+    if name == "InterleavedZeroBubble":
+        ns.pipeline_order = cls._add_bubbles_to_actions(ns, pp * v)
+    return [_from_torch(ns.pipeline_order[rank]) for rank in range(pp)]
+
+
+def _from_torch(actions: list) -> list[Action]:
+    out = []
+    for a in actions:
+        if a is None or a.computation_type.value not in {"F", "B", "I", "W"}:
+            continue  # bubbles (None) and REDUCE_GRAD: the simulator schedules the DP reduction itself
+        out.append(Action(a.stage_index, ActionKind(a.computation_type.value), a.microbatch_index))
+    return out
+
+
+def _stage_to_rank(name: str, pp: int, v: int) -> tuple[int, ...]:
+    if name == "ZBVZeroBubble":
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(2 * pp))
+    return tuple(s % pp for s in range(pp * v))
+
+
+def _with_comms(compute: list[list[Action]], stage_to_rank: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
+    last = len(stage_to_rank) - 1
+    ranks = []
+    for acts in compute:
+        full: list[Action] = []
+        for a in acts:
+            s, mb = a.stage, a.microbatch
+            if a.kind is F and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+                full.append(Action(s, RECV_F, mb))
+            if a.kind in (B, I) and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
+                full.append(Action(s, RECV_B, mb))
+            full.append(a)
+            if a.kind is F and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
+                full.append(Action(s, SEND_F, mb))
+            if a.kind in (B, I) and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+                full.append(Action(s, SEND_B, mb))
+        ranks.append(tuple(full))
+    return tuple(ranks)
+
+
+@functools.lru_cache(maxsize=256)
+def build_schedule(name: str, pp: int, num_microbatches: int, stages_per_rank: int = 1) -> PipelineSchedule:
+    """The schedule `name` (torch.distributed.pipelining's names) for `pp` ranks and `num_microbatches`."""
+    m, v = num_microbatches, stages_per_rank
+    if pp < 1 or m < 1 or v < 1:
+        raise SoapError(f"pipeline needs pp, micro-batches and stages per rank >= 1 (got {pp}, {m}, {v})")
+    if name in ("GPipe", "1F1B"):
+        if v != 1:
+            raise SoapError(f"{name} runs one stage per rank; use Interleaved1F1B for {v} virtual stages")
+        compute = _gpipe(pp, m) if name == "GPipe" else _one_f_one_b(pp, m)
+    elif name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"):
+        if name == "ZBVZeroBubble" and v != 2:
+            raise SoapError(f"ZBVZeroBubble needs exactly 2 stages per rank (got {v})")
+        compute = _torch_multi_stage(name, pp, m, v)
+    else:
+        raise SoapError(
+            f"unknown schedule {name!r}; choose GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
+            "InterleavedZeroBubble or ZBVZeroBubble"
+        )
+    stage_to_rank = _stage_to_rank(name, pp, v)
+    return PipelineSchedule(name, pp, v, m, stage_to_rank, _with_comms(compute, stage_to_rank))
+
+
+# --- dry run -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DryRun:
+    rounds: int
+    """Lock-step rounds until every rank finished (one action per rank per round at most)."""
+    actions_run: int
+
+
+def dry_run(schedule: PipelineSchedule) -> DryRun:
+    """Execute `schedule` with isend / blocking-recv semantics; raise ScheduleDeadlock if it hangs.
+
+    Also checks completeness: every stage runs F and (B, or I then W) exactly once per micro-batch.
+    """
+    _check_complete(schedule)
+    last = schedule.num_stages - 1
+    posted: set[tuple[int, ActionKind, int]] = set()  # (stage, SEND kind, mb) messages in flight or received
+    done: list[set[Action]] = [set() for _ in range(schedule.pp)]
+    pointer = [0] * schedule.pp
+    rounds = total = 0
+    while any(pointer[r] < len(schedule.actions[r]) for r in range(schedule.pp)):
+        progressed = []
+        for rank, acts in enumerate(schedule.actions):
+            if pointer[rank] < len(acts) and _ready(acts[pointer[rank]], done[rank], posted, last):
+                progressed.append((rank, acts[pointer[rank]]))
+        if not progressed:
+            blocked = ", ".join(
+                f"rank {r} at {schedule.actions[r][pointer[r]]}"
+                for r in range(schedule.pp) if pointer[r] < len(schedule.actions[r])
+            )
+            raise ScheduleDeadlock(f"{schedule.name} deadlocks: {blocked}")
+        for rank, action in progressed:  # lock-step: sends of this round are seen in the next
+            done[rank].add(action)
+            if action.kind in (SEND_F, SEND_B):
+                posted.add((action.stage, action.kind, action.microbatch))
+            pointer[rank] += 1
+        rounds += 1
+        total += len(progressed)
+    return DryRun(rounds=rounds, actions_run=total)
+
+
+def _ready(a: Action, done: set[Action], posted: set, last: int) -> bool:
+    s, mb = a.stage, a.microbatch
+    if a.kind is RECV_F:
+        return (s - 1, SEND_F, mb) in posted
+    if a.kind is RECV_B:
+        return (s + 1, SEND_B, mb) in posted
+    if a.kind in (SEND_F, SEND_B):
+        return Action(s, F if a.kind is SEND_F else B, mb) in done or Action(s, I, mb) in done
+    if a.kind is F:
+        return s == 0 or Action(s, RECV_F, mb) in done or Action(s - 1, F, mb) in done
+    if a.kind is W:
+        return Action(s, I, mb) in done
+    grad_ready = (
+        s == last
+        or Action(s, RECV_B, mb) in done
+        or Action(s + 1, B, mb) in done
+        or Action(s + 1, I, mb) in done
+    )
+    return Action(s, F, mb) in done and grad_ready
+
+
+def _check_complete(schedule: PipelineSchedule) -> None:
+    seen: dict[tuple[int, int], list[ActionKind]] = {}
+    for rank, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.is_compute:
+                if schedule.stage_to_rank[a.stage] != rank:
+                    raise ScheduleDeadlock(f"{schedule.name}: {a} runs on rank {rank}, not its stage's rank")
+                seen.setdefault((a.stage, a.microbatch), []).append(a.kind)
+    for stage in range(schedule.num_stages):
+        for mb in range(schedule.num_microbatches):
+            kinds = sorted(k.value for k in seen.get((stage, mb), []))
+            if kinds not in (["B", "F"], ["F", "I", "W"]):
+                raise ScheduleDeadlock(
+                    f"{schedule.name}: stage {stage} micro-batch {mb} runs {kinds or 'nothing'}, expected F and B (or F, I, W)"
+                )

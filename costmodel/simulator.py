@@ -1,0 +1,56 @@
+"""Simulate one training step: `simulate(graph, strategy, cluster) -> SimResult`.
+
+Pipeline (each step a module):
+1. `costmodel.simulator_pricing.price_step`: OpGraph + Strategy + ClusterSpec -> `StepCosts`, the
+   per-micro-batch cost of every chunk (block instance) of every stage on one representative rank,
+   from `costmodel.placement` (which split each op gets and the collectives it implies),
+   `costmodel.opcost.op_time`, `costmodel.collectives.collective_time` and `costmodel.memory`.
+2. `costmodel.simulator_step.build_step`: StepCosts + the pipeline schedule (`costmodel.schedule`)
+   -> a task graph over each pipeline rank's streams (compute, tp-comm, dp-comm, pp-p2p).
+3. `costmodel.simulator_engine.run_tasks`: discrete-event simulation with link contention.
+4. `costmodel.simulator_result.analyse`: step time, breakdown, memory over time, timeline.
+
+Symmetry: all DP, TP and CP ranks of a pipeline stage do the same work, so one representative per
+pipeline rank is simulated; a 16,384-GPU plan with pp=16 simulates 16 ranks.
+
+Both entry points are pure (no I/O) and deterministic; `simulate_costs` takes hand-made cost tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from costmodel.profiles import ClusterSpec
+from costmodel.simulator_costs import StepCosts
+from costmodel.simulator_engine import run_tasks
+from costmodel.simulator_result import SimResult, StepFacts, analyse
+from costmodel.simulator_step import build_step
+from costmodel.strategy import Strategy
+from tracer.ir import OpGraph
+
+
+def simulate_costs(costs: StepCosts, facts: StepFacts | None = None) -> SimResult:
+    """Simulate a step from its cost tables (hand-made in tests, or from `price_step`)."""
+    step = build_step(costs)
+    tasks = run_tasks(step.graph)
+    return analyse(costs, tasks, step.memory, facts or StepFacts())
+
+
+def simulate(
+    graph: OpGraph,
+    strategy: Strategy,
+    cluster: ClusterSpec,
+    *,
+    stages: Sequence[int] | None = None,
+    pricer=None,
+) -> SimResult:
+    """Simulate one optimizer step of `strategy` for the model `graph` on `cluster`.
+
+    `stages`: pipeline stage bounds over the layer sequence (see `costmodel.simulator_stages`), as
+    `(0, b1, ..., L)` with pp * virtual_stages stages; default: a balanced split.
+    `pricer`: the cost functions (default `ProfilePricer(cluster, strategy)`); tests inject fakes.
+    """
+    from costmodel.simulator_pricing import price_step
+
+    costs, facts = price_step(graph, strategy, cluster, stage_bounds=stages, pricer=pricer)
+    return simulate_costs(costs, facts)

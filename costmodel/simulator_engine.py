@@ -1,0 +1,119 @@
+"""Discrete-event simulation of a task graph over per-rank streams and shared links.
+
+Model. A task has a duration, runs on one in-order stream of one rank (`compute`, `tp-comm`,
+`dp-comm`, `pp-p2p`), depends on other tasks, and may occupy a link. It starts at
+
+    start = max(end of its stream predecessor, max end of its dependencies, link free time)
+
+Streams are FIFO: a task never overtakes an earlier task of its stream (as on a CUDA stream or an
+NCCL communicator). Link contention: every communication task names the link level it crosses on its
+rank (`intra_node` for NVLink, `inter_node` for the NIC). Tasks of different streams that share a link
+of the same rank are *serialized* on it, first-ready first-served (a FIFO server per link): two
+collectives on one NIC take the sum of their times, which is what bandwidth sharing gives for the
+pair's total as well, while the first one finishes earlier, as NCCL's channel arbitration tends to
+do. Compute never contends with communication (NCCL's SM use is folded into its bandwidth numbers).
+
+`run_tasks` is event driven: a heap of ready tasks ordered by their earliest start, so link
+arbitration follows time order. Cost: O(T log T) for T tasks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+STREAMS: tuple[str, ...] = ("compute", "tp-comm", "dp-comm", "pp-p2p")
+
+
+@dataclass(slots=True)
+class Task:
+    rank: int
+    stream: str
+    name: str
+    category: str
+    """compute, recompute, optimizer, tp, cp, ep, dp, fsdp, pp: what the time counts as."""
+    duration: float
+    deps: list[Hashable] = field(default_factory=list)
+    """Ids or keys of the tasks this one waits for (see `TaskGraph.add`); ids after `run_tasks`."""
+    link: str | None = None
+    flow: int | None = None
+    """Shared by a send and its receive, for the trace's flow arrows."""
+    peer: int | None = None
+    """For a pipeline transfer: the receiving rank."""
+    start: float = 0.0
+    end: float = 0.0
+
+
+class TaskGraph:
+    """Tasks in issue order per (rank, stream), with dependencies named by arbitrary keys."""
+
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+        self._key_to_id: dict[Hashable, int] = {}
+
+    def add(self, task: Task, key: Hashable | None = None) -> int:
+        tid = len(self.tasks)
+        self.tasks.append(task)
+        if key is not None:
+            self._key_to_id[key] = tid
+        return tid
+
+    def key(self, key: Hashable, tid: int) -> None:
+        """Name an existing task so later (or earlier) tasks can depend on it."""
+        self._key_to_id[key] = tid
+
+    def id_of(self, key: Hashable) -> int:
+        return self._key_to_id[key]
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._key_to_id
+
+
+class Deadlock(RuntimeError):
+    """The task graph has a cycle through stream order and dependencies."""
+
+
+def run_tasks(graph: TaskGraph) -> list[Task]:
+    """Assign start/end times to every task (in place) and return the tasks."""
+    tasks = graph.tasks
+    n = len(tasks)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    waiting = [0] * n
+    last_on_stream: dict[tuple[int, str], int] = {}
+    for tid, t in enumerate(tasks):
+        prev = last_on_stream.get((t.rank, t.stream))
+        if prev is not None:
+            succ[prev].append(tid)
+            waiting[tid] += 1
+        last_on_stream[(t.rank, t.stream)] = tid
+        t.deps = [key if isinstance(key, int) else graph.id_of(key) for key in t.deps]
+        for dep in t.deps:
+            succ[dep].append(tid)
+            waiting[tid] += 1
+    ready_at = [0.0] * n
+    heap = [(0.0, tid) for tid in range(n) if waiting[tid] == 0]
+    heapq.heapify(heap)
+    link_free: dict[tuple[int, str], float] = {}
+    finished = 0
+    while heap:
+        ready, tid = heapq.heappop(heap)
+        t = tasks[tid]
+        start = ready
+        if t.link is not None:
+            slot = (t.rank, t.link)
+            start = max(start, link_free.get(slot, 0.0))
+            link_free[slot] = start + t.duration
+        t.start, t.end = start, start + t.duration
+        finished += 1
+        for s in succ[tid]:
+            if t.end > ready_at[s]:
+                ready_at[s] = t.end
+            waiting[s] -= 1
+            if waiting[s] == 0:
+                heapq.heappush(heap, (ready_at[s], s))
+    if finished != n:
+        stuck = [tasks[i] for i in range(n) if waiting[i] > 0][:3]
+        names = ", ".join(f"rank {t.rank} {t.stream} {t.name}" for t in stuck)
+        raise Deadlock(f"{n - finished} tasks never became ready (a dependency cycle), e.g. {names}")
+    return tasks
