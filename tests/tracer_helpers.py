@@ -1,0 +1,59 @@
+"""Shared helpers for the tracer tests: tiny configs and torch's own measurements of a real step."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import flop_counter as fc
+
+from tracer.build import build_model
+from tracer.inputs import example_inputs
+from tracer.spec import resolve_spec
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+
+
+def tiny_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **overrides)
+
+
+def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return fc.sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+"""flop_counter has no formula for CPU flash attention; these apply its SDPA formulas to it."""
+
+
+def real_step(config, task: str, batch: int, seq_len: int, *, seed: int = 0):
+    """Build `config` with random weights on CPU and run one forward+backward under flop and saved-tensor
+    measurement. Returns (total flops, bytes of distinct non-parameter tensors saved for backward)."""
+    torch.manual_seed(seed)
+    spec = resolve_spec(config, task=task)
+    model = build_model(spec, device="cpu")
+    model.train()
+    inputs = example_inputs(model, task, batch, seq_len, device="cpu")
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_storages:
+            saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    counter = fc.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    with counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(**inputs).loss
+        loss.backward()
+    return counter.get_total_flops(), sum(saved.values())

@@ -1,0 +1,97 @@
+"""`trace(MODEL) -> OpGraph`: resolve, build on meta, capture a truncated model, scale to the full one.
+
+Only a few layers per stack are traced (blocks.py decides how many); the graph keeps one instance per
+block type with its full count, so FLOPs scale exactly. Parameter counts come from the full model built
+on meta (`sum(p.numel())` over `model.parameters()`, shared weights once).
+
+Results are cached per process on (spec, task, batch, seq_len, frontend), so repeated traces are free.
+The default sequence length is min(the model's maximum positions, 2048) (inputs.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from tracer.errors import SoapError
+from tracer.ir import ModelDims, OpGraph
+
+_CACHE: dict[tuple, OpGraph] = {}
+
+
+def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int | None = None,
+          frontend: str = "auto", trust_remote_code: bool = False) -> OpGraph:
+    """Trace MODEL (preset name, config.json path or directory, Hub id, PretrainedConfig, nn.Module or
+    module factory) for one training step of `task` on `batch` samples of `seq_len` tokens."""
+    from tracer.spec import resolve_spec
+
+    if not isinstance(batch, int) or batch < 1:
+        raise SoapError(f"batch must be a positive integer, got {batch}")
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise SoapError(f"seq-len must be a positive integer, got {seq_len}")
+    spec = resolve_spec(model, task=task, trust_remote_code=trust_remote_code)
+    from tracer.inputs import default_seq_len
+
+    seq = seq_len if seq_len is not None else default_seq_len(spec.config, spec.task)
+    key = (_spec_key(spec), spec.task, batch, seq, frontend)
+    if key not in _CACHE:
+        _CACHE[key] = _trace_uncached(spec, batch, seq, frontend)
+    return _CACHE[key]
+
+
+def _spec_key(spec: Any) -> tuple:
+    if spec.module is not None:
+        return ("module", id(spec.module))
+    text = json.dumps(spec.config.to_dict(), sort_keys=True, default=str)
+    return (spec.name, hashlib.sha1(text.encode()).hexdigest(), spec.trust_remote_code)
+
+
+def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str) -> OpGraph:
+    import torch
+
+    from tracer.blocks import block_types, layers_to_trace
+    from tracer.build import build_model
+    from tracer.capture import capture
+    from tracer.graph import build_graph
+    from tracer.inputs import example_inputs
+
+    full = build_model(spec, device="meta")
+    params_total = sum(p.numel() for p in full.parameters())
+    params_trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
+    types = block_types(full)
+    depth = layers_to_trace(types)
+    truncatable = spec.module is None and types and depth < max(len(t.indices) for t in types)
+    model = build_model(spec, device="meta", num_layers=depth) if truncatable else full
+    del full
+    model.train()
+    inputs = example_inputs(model, spec.task, batch, seq_len)
+    with torch.device("meta"):
+        captured = capture(model, inputs, frontend)
+    return build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
+                       seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
+                       dims=model_dims(spec.config, types), config=spec.config)
+
+
+def model_dims(config: Any, types: list[Any]) -> ModelDims:
+    if config is None:
+        layers = max((len(t.indices) for t in types), default=0)
+        return ModelDims(num_layers=layers, hidden=0, heads=0, kv_heads=0, head_dim=0, ffn=0, vocab=0)
+    get = lambda *keys, default=0: next(  # noqa: E731
+        (int(getattr(config, k)) for k in keys if isinstance(getattr(config, k, None), int)), default)
+    hidden = get("hidden_size", "d_model", "n_embd", "dim")
+    heads = get("num_attention_heads", "num_heads", "n_head", "encoder_attention_heads")
+    kv_heads = get("num_key_value_heads", "num_kv_heads", "multi_query_group_num", default=heads)
+    if getattr(config, "multi_query", False):
+        kv_heads = 1
+    head_dim = get("head_dim", "d_kv", "kv_channels", default=hidden // heads if heads else 0)
+    ffn = get("intermediate_size", "n_inner", "ffn_dim", "d_ff", "encoder_ffn_dim", "ffn_hidden_size",
+              default=4 * hidden)
+    return ModelDims(
+        num_layers=get("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers"),
+        hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn,
+        vocab=get("vocab_size"),
+        num_experts=get("num_local_experts", "num_experts", "n_routed_experts"),
+        experts_per_token=get("num_experts_per_tok", "moe_topk", "top_k"),
+        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
+    )

@@ -1,0 +1,223 @@
+"""MODEL -> ModelSpec: what the user named, resolved to an HF config (or a module) and a training task.
+
+MODEL may be
+- a shipped preset name (`tracer/presets/<name>.json`, the published `config.json` of that model);
+- a path to a `config.json`, or to a directory holding one;
+- a Hub id, resolved through `AutoConfig.from_pretrained` (from the local cache when offline);
+- a `transformers.PretrainedConfig`;
+- an `nn.Module` instance or a zero-argument factory returning one (Python API only).
+
+The task defaults from `config.architectures` (`...ForCausalLM`/`...LMHeadModel` -> causal-lm,
+`...ForMaskedLM` -> masked-lm, `...ForSequenceClassification` -> seq-cls, `...ForConditionalGeneration`
+of an encoder-decoder or `...ForSeq2SeqLM` -> seq2seq-lm, `...ForImageClassification` -> image-cls);
+failing that, seq2seq-lm for encoder-decoders, image-cls for vision encoders, masked-lm for text
+encoders and causal-lm for decoders.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tracer.errors import SoapError
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+TASKS = ("causal-lm", "masked-lm", "seq-cls", "seq2seq-lm", "image-cls")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved model: enough to build it on any device and to trace it."""
+
+    name: str
+    """What the user called it: preset name, path, Hub id or the module's class name."""
+    source: str
+    """Where it came from: `preset`, `file`, `hub`, `config` or `module`."""
+    config: Any
+    """The `transformers.PretrainedConfig` (None for a plain module without `.config`)."""
+    task: str
+    """One of TASKS."""
+    module: Any = None
+    """An `nn.Module` instance or factory when the user passed one; None to build from `config`."""
+    trust_remote_code: bool = False
+    """Whether building may run code shipped with the config (`auto_map`)."""
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def resolve_spec(model: Any, *, task: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """Resolve MODEL (see the module docstring) and its task; bad input raises SoapError."""
+    if isinstance(model, ModelSpec):
+        return model if task is None else _with_task(model, task)
+    if task is not None and task not in TASKS:
+        raise SoapError(f"unsupported task {task!r}; choose one of {', '.join(TASKS)}")
+    import torch.nn as nn  # deferred: resolving a preset needs no torch
+
+    if isinstance(model, nn.Module) or (callable(model) and not isinstance(model, (str, Path, type(None)))):
+        return _module_spec(model, task, trust_remote_code)
+    if isinstance(model, Path):
+        model = str(model)
+    if not isinstance(model, str):
+        from transformers import PretrainedConfig
+
+        if isinstance(model, PretrainedConfig):
+            return _finish(type(model).__name__, "config", model, task, trust_remote_code)
+        raise SoapError(f"cannot trace a {type(model).__name__}; pass a preset name, a config path, a Hub id, "
+                        "a PretrainedConfig or an nn.Module")
+    if not model.strip():
+        raise SoapError("empty MODEL; pass a preset name (e.g. llama-3-8b), a config.json path or a Hub id")
+    if (PRESET_DIR / f"{model}.json").is_file():
+        return _finish(model, "preset", _config_from_file(PRESET_DIR / f"{model}.json", trust_remote_code),
+                       task, trust_remote_code)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SoapError(f"directory {model} holds no config.json; point MODEL at an HF model directory")
+        return _finish(model, "file", _config_from_file(path / "config.json", trust_remote_code), task,
+                       trust_remote_code)
+    if path.is_file():
+        return _finish(model, "file", _config_from_file(path, trust_remote_code), task, trust_remote_code)
+    if _looks_like_path(model):
+        raise SoapError(f"no such file or directory: {model}")
+    return _finish(model, "hub", _config_from_hub(model, trust_remote_code), task, trust_remote_code)
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.endswith(".json") or model.startswith((".", "/", "~")) or model.count("/") > 1
+
+
+def _config_from_file(path: Path, trust_remote_code: bool) -> Any:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SoapError(f"cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SoapError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise SoapError(f"{path} has no `model_type`; it must be a Hugging Face config.json")
+    _check_remote_code(data, str(path), trust_remote_code)
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = data["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        raise SoapError(f"{path}: model_type {model_type!r} is unknown to this transformers; upgrade transformers "
+                        "or pass --trust-remote-code with a config that ships its code")
+    try:
+        return AutoConfig.for_model(**data)
+    except Exception as exc:  # noqa: BLE001 - any config error is the user's file
+        raise SoapError(f"{path}: invalid {model_type} config ({_first_line(exc)})") from None
+
+
+def _config_from_hub(model_id: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise SoapError(f"{model_id} needs remote code; pass --trust-remote-code if you trust it") from None
+        raise SoapError(f"cannot resolve {model_id!r}: {_first_line(exc)}") from None
+    except (OSError, Exception) as exc:  # noqa: BLE001 - offline/unknown ids surface as OSError or HF errors
+        raise SoapError(
+            f"unknown model {model_id!r}: not a preset ({', '.join(preset_names())}), not a local path, and not "
+            "resolvable on the Hugging Face Hub (offline and not cached?); pass a config.json path instead"
+        ) from None
+    _check_remote_code(config.to_dict(), model_id, trust_remote_code)
+    return config
+
+
+def _check_remote_code(data: dict, where: str, trust_remote_code: bool) -> None:
+    if data.get("auto_map") and not trust_remote_code:
+        raise SoapError(f"{where} needs remote code (auto_map); pass --trust-remote-code if you trust it")
+
+
+def _module_spec(model: Any, task: str | None, trust_remote_code: bool) -> ModelSpec:
+    import torch.nn as nn
+
+    instance = model if isinstance(model, nn.Module) else None
+    config = getattr(instance, "config", None) if instance is not None else None
+    name = type(instance).__name__ if instance is not None else getattr(model, "__name__", "module")
+    if config is not None:
+        resolved = task or _default_task(config, getattr(instance, "__class__", type(None)).__name__)
+    else:
+        resolved = task or "causal-lm"
+    return ModelSpec(name=name, source="module", config=config, task=resolved, module=model,
+                     trust_remote_code=trust_remote_code)
+
+
+def _finish(name: str, source: str, config: Any, task: str | None, trust_remote_code: bool) -> ModelSpec:
+    resolved = task or _default_task(config)
+    _check_task_fits(config, resolved, name)
+    return ModelSpec(name=name, source=source, config=config, task=resolved, trust_remote_code=trust_remote_code)
+
+
+def _with_task(spec: ModelSpec, task: str) -> ModelSpec:
+    if task not in TASKS:
+        raise SoapError(f"unsupported task {task!r}; choose one of {', '.join(TASKS)}")
+    if spec.config is not None and spec.module is None:
+        _check_task_fits(spec.config, task, spec.name)
+    return ModelSpec(spec.name, spec.source, spec.config, task, spec.module, spec.trust_remote_code)
+
+
+_ARCH_SUFFIXES = (
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForMaskedLM", "masked-lm"),
+    ("ForSequenceClassification", "seq-cls"),
+    ("ForSeq2SeqLM", "seq2seq-lm"),
+    ("ForImageClassification", "image-cls"),
+)
+
+
+def _default_task(config: Any, class_name: str | None = None) -> str:
+    names = [class_name] if class_name else list(getattr(config, "architectures", None) or [])
+    for arch in names:
+        if arch.endswith("ForConditionalGeneration"):
+            return "seq2seq-lm" if getattr(config, "is_encoder_decoder", False) else "causal-lm"
+        for suffix, task in _ARCH_SUFFIXES:
+            if arch.endswith(suffix):
+                return task
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
+    from transformers.models.auto import modeling_auto as ma
+
+    model_type = getattr(config, "model_type", "")
+    if model_type in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "masked-lm"
+    if model_type in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal-lm"
+    if model_type in ma.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        return "image-cls"
+    return "causal-lm"
+
+
+def auto_class_for(task: str) -> Any:
+    """The transformers Auto class that builds a model with the head `task` trains."""
+    import transformers
+
+    return getattr(transformers, {
+        "causal-lm": "AutoModelForCausalLM",
+        "masked-lm": "AutoModelForMaskedLM",
+        "seq-cls": "AutoModelForSequenceClassification",
+        "seq2seq-lm": "AutoModelForSeq2SeqLM",
+        "image-cls": "AutoModelForImageClassification",
+    }[task])
+
+
+def _check_task_fits(config: Any, task: str, name: str) -> None:
+    if getattr(config, "auto_map", None):
+        return  # remote-code models register their own classes; building will tell
+    mapping = auto_class_for(task)._model_mapping
+    if type(config) not in mapping:
+        raise SoapError(f"{name} ({config.model_type}) has no {task} head in transformers; "
+                        f"choose another --task (e.g. {_default_task(config)})")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
