@@ -134,7 +134,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
                 progress(case.label)
     finally:
         torch.set_num_threads(old_threads)
-    comm_timing = CommTimingConfig(samples=5, max_case_s=0.3) if config.quick else CommTimingConfig()
+    comm_timing = CommTimingConfig(samples=5, sample_s=0.01, max_case_s=0.3) if config.quick else CommTimingConfig()
     comms: list[Point] = []
     rss = 0
     for group in sorted({c.group_size for s in comm_sweeps(config.nproc, quick=config.quick) for c in s.cases}):

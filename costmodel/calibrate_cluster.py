@@ -51,7 +51,7 @@ def closed_form_link(samples: Sequence[CommSample], source: str) -> dict:
     seconds = [s.seconds for s in samples]
     ab = alpha_beta(steps, bus, seconds)
     effs = [b / (ab.beta * max(t - st * ab.alpha_s, 0.05 * t)) for st, b, t in zip(steps, bus, seconds)]
-    points = efficiency_points([s.case.nbytes for s in samples], effs, bins_per_decade=2.0)
+    points = efficiency_points([s.case.nbytes for s in samples], effs)
     top = max(e for _, e in points)
     bandwidth = ab.beta * max(top, 1.0)
     points = tuple((x, e / max(top, 1.0)) for x, e in points)

@@ -11,8 +11,8 @@ Fitting, in two stages:
 1. Closed form (this module). `alpha_beta` is least squares on relative residuals
    Σ ((steps·alpha + bus_bytes/beta − t) / t)², so microseconds and seconds weigh alike, with both
    terms kept non-negative. `efficiency_points` inverts the model per sample
-   (e = work / (rate · (t − fixed))) and takes the median efficiency in log-spaced bins: a curve with
-   one knot per bin, clipped to (floor, 1].
+   (e = work / (rate · (t − fixed))) and takes the median efficiency around each knot of a log grid
+   (a factor 4 apart), clipped to (floor, 1].
 2. Refinement through the cost function itself (`refine_knots`): coordinate descent on each knot's
    value, minimising the mean |log(predicted / measured)| over the fit set, where `predicted` comes
    from the very function the simulator calls. Whatever the cost model does beyond the closed form
@@ -57,18 +57,18 @@ def alpha_beta(steps: Sequence[float], bus_bytes: Sequence[float], seconds: Sequ
     return AlphaBeta(alpha_s=float(alpha), beta=float(1.0 / inv_beta))
 
 
-def efficiency_points(xs: Sequence[float], effs: Sequence[float], *, bins_per_decade: float = 1.5
-                      ) -> tuple[tuple[float, float], ...]:
-    """Median efficiency per log-spaced bin of x, as increasing (x, e) knots at the bins' geometric means."""
+def efficiency_points(xs: Sequence[float], effs: Sequence[float], *, step: float = 4.0) -> tuple[tuple[float, float], ...]:
+    """Knots on a log grid x0·step^k over the data (x0 the smallest x), each the median efficiency of the
+    points within a factor √step of it; knots with no points are left out."""
     x = np.asarray(xs, dtype=float)
     e = np.clip(np.asarray(effs, dtype=float), EFFICIENCY_FLOOR, 1.0)
     if len(x) == 0:
         raise ValueError("no points to fit a curve to")
-    keys = np.floor(np.log10(x) * bins_per_decade).astype(int)
+    pos = np.log(x / x.min()) / math.log(step)
+    nearest = np.floor(pos + 0.5).astype(int)
     knots = []
-    for key in sorted(set(keys.tolist())):
-        sel = keys == key
-        knots.append((float(np.exp(np.mean(np.log(x[sel])))), float(np.median(e[sel]))))
+    for k in sorted(set(nearest.tolist())):
+        knots.append((float(x.min() * step**k), float(np.median(e[nearest == k]))))
     return tuple(knots)
 
 

@@ -7,10 +7,12 @@ tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: 
 send_recv: the message).
 
 Timing, per case, on every rank: two warm-up calls; a probe call whose slowest-rank time fixes a repeat
-count `r` (identical on every rank, so no rank waits on a collective the others skip); then `samples`
-samples of `r` back-to-back calls. Each sample's figure is the slowest rank's seconds per call (an
-all-reduce MAX outside the timed region), and the case's figure is the median sample. send_recv is a
-ping-pong between rank pairs (0↔1, 2↔3, ...) at the same time, reported as half the round trip.
+count `r` (identical on every rank, so no rank waits on a collective the others skip); then
+`samples · r` calls back to back, each timed on its own. A rank's figure is the median call (gloo on
+a loaded CPU stalls now and then for milliseconds: the median keeps the typical call, the stalls would
+swamp a mean), and the case's figure is the slowest rank's (an all-reduce MAX outside the timed
+region). send_recv is a ping-pong between rank pairs (0↔1, 2↔3, ...) at the same time, reported as
+half the round trip.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -56,9 +59,9 @@ class RankMemory:
 class CommTimingConfig:
     """How each collective is timed (see the module docstring)."""
 
-    samples: int = 5
-    """Timed samples per case; the median is kept."""
-    sample_s: float = 5e-3
+    samples: int = 9
+    """Timed samples per case (each of `r` calls); the median call is kept."""
+    sample_s: float = 0.03
     """Minimum length of one sample: small messages repeat back to back to reach it."""
     max_case_s: float = 1.5
     """Soft cap on one case's time: fewer samples for slow cases, never fewer than 3."""
@@ -142,15 +145,14 @@ def _worker(rank: int, world: int, port: int, device: str, cases: list[CommCase]
             probe = max(max_over_ranks(time.perf_counter() - start), 1e-7)
             repeat = max(1, int(timing.sample_s / probe))
             samples = max(3, min(timing.samples, int(timing.max_case_s / (probe * repeat))))
-            times = []
-            for _ in range(samples):
-                dist.barrier()
+            per_call = []
+            dist.barrier()
+            for _ in range(samples * repeat):
                 start = time.perf_counter()
-                for _ in range(repeat):
-                    call()
+                call()
                 sync()
-                times.append(max_over_ranks((time.perf_counter() - start) / repeat))
-            seconds = statistics.median(times)
+                per_call.append(time.perf_counter() - start)
+            seconds = max_over_ranks(statistics.median(per_call))
             if case.kind == "send_recv":
                 seconds /= 2
             if rank == 0:
@@ -166,7 +168,7 @@ def _context_bytes(device: str) -> int:
     if device == "cuda":
         free, total = torch.cuda.mem_get_info()
         return total - free
-    for line in open("/proc/self/status"):
+    for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
