@@ -29,6 +29,7 @@ Step time:
 Memory of pipeline rank r (`_rank_memory`):
     state(params_r / tp; precision, optimizer, zero, dp_shard, offload)   costmodel.memory
     + in_flight_r x activations_r(mb, recompute)                          costmodel.memory
+    + one block's full activation set while it recomputes (full recompute only)
     + ZeRO-3 gathered parameters of the two largest units + context overhead.
 In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
 (v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
@@ -100,8 +101,8 @@ class Estimator:
         self.graph, self.cluster, self.units = graph, cluster, units
         self.hidden = graph.dims.hidden
         self.kv_width = graph.dims.kv_heads * graph.dims.head_dim
-        self._unit_time = lru_cache(maxsize=None)(self._unit_time_uncached)
-        self._unit_activation = lru_cache(maxsize=None)(self._unit_activation_uncached)
+        self.unit_time = lru_cache(maxsize=None)(self._unit_time_uncached)
+        self.unit_activation = lru_cache(maxsize=None)(self._unit_activation_uncached)
         self._stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
         self._comm = lru_cache(maxsize=None)(self._comm_uncached)
 
@@ -121,13 +122,24 @@ class Estimator:
                 attn += cost.fwd_s
         return fwd, bwd, attn
 
-    def _unit_activation_uncached(self, u: int, tp: int, cp: int, mb: int, recompute: str) -> float:
-        return float(
-            activation_bytes(
-                self.units[u].ops, micro_batch=mb, batch_traced=self.graph.batch, recompute=recompute,
-                attention="sdpa", split={"parameter": tp, "attribute": cp},
-            )
-        )
+    def _unit_activation_uncached(
+        self, u: int, tp: int, cp: int, mb: int, recompute: str, precision: str
+    ) -> tuple[float, float]:
+        """(kept per in-flight micro-batch, transient while recomputing) bytes of one instance of unit u.
+
+        Under full recompute an instance keeps only its input, and its backward briefly holds the
+        whole "none" set again: `costmodel.memory.activation_bytes` reports input + none set for one
+        instance, so the input is the difference."""
+        def saved(policy: str) -> float:
+            return float(activation_bytes(
+                self.units[u].ops, micro_batch=mb, batch_traced=self.graph.batch, recompute=policy,
+                attention="sdpa", split={"parameter": tp, "attribute": cp}, precision=precision,
+            ))
+
+        if recompute != "full" or self.units[u].id.startswith("<"):
+            return saved(recompute), 0.0
+        everything = saved("none")
+        return max(0.0, saved("full") - everything), everything
 
     def _comm_uncached(self, kind: str, nbytes: float, size: int, per_node: int) -> float:
         if size <= 1 or nbytes <= 0:
@@ -142,7 +154,7 @@ class Estimator:
         if stages == 1:
             counts[0] = [u.repeat for u in self.units]
             return counts
-        times = [sum(self._unit_time(i, 1, 1, 1, "bf16")[:2]) for i in layer_units]
+        times = [sum(self.unit_time(i, 1, 1, 1, "bf16")[:2]) for i in layer_units]
         zeros = [0.0] * len(layer_units)
         part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
         assert part is not None, "a partition without memory limits always exists when stages <= layers"
@@ -164,9 +176,10 @@ class Estimator:
         per_unit = np.zeros(n_units)
         bwd_unit = np.zeros(n_units)
         act_unit = np.zeros(n_units)
+        transient_unit = np.zeros(n_units)
         compute_unit = np.zeros(n_units)
         for u, unit in enumerate(self.units):
-            fwd, bwd, attn = self._unit_time(u, d.tp, d.cp, t.micro_batch, t.precision)
+            fwd, bwd, attn = self.unit_time(u, d.tp, d.cp, t.micro_batch, t.precision)
             recompute = t.recompute_for(unit.id if not unit.id.startswith("<") else None)
             extra = fwd if recompute == "full" else attn if recompute == "selective" else 0.0
             regions = unit.tp_regions if not unit.id.startswith("<") else 1
@@ -177,7 +190,7 @@ class Estimator:
             compute_unit[u] = fwd + bwd + extra
             per_unit[u] = compute_unit[u] + tp_comm + cp_exposed
             bwd_unit[u] = bwd
-            act_unit[u] = self._unit_activation(u, d.tp, d.cp, t.micro_batch, recompute)
+            act_unit[u], transient_unit[u] = self.unit_activation(u, d.tp, d.cp, t.micro_batch, recompute, t.precision)
 
         params_unit = np.array([unit.params for unit in self.units], dtype=float)
         p2p = 0.0
@@ -188,6 +201,7 @@ class Estimator:
         rank_bwd = counts @ bwd_unit
         rank_params = counts @ params_unit / d.tp
         rank_act = counts @ act_unit
+        rank_transient = ((counts > 0) * transient_unit).max(axis=1)
         bottleneck = float(rank_time.max())
 
         m, runs = t.num_microbatches, t.grad_accum
@@ -213,7 +227,7 @@ class Estimator:
         step = pipeline + dp_exposed + zero3_exposed + optimizer_s
         compute_s = m * float(rank_compute.max())
 
-        memory = self._rank_memory(mesh, t, counts, rank_act, params_local, state)
+        memory = self._rank_memory(mesh, t, rank_act, rank_transient, state)
         return Estimate(
             step_time_s=step, memory=memory, compute_s=compute_s,
             comm_s=max(0.0, pipeline - bubble - compute_s) + dp_exposed + zero3_exposed,
@@ -247,8 +261,8 @@ class Estimator:
             zero3 = t.num_microbatches * max(0.0, gathers - compute_s)
         return dp_exposed, zero3
 
-    def _rank_memory(self, mesh: MeshChoice, t: TrainingConfig, counts: np.ndarray, rank_act: np.ndarray,
-                     params_local: float, state) -> MemoryParts:
+    def _rank_memory(self, mesh: MeshChoice, t: TrainingConfig, rank_act: np.ndarray, rank_transient: np.ndarray,
+                     state) -> MemoryParts:
         d = mesh.dims
         pp, v, m = d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum
         ranks = np.arange(pp)
@@ -260,7 +274,7 @@ class Estimator:
             in_flight = np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1 - ranks) + 1) / v
         else:
             in_flight = np.minimum(m, pp - ranks).astype(float)
-        activations = float((in_flight * rank_act).max())
+        activations = float((in_flight * rank_act + rank_transient).max())
         gathered = 0.0
         if t.zero == 3 and d.dp_shard > 1:
             largest = sorted((u.params for u in self.units), reverse=True)[:2]

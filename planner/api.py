@@ -1,0 +1,136 @@
+"""`plan(MODEL, gpus=N, ...)`: the planner's entry point (re-exported as `soap.plan`).
+
+Steps: resolve the model and cluster, fill the defaults, validate the pins (before any tracing, so a
+bad request fails fast), trace, enumerate and estimate the search space (`planner.search`), price
+the survivors by simulation (`planner.pricing`), pick the fastest plan that fits, and build its
+`Plan` with alternatives, baselines and the "why".
+
+Defaults:
+- sequence length: min(the model's maximum positions, 4096) (4096 when the config names none);
+- global batch: about 4M tokens per step, i.e. 2^22 / seq samples, rounded up to a multiple of
+  the GPU count (so every data-parallel degree divides it, and every GPU gets at least one sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from costmodel.profiles import ClusterSpec, load_cluster
+from planner.plan import Plan
+from planner.report import PlanReport
+from planner.space import Pins, SpaceRequest, validate_pins
+from tracer.errors import SoapError
+from tracer.ir import OpGraph
+
+GIB = 2**30
+DEFAULT_MAX_SEQ_LEN = 4096
+TOKENS_PER_STEP = 1 << 22
+PIN_NAMES = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum", "recompute", "schedule", "precision",
+             "optimizer")
+
+
+def default_seq_len(config: Any, task: str) -> int:
+    from tracer.inputs import POSITION_KEYS, default_seq_len as traced_default
+
+    if task == "image-cls":
+        return traced_default(config, task)
+    for key in POSITION_KEYS:
+        value = getattr(config, key, None) if config is not None else None
+        if isinstance(value, int) and value > 0:
+            return min(value, DEFAULT_MAX_SEQ_LEN)
+    return DEFAULT_MAX_SEQ_LEN
+
+
+def default_global_batch(gpus: int, seq_len: int) -> int:
+    samples = max(1, TOKENS_PER_STEP // seq_len)
+    return -(-samples // gpus) * gpus
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a search depends on, after defaults are filled in."""
+
+    model_name: str
+    spec: Any
+    """The resolved `tracer.spec.ModelSpec`."""
+    cluster: ClusterSpec
+    space: SpaceRequest
+    memory_limit: float
+    """Usable bytes per GPU."""
+
+
+def resolve_cluster(cluster: str | ClusterSpec, gpus_per_node: int | None) -> ClusterSpec:
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    if gpus_per_node is not None:
+        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise SoapError(f"--gpus-per-node={gpus_per_node!r} must be a positive integer")
+        spec = replace(spec, gpus_per_node=gpus_per_node)
+    return spec
+
+
+def make_request(
+    model: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", gpus_per_node: int | None = None,
+    task: str | None = None, global_batch: int | None = None, seq_len: int | None = None,
+    mem_limit_gib: float | None = None, graph: OpGraph | None = None, **pins: Any,
+) -> PlanRequest:
+    """Resolve, default and validate a request. The model's dimensions come from its config, or from
+    `graph` (a plain nn.Module has no config, so it is traced first)."""
+    from tracer.api import model_dims
+    from tracer.spec import resolve_spec
+
+    unknown = sorted(set(pins) - set(PIN_NAMES))
+    if unknown:
+        raise SoapError(f"unknown pin {unknown[0]!r}; pins are {', '.join(PIN_NAMES)}")
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise SoapError(f"--gpus={gpus!r} must be a positive integer")
+    spec = resolve_spec(model, task=task)
+    cluster_spec = resolve_cluster(cluster, gpus_per_node)
+    seq = seq_len if seq_len is not None else default_seq_len(spec.config, spec.task)
+    batch = global_batch if global_batch is not None else default_global_batch(gpus, seq)
+    for name, value in (("--seq-len", seq), ("--global-batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise SoapError(f"{name}={value!r} must be a positive integer")
+    if mem_limit_gib is not None and not mem_limit_gib > 0:
+        raise SoapError(f"--mem-limit={mem_limit_gib!r} must be a positive number of GiB")
+    limit = mem_limit_gib * GIB if mem_limit_gib is not None else float(cluster_spec.device.memory_bytes)
+    if graph is not None:
+        dims = graph.dims
+    elif spec.config is not None:
+        dims = model_dims(spec.config, [])
+    else:
+        raise SoapError("a module without a config must be traced before planning; pass graph=tracer.trace(module)")
+    space = SpaceRequest(
+        gpus=gpus, gpus_per_node=cluster_spec.gpus_per_node, tp_across_nodes=cluster_spec.tp_across_nodes,
+        dims=dims, seq_len=seq, global_batch=batch, precisions=tuple(cluster_spec.device.peak_flops),
+        pins=Pins(**{k: v for k, v in pins.items() if v is not None}),
+    )
+    validate_pins(space)
+    return PlanRequest(model_name=spec.name, spec=spec, cluster=cluster_spec, space=space, memory_limit=limit)
+
+
+def plan_report(
+    model: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", graph: OpGraph | None = None,
+    time_budget_s: float | None = None, seed: int = 0, **kwargs: Any,
+) -> PlanReport:
+    """Search and return the full report (chosen plan, alternatives, baselines, why)."""
+    import tracer
+    from planner.pricing import run_search
+    from tracer.spec import resolve_spec
+
+    if graph is None and resolve_spec(model, task=kwargs.get("task")).config is None:
+        graph = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=kwargs.get("seq_len"))
+    request = make_request(model, gpus=gpus, cluster=cluster, graph=graph, **kwargs)
+    if graph is None:
+        graph = tracer.trace(request.spec, task=request.spec.task, batch=1, seq_len=request.space.seq_len)
+    elif graph.seq_len != request.space.seq_len:
+        raise SoapError(f"the graph was traced at sequence length {graph.seq_len}, not {request.space.seq_len}; "
+                        "trace it at the planned --seq-len")
+    return run_search(request, graph, time_budget_s=time_budget_s, seed=seed)
+
+
+def plan(model_or_spec: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", **pins: Any) -> Plan:
+    """The fastest plan that fits; keyword pins (tp=, pp=, dp=, cp=, zero=, micro_batch=, grad_accum=,
+    recompute=, schedule=, precision=, optimizer=) fix dimensions, and gpus_per_node=, task=,
+    global_batch=, seq_len=, mem_limit_gib=, time_budget_s=, seed= and graph= are passed through."""
+    return plan_report(model_or_spec, gpus=gpus, cluster=cluster, **pins).plan

@@ -1,0 +1,86 @@
+"""Why nothing fits: the smallest GPU count (or memory per GPU) that would, and the term that dominates.
+
+For a GPU count N, the most memory-frugal configuration of each mesh (micro-batch 1, full recompute,
+optimizer state offloaded when allowed) gives the least memory any plan of that mesh can use; the
+minimum over meshes is N's floor (`memory_floor`). The error reports:
+- the smallest N, doubling from the request, whose floor fits the limit (`minimum_gpus`);
+- the request's own floor, as the memory per GPU it would need;
+- the largest memory term of the whole job: the model's weights, gradients or optimizer state
+  (unsharded, not offloaded), or the floor's activations summed over the GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from costmodel.memory import model_state_bytes
+from planner.estimate import Estimator, MemoryParts
+from planner.space import SpaceRequest, mesh_choices, training_choices
+from tracer.errors import SoapError
+
+GIB = 2**30
+MAX_GPUS = 1 << 20
+"""Give up doubling past a million GPUs."""
+
+_PART_NAMES = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations"}
+
+
+def memory_floor(req: SpaceRequest, estimator: Estimator) -> MemoryParts | None:
+    """The least per-GPU memory over the request's meshes, or None when the pins leave no mesh."""
+    best: MemoryParts | None = None
+    for mesh in mesh_choices(req):
+        configs = list(training_choices(req, mesh))
+        if not configs:
+            continue
+        frugal = min(configs, key=lambda t: (t.micro_batch, -("none", "selective", "full").index(t.recompute),
+                                             -t.offload_optimizer, t.virtual_stages))
+        parts = estimator.estimate(mesh, frugal).memory
+        if best is None or parts.total < best.total:
+            best = parts
+    return best
+
+
+def minimum_gpus(req: SpaceRequest, estimator: Estimator, limit: float) -> int | None:
+    gpus = req.gpus * 2
+    while gpus <= MAX_GPUS:
+        batch = -(-max(req.global_batch, gpus) // gpus) * gpus
+        floor = memory_floor(replace(req, gpus=gpus, global_batch=batch, pins=replace(req.pins, dp=None)), estimator)
+        if floor is not None and floor.total <= limit:
+            return gpus
+        gpus *= 2
+    return None
+
+
+def _human(nbytes: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit: float, *, params: int) -> SoapError:
+    """The SoapError for a request with no plan that fits."""
+    where = f"{req.gpus} x {limit / GIB:g} GiB"
+    floor = memory_floor(req, estimator)
+    if floor is None:
+        return SoapError(f"no configuration of {model} on {req.gpus} GPUs satisfies the pins; unpin a dimension")
+    half = "bf16" if "bf16" in req.precisions else "fp16"
+    whole = model_state_bytes(params, precision=req.pins.precision or half, optimizer=_optimizer(req), zero=0,
+                              dp_shard=1, offload_optimizer=False)
+    parts = {"weights": whole.weights, "grads": whole.grads, "optimizer": whole.optimizer,
+             "activations": floor.activations * req.gpus}
+    term = max(parts, key=lambda k: (parts[k], k))
+    size = f"{_human(floor.activations)} per GPU" if term == "activations" else _human(parts[term])
+    need = f"{floor.total / GIB:.0f} GiB per GPU"
+    more = minimum_gpus(req, estimator, limit)
+    gpus = f"at least {more} GPUs or {need}" if more else need
+    hint = "add GPUs or use a larger --mem-limit"
+    if _optimizer(req) == "adamw" and term == "optimizer":
+        hint += ", --optimizer adamw8bit"
+    if any(getattr(req.pins, k) is not None for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch", "recompute")):
+        hint += ", or unpin dimensions"
+    return SoapError(f"{model} does not fit on {where}: needs {gpus} ({_PART_NAMES[term]} {size} dominates); {hint}")
+
+
+def _optimizer(req: SpaceRequest) -> str:
+    return "adamw" if req.pins.optimizer == "auto" else req.pins.optimizer

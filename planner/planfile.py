@@ -1,0 +1,88 @@
+"""Turn the chosen, simulated candidate into a `Plan` (plan.json).
+
+The plan is self-contained: the model config inline with its hash, the cluster profile inline, the
+mesh, the parallelism record, per-block recomputation and per-op SOAP placements, the pipeline stages
+(module FQNs per stage, from the stage-partition bounds) and the simulator's predicted metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from costmodel.profiles import cluster_to_dict
+from costmodel.strategy import MESH_DIM_NAMES
+from planner.plan import (
+    SCHEMA_VERSION,
+    BlockPlacement,
+    ClusterRecord,
+    MeshRecord,
+    ModelSpecRecord,
+    Plan,
+    StageRecord,
+    config_hash,
+    parallelism_record,
+)
+from planner.search import Priced
+from planner.units import Layer
+from tracer.ir import OpGraph
+
+SOURCES = {"preset": "preset", "file": "file", "hub": "hub", "module": "module", "config": "module"}
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
+
+
+def stage_records(bounds: Sequence[int] | None, layers: Sequence[Layer], pp: int, schedule: str) -> tuple[StageRecord, ...]:
+    if pp == 1 or bounds is None:
+        return ()
+    stages = len(bounds) - 1
+    records = []
+    for index, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if schedule == "ZBVZeroBubble":
+            rank = index if index < pp else stages - 1 - index
+        else:
+            rank = index % pp
+        modules = tuple(m for layer in layers[a:b] for m in layer.modules)
+        records.append(StageRecord(index=index, rank=rank, modules=modules))
+    return tuple(records)
+
+
+def launch_command(gpus: int, gpus_per_node: int) -> str:
+    nodes = -(-gpus // gpus_per_node)
+    per_node = min(gpus, gpus_per_node)
+    if nodes == 1:
+        return f"soap execute plan.json --nproc-per-node {per_node}"
+    return (f"soap execute plan.json --nnodes {nodes} --nproc-per-node {per_node} "
+            "--node-rank $NODE_RANK --master-addr $MASTER_ADDR")
+
+
+def build_plan(
+    request: Any, graph: OpGraph, chosen: Priced, bounds: Sequence[int] | None, layers: Sequence[Layer],
+    *, blocks: tuple[BlockPlacement, ...] = (), tp_plan: dict[str, str] | None = None,
+) -> Plan:
+    spec, cluster = request.spec, request.cluster
+    strategy = chosen.candidate.strategy
+    d, t = strategy.dims, strategy.train
+    config = _config_dict(spec.config)
+    predicted = chosen.result.to_contract()
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        model=ModelSpecRecord(name=spec.name, source=SOURCES.get(spec.source, "module"), task=spec.task,
+                              config=config, config_hash=config_hash(config)),
+        cluster=ClusterRecord(name=cluster.name, gpus=request.space.gpus, gpus_per_node=cluster.gpus_per_node,
+                              profile=cluster_to_dict(cluster)),
+        global_batch=t.global_batch,
+        seq_len=t.seq_len,
+        mesh=MeshRecord(names=MESH_DIM_NAMES, degrees=d.mesh_shape),
+        parallelism=parallelism_record(strategy),
+        tp_plan=dict(sorted((tp_plan or {}).items())),
+        blocks=blocks,
+        stages=stage_records(bounds, layers, d.pp, t.schedule),
+        predicted=json.loads(json.dumps(predicted, sort_keys=True)),
+        launch=launch_command(request.space.gpus, cluster.gpus_per_node),
+    )

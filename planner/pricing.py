@@ -1,0 +1,119 @@
+"""Price a candidate by full simulation, and run the whole search for one request.
+
+Pricing one candidate (`Pricer.__call__`):
+1. stage partition (pp > 1): `planner.stages.partition_stages` over the layer sequence (embedding
+   first, blocks, LM head and loss last) with per-layer time = the estimator's per-unit forward +
+   backward + recompute at the candidate's tp/cp/micro-batch/precision, per-layer static memory =
+   model state per parameter x the layer's parameters / tp, per-layer activations, the schedule's
+   in-flight micro-batches per stage, and the memory limit less the context overhead;
+2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)`;
+3. the plan fits when the simulated peak memory (max over ranks) is within the limit.
+
+`run_search` wires enumeration, ranking, baselines and the report together (see `planner.api`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from costmodel.memory import model_state_bytes
+from costmodel.simulator import simulate
+from planner.api import PlanRequest
+from planner.baselines import baseline_families
+from planner.estimate import Estimator
+from planner.explain import explain
+from planner.feasibility import infeasible_error
+from planner.planfile import build_plan
+from planner.report import PlanReport
+from planner.search import Candidate, Priced, SearchConfig, enumerate_candidates, search
+from planner.stages import partition_stages
+from planner.units import layer_sequence, model_units, total_params
+from tracer.errors import SoapError
+from tracer.ir import OpGraph
+
+
+def in_flight_per_stage(schedule: str, pp: int, v: int, microbatches: int) -> list[float]:
+    """Micro-batches whose activations each of the pp*v stages keeps at its peak."""
+    stages = pp * v
+    if schedule == "GPipe":
+        return [float(microbatches)] * stages
+    if v == 1 or schedule == "ZBVZeroBubble":
+        return [float(min(microbatches, pp - (s % pp if s < pp else pp - 1 - s % pp))) for s in range(stages)]
+    return [float(min(microbatches, (v - 1) * pp + 2 * (pp - 1 - s % pp) + 1)) / v for s in range(stages)]
+
+
+class Pricer:
+    """Simulates candidates of one request; stage bounds come from the DP of `planner.stages`."""
+
+    def __init__(self, request: PlanRequest, graph: OpGraph, estimator: Estimator) -> None:
+        self.request, self.graph, self.estimator = request, graph, estimator
+        self.layers = layer_sequence(estimator.units)
+        self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds)
+
+    def _stage_bounds(self, candidate: Candidate) -> tuple[int, ...] | None:
+        d, t = candidate.mesh.dims, candidate.train
+        if d.pp == 1:
+            return None
+        est, units = self.estimator, self.estimator.units
+        state = model_state_bytes(
+            1_000_000, precision=t.precision, optimizer=t.optimizer, zero=candidate.mesh.zero if d.dp > 1 else 0,
+            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
+        )
+        per_param = (state.weights + state.grads + state.optimizer) / 1_000_000
+        times, static, acts = [], [], []
+        for layer in self.layers:
+            unit = units[layer.unit]
+            fwd, bwd, attn = est.unit_time(layer.unit, d.tp, d.cp, t.micro_batch, t.precision)
+            policy = t.recompute_for(None if unit.id.startswith("<") else unit.id)
+            times.append(fwd + bwd + (fwd if policy == "full" else attn if policy == "selective" else 0.0))
+            static.append(unit.params / d.tp * per_param)
+            kept, transient = est.unit_activation(layer.unit, d.tp, d.cp, t.micro_batch, policy, t.precision)
+            acts.append(kept)
+            static[-1] += transient  # an upper bound: only one block recomputes at a time
+        flight = in_flight_per_stage(t.schedule, d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum)
+        limit = self.request.memory_limit - self.request.cluster.device.context_bytes
+        part = partition_stages(times, static, acts, in_flight=flight, memory_limit=limit)
+        if part is None:  # nothing balanced fits: let the simulator report the memory of a time-balanced split
+            part = partition_stages(times, static, acts, in_flight=flight, memory_limit=float("inf"))
+        return part.bounds if part else None
+
+    def __call__(self, candidate: Candidate) -> Priced:
+        bounds = self.stage_bounds(candidate)
+        result = simulate(self.graph, candidate.strategy, self.request.cluster, stages=bounds)
+        peak = float(result.peak_memory_bytes)
+        return Priced(candidate=candidate, step_time_s=result.step_time_s, peak_memory_bytes=peak, result=result,
+                      fits=peak <= self.request.memory_limit)
+
+
+def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int) -> PlanReport:
+    units = model_units(graph)
+    estimator = Estimator(graph, request.cluster, units)
+    candidates, estimated = enumerate_candidates(request.space, estimator, request.memory_limit)
+    params = graph.params_trainable or total_params(units)
+    if not candidates:
+        raise infeasible_error(request.model_name, request.space, estimator, request.memory_limit, params=params)
+    pricer = Pricer(request, graph, estimator)
+    bandwidth = request.cluster.intra_node.bandwidth
+    outcome = search(
+        candidates, pricer,
+        baselines=lambda best: baseline_families(best, candidates, intra_node_bandwidth=bandwidth),
+        config=SearchConfig(time_budget_s=time_budget_s, seed=seed), estimated=estimated,
+    )
+    if not outcome.ranked:
+        closest = min(outcome.rejected_by_simulation, key=lambda p: (p.peak_memory_bytes, p.candidate.key))
+        raise SoapError(
+            f"{request.model_name} does not fit on {request.space.gpus} x {request.memory_limit / 2**30:g} GiB: "
+            f"the most frugal plan simulated needs {closest.peak_memory_bytes / 2**30:.1f} GiB per GPU; "
+            "add GPUs or use a larger --mem-limit"
+        )
+    chosen = outcome.ranked[0]
+    why = explain(
+        chosen.candidate, candidates, model=request.model_name, cluster=request.cluster,
+        memory_limit=request.memory_limit, breakdown=chosen.result.breakdown.as_dict(),
+    )
+    plan = build_plan(request, graph, chosen, pricer.stage_bounds(chosen.candidate), pricer.layers)
+    return PlanReport(
+        plan=plan, chosen=chosen, alternatives=outcome.ranked[1:], baselines=outcome.baselines, why=why,
+        model=request.model_name, cluster=request.cluster.name, gpus=request.space.gpus,
+        memory_limit_bytes=request.memory_limit, candidates=outcome.candidates, simulated=outcome.simulated,
+    )

@@ -1,0 +1,137 @@
+"""`PlanReport`: the chosen plan, its alternatives and baselines, and how `soap plan` shows them.
+
+`report_json` is the `--json` object: the DESIGN contract's keys for the chosen plan (from the
+simulator's `SimResult.to_contract()`), plus `alternatives` and `baselines` (each with its
+parallelism, step time, tokens/s, peak memory and the chosen plan's speedup over it), `why`, and the
+search's size. `render_summary` prints the same as rich tables. Nothing here depends on wall time,
+so the same inputs print the same report.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from planner.plan import Plan
+from planner.search import Priced
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    plan: Plan
+    chosen: Priced
+    alternatives: tuple[Priced, ...]
+    baselines: tuple[tuple[str, Priced | None], ...]
+    why: tuple[str, ...]
+    model: str
+    cluster: str
+    gpus: int
+    memory_limit_bytes: float
+    candidates: int
+    """Configurations estimated."""
+    simulated: int
+    """Configurations priced by full simulation."""
+
+
+def contract(p: Priced) -> dict[str, Any]:
+    out = p.result.to_contract()
+    out["parallelism"] = parallelism_of(p)
+    return out
+
+
+def parallelism_of(p: Priced) -> dict[str, Any]:
+    d, t = p.candidate.mesh.dims, p.candidate.train
+    return {
+        "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "zero": p.candidate.mesh.zero,
+        "tp": d.tp, "pp": d.pp, "cp": d.cp, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
+        "num_microbatches": t.num_microbatches, "schedule": t.schedule, "virtual_stages": t.virtual_stages,
+        "recompute": t.recompute, "precision": t.precision, "optimizer": t.optimizer,
+        "offload_optimizer": t.offload_optimizer, "sequence_parallel": t.sequence_parallel,
+    }
+
+
+def describe(p: Priced) -> str:
+    """A one-line name for a plan, e.g. `tp8 pp4 dp16 zero1 mb1 1F1B rc=selective bf16`."""
+    d, t = p.candidate.mesh.dims, p.candidate.train
+    parts = [f"{name}{degree}" for name, degree in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if degree > 1]
+    parts.append(f"dp{d.dp}")
+    zero = p.candidate.mesh.zero
+    if d.dp > 1:
+        parts.append("hsdp" if zero == 3 and d.dp_replicate > 1 else f"zero{zero}")
+    parts.append(f"mb{t.micro_batch}x{t.num_microbatches}")
+    if d.pp > 1:
+        parts.append(t.schedule + (f"(v{t.virtual_stages})" if t.virtual_stages > 1 else ""))
+    if t.recompute != "none":
+        parts.append(f"rc={t.recompute}")
+    if t.offload_optimizer:
+        parts.append("offload")
+    parts.append(t.precision)
+    if t.optimizer != "adamw":
+        parts.append(t.optimizer)
+    return " ".join(parts)
+
+
+def _row(p: Priced, chosen: Priced) -> dict[str, Any]:
+    r = p.result
+    return {
+        "plan": describe(p), "parallelism": parallelism_of(p), "step_time_s": r.step_time_s,
+        "tokens_per_s": r.tokens_per_s, "peak_memory_gib": r.peak_memory_bytes / GIB,
+        "mfu": r.to_contract()["mfu"], "speedup_of_chosen": r.step_time_s / chosen.step_time_s,
+    }
+
+
+def report_json(report: PlanReport) -> dict[str, Any]:
+    out = contract(report.chosen)
+    out.update(
+        model=report.model, cluster=report.cluster, gpus=report.gpus,
+        memory_limit_gib=report.memory_limit_bytes / GIB, plan=describe(report.chosen),
+        alternatives=[_row(p, report.chosen) for p in report.alternatives],
+        baselines=[
+            {"name": name, **(_row(p, report.chosen) if p else {"fits": False})} for name, p in report.baselines
+        ],
+        why=list(report.why), candidates_estimated=report.candidates, candidates_simulated=report.simulated,
+    )
+    return out
+
+
+def render_summary(report: PlanReport, *, output: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, highlight=False)
+    c = report.chosen
+    m = contract(c)
+    limit = report.memory_limit_bytes / GIB
+    console.print(f"[bold]{report.model}[/bold] on {report.gpus} GPUs ({report.cluster}): [bold]{describe(c)}[/bold]")
+    console.print(
+        f"  step {m['step_time_s']:.3f} s · {m['tokens_per_s']:,.0f} tokens/s · MFU {100 * m['mfu']:.1f}% · "
+        f"memory {m['peak_memory_gib']:.1f} / {limit:.1f} GiB per GPU"
+    )
+    b = m["breakdown_s"]
+    console.print("  breakdown: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in b.items()))
+    for line in report.why:
+        console.print(f"  why: {line}")
+
+    table = Table(title="Top alternatives", title_justify="left")
+    for col in ("plan", "step s", "tokens/s", "GiB/GPU", "slower by"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for p in report.alternatives:
+        table.add_row(describe(p), f"{p.step_time_s:.3f}", f"{p.result.tokens_per_s:,.0f}",
+                      f"{p.peak_memory_bytes / GIB:.1f}", f"{p.step_time_s / c.step_time_s:.2f}x")
+    if report.alternatives:
+        console.print(table)
+
+    table = Table(title="Baselines", title_justify="left")
+    for col in ("baseline", "plan", "step s", "tokens/s", "speedup of chosen"):
+        table.add_column(col, justify="left" if col in ("baseline", "plan") else "right")
+    for name, p in report.baselines:
+        if p is None:
+            table.add_row(name, "does not fit", "-", "-", "-")
+        else:
+            table.add_row(name, describe(p), f"{p.step_time_s:.3f}", f"{p.result.tokens_per_s:,.0f}",
+                          f"{p.step_time_s / c.step_time_s:.2f}x")
+    console.print(table)
+    console.print(f"  searched {report.candidates:,} configurations, simulated {report.simulated}")

@@ -1,0 +1,65 @@
+"""`soap plan MODEL --gpus N`: search for the fastest plan that fits, explain it, write plan.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from costmodel.strategy import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="search for the fastest plan that fits in memory",
+        description="Search the SOAP space (data, tensor, pipeline, context parallelism and the single-device "
+        "techniques) for the fastest plan that fits; pinned flags fix their dimension. Defaults: sequence "
+        "length = min(the model's maximum positions, 4096); global batch = about 4M tokens per step "
+        "(2^22 / seq samples), rounded up to a multiple of the GPU count.",
+    )
+    p.add_argument("model", metavar="MODEL", help="preset name, config.json path or directory, or Hub id")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--cluster", default="dgx-h100", help="cluster profile name or JSON file (default dgx-h100)")
+    p.add_argument("--gpus-per-node", type=int, help="override the cluster's GPUs per node")
+    p.add_argument("--task", help="causal-lm, masked-lm, seq-cls or seq2seq-lm (default: from the config)")
+    p.add_argument("--global-batch", type=int, help="samples (sequences) per optimizer step")
+    p.add_argument("--seq-len", type=int, help="tokens per sample")
+    p.add_argument("--precision", choices=PRECISIONS, help="pin the precision (default: searched, bf16 or fp8)")
+    p.add_argument("--optimizer", choices=(*OPTIMIZERS, "auto"), default="adamw",
+                   help="optimizer (default adamw); auto lets the search pick adamw, adamw8bit or adafactor")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data (replicate x shard)"), ("cp", "context")):
+        p.add_argument(f"--{name}", type=int, help=f"pin the {what} parallel degree")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="pin the ZeRO stage of the data-parallel group")
+    p.add_argument("--micro-batch", type=int, help="pin the samples per micro-batch")
+    p.add_argument("--grad-accum", type=int, help="pin the gradient-accumulation steps")
+    p.add_argument("--recompute", choices=RECOMPUTE, help="pin activation checkpointing")
+    p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    p.add_argument("--mem-limit", type=float, metavar="GIB", help="usable memory per GPU in GiB (default: the device's)")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="spend this long refining the plan with simulator-guided MCMC")
+    p.add_argument("--seed", type=int, default=0, help="seed of the MCMC refinement (default 0)")
+    p.add_argument("-o", "--output", metavar="plan.json", help="write the plan here")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.api import plan_report
+    from planner.report import render_summary, report_json
+
+    pins = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum",
+                                          "recompute", "schedule", "precision", "optimizer")}
+    report = plan_report(
+        args.model, gpus=args.gpus, cluster=args.cluster, gpus_per_node=args.gpus_per_node, task=args.task,
+        global_batch=args.global_batch, seq_len=args.seq_len, mem_limit_gib=args.mem_limit,
+        time_budget_s=args.time_budget, seed=args.seed, **pins,
+    )
+    if args.output:
+        report.plan.save(args.output)
+    if args.json:
+        print(json.dumps(report_json(report), sort_keys=True))
+    else:
+        render_summary(report, output=args.output)
+    if args.output and not args.json:
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
