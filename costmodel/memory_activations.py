@@ -7,25 +7,29 @@ carries), and under fp16/bf16/fp8 floating-point tensors take 2 bytes per elemen
 keeps the traced dtypes).
 
 Attention implementation (`attention_saved`), for ops of kind ATTENTION (the fused SDPA core):
-- sdpa: what the traced SDPA op saves (q, k, v, out, logsumexp, and RNG state under dropout); if the
-  graph recorded nothing, q, k, v, out and an fp32 logsumexp of [b, h, s_q].
-- eager: the unfused math, q, k, v and the softmax probabilities [b, h, s_q, s_k] (one s x s matrix per
-  head); with attention dropout (`attrs["dropout"] > 0`) also the 1-byte dropout mask and the dropped
-  probabilities the second matmul saves.
+- sdpa: what the traced SDPA op saves (q, k, v, out, the fp32 logsumexp [b, h, s_q], a mask if any),
+  less whatever an earlier op already saved (the tracer counts each tensor once).
+- eager: the unfused math keeps the same tensors but no logsumexp, plus the softmax probabilities
+  [b, h, s_q, s_k] (one s x s matrix per head); with attention dropout (`attrs["dropout"] > 0`) also
+  the 1-byte dropout mask and the dropped probabilities the second matmul saves.
 
 Recompute policies (`block_saved`), applied to ops inside repeated blocks (ops outside blocks, the
 embeddings, final norm, LM head and loss, are never checkpointed):
 - none: every op keeps its saved tensors.
-- selective: keep what matmuls, embeddings and losses save (their inputs) and the attention core's
-  q, k, v inputs; drop what the attention core itself, softmax, norms, element-wise, reduction and copy
-  ops save: backward recomputes those memory-bound ops (and the attention core) from the kept tensors.
+- selective: keep what matmuls, embeddings and losses save (their inputs) and what the attention core
+  saves except its logsumexp (q, k, v, out: the inputs and output of the recomputed region, and for
+  eager the s x s probabilities are dropped); drop what softmax, norms, element-wise, reduction and
+  copy ops save: backward recomputes those memory-bound ops (and the attention core) from the kept
+  tensors. It is an estimate: a real selective policy also keeps the few tensors the recomputation
+  starts from (the residual stream before a norm).
 - full: each block instance keeps only its input (the first input of its first op that has a sample
-  dimension); backward recomputes one block at a time, so one block's "none" set is live at once.
+  dimension); backward recomputes one block at a time, so one block's "none" set, less the input it
+  already holds, is live at once.
 
 Peak (`activation_bytes`): with none/selective, the end of the forward pass, when everything is live:
 prologue + sum over blocks (instances x kept) + epilogue. With full, the same at the end of forward with
 block inputs only, or later, once the epilogue's backward has freed its tensors, the block inputs plus
-one recomputed block: prologue + inputs + max(epilogue, largest block's none set).
+one recomputed block: prologue + inputs + max(epilogue, largest block's none set - its input).
 """
 
 from __future__ import annotations
@@ -41,23 +45,24 @@ ATTENTION_IMPLS = ("sdpa", "eager")
 SELECTIVE_KEEPS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS})
 
 
+def _is_logsumexp(t: TensorMeta, q: TensorMeta) -> bool:
+    return t.dtype == "float32" and t.shape == q.shape[:-1]
+
+
 def attention_saved(op: OpNode, attention: str) -> tuple[TensorMeta, ...]:
     """What an ATTENTION op saves under `attention` (see the module docstring)."""
-    q, k, v = op.inputs[:3]
+    q, k = op.inputs[:2]
     if attention == "sdpa":
-        if op.saved:
-            return op.saved
-        lse = TensorMeta(q.shape[:-1], "float32", q.roles[:-1])
-        return (q, k, v, op.outputs[0], lse)
+        return op.saved
     probs = TensorMeta((*q.shape[:-1], k.shape[-2]), q.dtype, (*q.roles[:-1], k.roles[-2]))
+    kept = tuple(t for t in op.saved if not _is_logsumexp(t, q))
     if float(op.attrs.get("dropout", 0.0)) > 0:
-        mask = TensorMeta(probs.shape, "bool", probs.roles)
-        return (q, k, v, probs, mask, probs)
-    return (q, k, v, probs)
+        return (*kept, probs, TensorMeta(probs.shape, "bool", probs.roles), probs)
+    return (*kept, probs)
 
 
 def op_saved(op: OpNode, attention: str) -> tuple[TensorMeta, ...]:
-    if op.kind is OpKind.ATTENTION and len(op.inputs) >= 3:
+    if op.kind is OpKind.ATTENTION and len(op.inputs) >= 2:
         return attention_saved(op, attention)
     return op.saved
 
@@ -80,8 +85,9 @@ def block_saved(ops: Sequence[OpNode], policy: str, attention: str) -> tuple[Ten
         for op in ops:
             if op.kind in SELECTIVE_KEEPS:
                 kept.extend(op_saved(op, attention))
-            elif op.kind is OpKind.ATTENTION:
-                kept.extend(op.inputs[:3])
+            elif op.kind is OpKind.ATTENTION and len(op.inputs) >= 2:
+                q = op.inputs[0]
+                kept.extend(t for t in op.saved if not _is_logsumexp(t, q))
         return tuple(kept)
     first = block_input(ops)
     return () if first is None else (first,)
@@ -146,7 +152,8 @@ def activation_bytes(
         policy = policies.get(block_id, recompute)
         kept += counts.get(block_id, 1) * size(block_saved(block_ops, policy, attention))
         if policy == "full":
-            window = max(window, size(block_saved(block_ops, "none", attention)))
+            recomputed = size(block_saved(block_ops, "none", attention)) - size(block_saved(block_ops, "full", attention))
+            window = max(window, recomputed)
     if window:
         return int(prologue + kept + max(epilogue, window))
     return int(prologue + kept + epilogue)
