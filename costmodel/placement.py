@@ -1,0 +1,315 @@
+"""The strategy vocabulary for ops: which SOAP split a Strategy gives each op, and what it costs to move.
+
+Split of one op (`OpSplit`): degrees of the Sample (data parallel), Attribute (sequence: SP/CP) and
+Parameter (TP/EP) splits; Operator (pipeline) placement is the stage, decided elsewhere. The op's
+local work is its traced work with every dimension of a split role divided by the degree
+(`OpSplit.local()` is what `costmodel.opcost.op_time` takes; the sample split is carried by the
+micro-batch size instead, since the micro-batch is already per data-parallel rank).
+
+Megatron rules (`block_placements`), over a block's ops in execution order:
+- a column-parallel linear (`COLWISE`: q/k/v, gate/up, fc1, c_attn, c_fc, query/key/value, wi) opens a
+  TP region; it and every op until the region's row-parallel linear (`ROWWISE`: o/down, fc2, c_proj,
+  attention/output dense, wo) are Parameter x tp (heads and ffn split); the rowwise linear closes it;
+- ops between regions (norms, residual adds, dropout) are replicated over tp, or with sequence
+  parallelism Attribute x tp (sequence shards);
+- every op in a block is Attribute x cp under context parallelism (sequence split), and the
+  attention core exchanges K/V;
+- MoE expert ops (module path containing `experts`) are Parameter x ep (experts split).
+Outside blocks: the embedding is vocab-parallel (Parameter x tp), the LM head column-parallel over
+the vocabulary (ops on its logits stay vocab-sharded), the loss vocab-parallel; other non-block ops
+replicate (Attribute x tp with sequence parallelism).
+
+Collectives a split implies (`Collective`, sizes in nccl-tests' convention, one micro-batch, one
+rank; h = [micro_batch, seq/cp, hidden] at activation width, S = its bytes):
+- TP, per region: forward all-reduce(S) after the rowwise linear and backward all-reduce(S) before the
+  colwise one. With sequence parallelism: forward all-gather(S) before the colwise linear and
+  reduce-scatter(S) after the rowwise one, backward the mirror pair. All-reduce(S) moves
+  2(n-1)/n*S per rank, all-gather(S) + reduce-scatter(S) move (n-1)/n*S each: the same bytes.
+- vocab-parallel embedding: forward all-reduce(S) (reduce-scatter with SP); LM head: backward
+  all-reduce(S) of its input gradient (SP: forward all-gather(S), backward reduce-scatter(S)); the
+  vocab-parallel loss: two all-reduces of [micro_batch, seq/cp] fp32 (max and sum).
+- CP, per attention core: forward all-gather of K and V over cp (gathered size: the whole sequence,
+  the rank's KV heads, GQA heads not repeated), backward reduce-scatter of their gradients (same size).
+- EP, per MoE layer: all-to-all of the routed tokens for dispatch and combine, forward and backward
+  (token bytes x experts_per_token).
+
+Tables for an op-level search (planner/ builds a CP-SAT over them):
+- `candidate_splits(op, dims)`: the splits an op may take on a (dp, cp, tp) mesh: replicated over tp,
+  Parameter x tp (if it has a parameter-role dimension), Attribute x tp*cp (if it has an attribute
+  dimension): each with Sample x dp and Attribute x cp.
+- `reshard(prev, next, tensor)` / `reshard_bytes(...)`: the collective that turns the layout `prev`
+  leaves a tensor in into the one `next` needs (`output_layout` / `input_layout`: replicate,
+  shard(parameter), shard(attribute), partial), with its nccl-size bytes:
+      same layout -> none; replicate -> shard: local slice, none; partial -> replicate: all-reduce;
+      partial -> shard(attribute): reduce-scatter; shard -> replicate: all-gather;
+      shard(a) -> shard(b), a != b: all-to-all.
+- `tp_plan(ops, strategy)`: the executor's `dict[module path relative to the block, style]` in
+  torch.distributed.tensor.parallel's vocabulary (colwise, rowwise, sequence_parallel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from costmodel.strategy import ParallelDims, Strategy
+from tracer.ir import DimRole, OpKind, OpNode, TensorMeta
+
+COLWISE = frozenset({
+    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_attn", "c_fc", "query", "key",
+    "value", "wi", "wi_0", "wi_1", "fc1", "query_key_value", "dense_h_to_4h", "qkv_proj", "gate_up_proj",
+})
+ROWWISE = frozenset({"o_proj", "down_proj", "w2", "c_proj", "wo", "fc2", "dense_4h_to_h", "out_proj"})
+STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "vocab_parallel")
+
+
+def _leaf(module_fqn: str) -> str:
+    return module_fqn.rsplit(".", 1)[-1]
+
+
+def linear_style(op: OpNode) -> str | None:
+    """colwise / rowwise for a block's TP linears (by module name), None otherwise."""
+    if op.kind is not OpKind.MATMUL or not op.params:
+        return None
+    leaf = _leaf(op.module_fqn)
+    parts = op.module_fqn.split(".")
+    if leaf in COLWISE or (leaf == "dense" and len(parts) > 1 and parts[-2] == "intermediate"):
+        return "colwise"
+    if leaf in ROWWISE or (leaf == "dense" and len(parts) > 1 and parts[-2] == "output"):
+        return "rowwise"
+    if leaf == "dense":  # GPT-NeoX style attention.dense
+        return "rowwise"
+    return None
+
+
+@dataclass(frozen=True)
+class OpSplit:
+    sample: int = 1
+    attribute: int = 1
+    parameter: int = 1
+    style: str | None = None
+    """TP style of the op's module (colwise/rowwise/sequence_parallel/vocab_parallel), if any."""
+
+    def soap(self) -> dict[str, int]:
+        """Degrees > 1 only, in SOAP order: what plan.json shows."""
+        return {k: v for k, v in (("sample", self.sample), ("attribute", self.attribute), ("parameter", self.parameter)) if v > 1}
+
+    def local(self) -> dict[str, int]:
+        """The split `op_time` and `activation_bytes` take (the sample split is in the micro-batch)."""
+        return {k: v for k, v in (("attribute", self.attribute), ("parameter", self.parameter)) if v > 1}
+
+    def describe(self) -> str:
+        parts = [f"{k.capitalize()} x{v}" for k, v in self.soap().items()]
+        return ", ".join(parts) if parts else "replicated"
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    """all_reduce, all_gather, reduce_scatter, all_to_all."""
+    nbytes: float
+    """nccl-tests size for one micro-batch on one rank."""
+    group: str
+    """Mesh group: tp, cp or ep."""
+    phase: str
+    """fwd or bwd."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class OpPlacement:
+    op: OpNode
+    split: OpSplit
+    collectives: tuple[Collective, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationShape:
+    """What collective sizes are computed from (one micro-batch on one rank)."""
+
+    micro_batch: int
+    seq_len: int
+    hidden: int
+    itemsize: int
+    kv_heads: int = 0
+    head_dim: int = 0
+    experts_per_token: int = 0
+
+    def hidden_bytes(self, cp: int) -> float:
+        return self.micro_batch * self.seq_len / cp * self.hidden * self.itemsize
+
+    def kv_bytes(self, tp: int) -> float:
+        """K and V over the whole sequence for this rank's KV heads (GQA heads are not repeated)."""
+        local_heads = self.kv_heads / min(tp, self.kv_heads) if self.kv_heads else 0
+        return 2 * self.micro_batch * self.seq_len * local_heads * self.head_dim * self.itemsize
+
+
+def _has(op: OpNode, role: DimRole) -> bool:
+    return any(role in t.roles for t in (*op.inputs, *op.outputs))
+
+
+def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: ActivationShape) -> tuple[OpPlacement, ...]:
+    """Every op of one block instance (or the non-block ops) with its split and collectives."""
+    d, sp = strategy.dims, strategy.train.sequence_parallel and strategy.dims.tp > 1
+    dp, cp, tp = d.dp, d.cp, d.tp
+    s_bytes = shape.hidden_bytes(cp)
+    tp_kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce", "all_reduce")
+    out: list[OpPlacement] = []
+    inside = after_head = False
+    for op in ops:
+        style = linear_style(op) if op.block_id is not None else None
+        colls: list[Collective] = []
+        if op.block_id is None:
+            placed = _outside_placement(op, d, sp, s_bytes, shape, after_head)
+            after_head = after_head or placed.split.style == "colwise"
+            out.append(placed)
+            continue
+        if "experts" in op.module_fqn.split(".") and d.ep > 1:
+            split = OpSplit(dp, cp, d.ep, None)
+        elif style == "colwise" and tp > 1:
+            if not inside:
+                colls.append(Collective(tp_kinds[0], s_bytes, "tp", "fwd", "enter TP region") if sp else
+                             Collective("all_reduce", s_bytes, "tp", "bwd", "input gradient of the TP region"))
+                if sp:
+                    colls.append(Collective("reduce_scatter", s_bytes, "tp", "bwd", "input gradient of the TP region"))
+            inside = True
+            split = OpSplit(dp, cp, tp, "colwise")
+        elif style == "rowwise" and tp > 1:
+            inside = False
+            split = OpSplit(dp, cp, tp, "rowwise")
+            colls.append(Collective(tp_kinds[1], s_bytes, "tp", "fwd", "leave TP region"))
+            if sp:
+                colls.append(Collective("all_gather", s_bytes, "tp", "bwd", "gradient entering the TP region"))
+        elif inside:
+            split = OpSplit(dp, cp, tp if _has(op, DimRole.PARAMETER) else 1, None)
+        elif sp and _has(op, DimRole.ATTRIBUTE):
+            split = OpSplit(dp, cp * tp, 1, "sequence_parallel")
+        else:
+            split = OpSplit(dp, cp, 1, None)
+        if op.kind is OpKind.ATTENTION and cp > 1:
+            kv = shape.kv_bytes(tp)
+            colls.append(Collective("all_gather", kv, "cp", "fwd", "gather K/V over the sequence"))
+            colls.append(Collective("reduce_scatter", kv, "cp", "bwd", "scatter K/V gradients"))
+        out.append(OpPlacement(op, split, tuple(colls)))
+    if d.ep > 1 and any("experts" in p.op.module_fqn.split(".") for p in out):
+        a2a = s_bytes * max(1, shape.experts_per_token)
+        moe = (Collective("all_to_all", a2a, "ep", ph, f"MoE {what}") for ph in ("fwd", "bwd") for what in ("dispatch", "combine"))
+        out[-1] = OpPlacement(out[-1].op, out[-1].split, (*out[-1].collectives, *moe))
+    return tuple(out)
+
+
+def _outside_placement(
+    op: OpNode, d: ParallelDims, sp: bool, s_bytes: float, shape: ActivationShape, after_head: bool
+) -> OpPlacement:
+    dp, cp, tp = d.dp, d.cp, d.tp
+    if tp == 1:
+        return OpPlacement(op, OpSplit(dp, cp, 1, None))
+    if after_head and op.kind is not OpKind.LOSS and _has(op, DimRole.PARAMETER):  # vocab-sharded logits
+        return OpPlacement(op, OpSplit(dp, cp, tp, None))
+    if op.kind is OpKind.EMBEDDING and op.params:
+        coll = Collective("reduce_scatter" if sp else "all_reduce", s_bytes, "tp", "fwd", "vocab-parallel embedding")
+        return OpPlacement(op, OpSplit(dp, cp, tp, "vocab_parallel"), (coll,))
+    if op.kind is OpKind.MATMUL and op.params:  # LM head / classifier: column-parallel over its outputs
+        colls = (
+            (Collective("all_gather", s_bytes, "tp", "fwd", "LM head input"),
+             Collective("reduce_scatter", s_bytes, "tp", "bwd", "LM head input gradient"))
+            if sp else (Collective("all_reduce", s_bytes, "tp", "bwd", "LM head input gradient"),)
+        )
+        return OpPlacement(op, OpSplit(dp, cp, tp, "colwise"), colls)
+    if op.kind is OpKind.LOSS:
+        tokens = shape.micro_batch * shape.seq_len / cp * 4
+        colls = tuple(Collective("all_reduce", tokens, "tp", "fwd", f"vocab-parallel loss {w}") for w in ("max", "sum"))
+        return OpPlacement(op, OpSplit(dp, cp, tp, "vocab_parallel"), colls)
+    if sp and _has(op, DimRole.ATTRIBUTE) and _has(op, DimRole.SAMPLE):
+        return OpPlacement(op, OpSplit(dp, cp * tp, 1, "sequence_parallel"))
+    return OpPlacement(op, OpSplit(dp, cp, 1, None))
+
+
+# --- tables for an op-level search ----------------------------------------------------------------
+
+
+def candidate_splits(op: OpNode, dims: ParallelDims) -> tuple[OpSplit, ...]:
+    """The splits `op` may take on the (dp, cp, tp) mesh of `dims` (see the module docstring)."""
+    dp, cp, tp = dims.dp, dims.cp, dims.tp
+    out = [OpSplit(dp, cp, 1, "replicate")]
+    if tp > 1 and _has(op, DimRole.PARAMETER):
+        out.append(OpSplit(dp, cp, tp, linear_style(op) or "shard"))
+    if tp > 1 and _has(op, DimRole.ATTRIBUTE):
+        out.append(OpSplit(dp, cp * tp, 1, "sequence_parallel"))
+    return tuple(out)
+
+
+def output_layout(split: OpSplit, cp: int = 1) -> str:
+    """How an op under `split` leaves its output over the tp group."""
+    if split.style == "rowwise":
+        return "partial"
+    if split.parameter > 1:
+        return "shard(parameter)"
+    if split.attribute > cp:
+        return "shard(attribute)"
+    return "replicate"
+
+
+def input_layout(split: OpSplit, cp: int = 1) -> str:
+    """The layout an op under `split` needs its activation input in, over the tp group."""
+    if split.style == "colwise":
+        return "replicate"
+    if split.parameter > 1:
+        return "shard(parameter)"
+    if split.attribute > cp:
+        return "shard(attribute)"
+    return "replicate"
+
+
+@dataclass(frozen=True)
+class Reshard:
+    kind: str | None
+    """The collective, or None when no data moves."""
+    nbytes: float
+
+
+def reshard(prev: OpSplit, nxt: OpSplit, tensor: TensorMeta, *, cp: int = 1) -> Reshard:
+    """The collective between `prev`'s output and `nxt`'s input for `tensor` (traced, whole batch).
+
+    Bytes are the full tensor divided by the sample and cp splits (nccl size: all-gather's output,
+    reduce-scatter's input)."""
+    src, dst = output_layout(prev, cp), input_layout(nxt, cp)
+    size = tensor.nbytes / max(1, prev.sample) / cp
+    if src == dst or src == "replicate":
+        return Reshard(None, 0.0)
+    if src == "partial":
+        return Reshard("reduce_scatter" if dst == "shard(attribute)" else "all_reduce", size)
+    if dst == "replicate":
+        return Reshard("all_gather", size)
+    return Reshard("all_to_all", size)
+
+
+def reshard_bytes(prev: OpSplit, nxt: OpSplit, tensor: TensorMeta, *, cp: int = 1) -> float:
+    return reshard(prev, nxt, tensor, cp=cp).nbytes
+
+
+def tp_plan(ops: Sequence[OpNode], strategy: Strategy) -> dict[str, str]:
+    """torch TP plan for one block: module path relative to the block instance -> style."""
+    if strategy.dims.tp == 1:
+        return {}
+    sp = strategy.train.sequence_parallel
+    plan: dict[str, str] = {}
+    for op in ops:
+        if op.block_id is None:
+            continue
+        rel = _relative(op.module_fqn, op.block_id)
+        style = linear_style(op)
+        if style and rel:
+            plan[rel] = style
+        elif sp and rel and ("norm" in _leaf(rel) or _leaf(rel).startswith("ln")):
+            plan[rel] = "sequence_parallel"
+    return plan
+
+
+def _relative(module_fqn: str, block_id: str) -> str:
+    """`model.layers.0.self_attn.q_proj` -> `self_attn.q_proj` for block `model.layers`."""
+    prefix = block_id + "."
+    if not module_fqn.startswith(prefix):
+        return ""
+    rest = module_fqn[len(prefix):]
+    return rest.split(".", 1)[1] if "." in rest else ""

@@ -1,0 +1,309 @@
+"""Pricing: OpGraph + Strategy + ClusterSpec -> the simulator's cost tables (`StepCosts`).
+
+Per segment of the graph (the non-block ops, or one instance of a block), priced once and reused for
+every instance and every stage (`_price_unit`):
+- compute: sum over ops of `Pricer.op` at the op's local split (`costmodel.placement`) for one
+  micro-batch; backward split into input gradient and weight gradient (half of a parametrized
+  matmul's backward, its weight-gradient kernel);
+- recompute (`recompute_for(block)`): full -> the block's whole forward again in backward (its
+  activation collectives too); selective -> the forward of the ops whose saved tensors it drops (all
+  but matmuls, embeddings and losses); none -> 0;
+- activation collectives: the placement's TP/SP, CP and EP collectives, forward and backward, each
+  `collective_time` on its mesh group;
+- gradient bucket: the segment's local gradients (fp32, `memory.GRAD_BYTES`):
+  zero 0/1 all-reduce over dp; zero 2/3 reduce-scatter over dp_shard then all-reduce of the shard over
+  dp_replicate (HSDP);
+- zero 3: all-gather of the segment's parameters at compute width over dp_shard (before its forward
+  and its backward);
+- activations: `memory.activation_bytes` per group of ops sharing a split; with full recomputation
+  only the block input is kept and one block's full set lives while its backward runs.
+
+Per stage: model state from `memory.model_state_bytes` over `memory.stage_params` (TP-sharded
+matmul/embedding weights); the optimizer step is memory-bound: local elements updated (the dp_shard
+share when zero >= 1) times bytes read (weights, gradients, state) and written (weights, state), at
+the device's memory bandwidth (`Pricer.memory_time`); with offload, gradients go down and 16-bit
+weights come back over the host link, and the CPU step is priced at the host-link rate too (the
+profiles carry no CPU memory bandwidth). Zero 1/2 all-gather the updated shards after the step.
+Pipeline transfers: the hidden state [micro_batch, seq/cp, hidden] (/tp with SP) as a send_recv.
+
+Mesh groups follow torch DeviceMesh order (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a group
+of size n whose ranks are `stride` apart shares a node with min(n, gpus_per_node // stride) of its
+members; a stream's link is intra_node when its groups fit in one node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from costmodel.collectives import CommGroup, collective_time
+from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, activation_bytes, buffer_bytes, model_state_bytes, stage_params
+from costmodel.opcost import activation_itemsize, op_time
+from costmodel.placement import ActivationShape, OpPlacement, block_placements
+from costmodel.profiles import ClusterSpec
+from costmodel.schedule import build_schedule
+from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
+from costmodel.simulator_result import StepFacts
+from costmodel.simulator_stages import Layer, balanced_bounds, layer_sequence, validate_bounds
+from costmodel.strategy import Strategy
+from tracer.errors import SoapError
+from tracer.ir import OpGraph, OpKind, OpNode
+
+SELECTIVE_KEEPS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS})
+
+
+class Pricer(Protocol):
+    """The simulator's only view of hardware; tests inject fakes with known numbers."""
+
+    def op(self, op: OpNode, split: Mapping[str, int], micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
+        """(forward, backward input-gradient, backward weight-gradient) seconds on the local shard."""
+
+    def collective(self, kind: str, nbytes: float, group: CommGroup) -> float: ...
+
+    def memory_time(self, nbytes: float) -> float:
+        """A memory-bound pass over `nbytes` on the device."""
+
+    def host_time(self, nbytes: float) -> float:
+        """Moving `nbytes` between device and host."""
+
+
+@dataclass(frozen=True)
+class ProfilePricer:
+    """Prices from the cluster's profiles via costmodel.opcost and costmodel.collectives."""
+
+    cluster: ClusterSpec
+    precision: str
+
+    def op(self, op: OpNode, split: Mapping[str, int], micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
+        cost = op_time(op, device=self.cluster.device, precision=self.precision, micro_batch=micro_batch,
+                       batch_traced=batch_traced, split=split)
+        weight = cost.bwd_s / 2 if op.kind is OpKind.MATMUL and op.params else 0.0
+        return cost.fwd_s, cost.bwd_s - weight, weight
+
+    def collective(self, kind: str, nbytes: float, group: CommGroup) -> float:
+        return collective_time(kind, nbytes, group, self.cluster)
+
+    def memory_time(self, nbytes: float) -> float:
+        d = self.cluster.device
+        return nbytes / (d.memory_bandwidth * d.memory_efficiency.at(max(nbytes, 1.0))) if nbytes > 0 else 0.0
+
+    def host_time(self, nbytes: float) -> float:
+        return nbytes / self.cluster.device.host_bandwidth
+
+
+@dataclass(frozen=True)
+class _Groups:
+    tp: CommGroup
+    cp: CommGroup
+    ep: CommGroup
+    dp: CommGroup
+    dp_shard: CommGroup
+    dp_replicate: CommGroup
+    pp_pair: CommGroup
+
+
+def _group(size: int, stride: int, gpus_per_node: int) -> CommGroup:
+    per_node = max(1, min(size, gpus_per_node // stride)) if stride <= gpus_per_node else 1
+    return CommGroup(size=size, ranks_per_node=per_node)
+
+
+def mesh_groups(strategy: Strategy, gpus_per_node: int) -> _Groups:
+    d = strategy.dims
+    g = gpus_per_node
+    return _Groups(
+        tp=_group(d.tp, 1, g), cp=_group(d.cp, d.tp, g), ep=_group(d.ep, d.tp, g),
+        dp=_group(d.dp, d.cp * d.tp, g), dp_shard=_group(d.dp_shard, d.cp * d.tp, g),
+        dp_replicate=_group(d.dp_replicate, d.dp_shard * d.cp * d.tp, g),
+        pp_pair=_group(min(2, d.pp), d.dp * d.cp * d.tp, g),
+    )
+
+
+def _spans(group: CommGroup) -> bool:
+    return group.size > group.ranks_per_node
+
+
+def price_step(
+    graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, stage_bounds: Sequence[int] | None = None, pricer: Pricer | None = None
+) -> tuple[StepCosts, StepFacts]:
+    d, t = strategy.dims, strategy.train
+    if t.seq_len != graph.seq_len:
+        raise SoapError(f"the graph was traced at sequence length {graph.seq_len} but the plan trains at {t.seq_len}; trace at {t.seq_len}")
+    dims = graph.dims
+    d.check_model(num_layers=dims.num_layers, heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab, seq_len=t.seq_len)
+    strategy.check_batch()
+    pricer = pricer or ProfilePricer(cluster, t.precision)
+    groups = mesh_groups(strategy, cluster.gpus_per_node)
+    n_stages = d.pp * t.virtual_stages
+    layers = layer_sequence(graph)
+    bounds = tuple(stage_bounds) if stage_bounds is not None else balanced_bounds(layers, n_stages)
+    validate_bounds(bounds, layers, n_stages)
+    width = activation_itemsize(t.precision)
+    shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden, itemsize=width,
+                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, experts_per_token=dims.experts_per_token)
+    units = _UnitPricer(graph, strategy, pricer, groups, shape)
+    stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
+                   for k in range(n_stages))
+    if d.pp == 1:
+        schedule, passes = build_schedule("1F1B", 1, t.num_microbatches), 1
+    else:
+        schedule, passes = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages), t.grad_accum
+    all_params = stage_params(graph.ops, block_counts={b.id: b.count for b in graph.blocks}, tensor_parallel=d.tp)
+    costs = StepCosts(
+        stages=stages, schedule=schedule, grad_accum=passes,
+        grad_sync_every_microbatch=t.zero == 3 and d.dp_shard > 1,
+        links={
+            "tp-comm": "inter_node" if _spans(groups.tp) or _spans(groups.cp) else "intra_node",
+            "dp-comm": "inter_node" if _spans(groups.dp) else "intra_node",
+            "pp-p2p": "inter_node" if _spans(groups.pp_pair) else "intra_node",
+        },
+        buffer_bytes=buffer_bytes(params=all_params, precision=t.precision, zero=t.zero, dp=d.dp, dp_shard=d.dp_shard) if t.zero < 3 else 0,
+        overhead_bytes=cluster.device.context_bytes,
+    )
+    return costs, _facts(graph, strategy, cluster)
+
+
+class _UnitPricer:
+    """Prices each segment of the graph once (`chunk(layer)`)."""
+
+    def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: _Groups, shape: ActivationShape) -> None:
+        self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
+        self._chunks: dict[int, ChunkCost] = {}
+        self._params: dict[int, int] = {}
+
+    def params(self, layer: Layer) -> int:
+        if layer.segment not in self._params:
+            self._params[layer.segment] = stage_params(layer.ops, block_counts={}, tensor_parallel=self.strategy.dims.tp).trainable
+        return self._params[layer.segment]
+
+    def chunk(self, layer: Layer) -> ChunkCost:
+        if layer.segment not in self._chunks:
+            self._chunks[layer.segment] = self._price(layer)
+        return self._chunks[layer.segment]
+
+    def _comm(self, placements: Sequence[OpPlacement], phase: str) -> float:
+        group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
+        return sum(self.pricer.collective(c.kind, c.nbytes, group[c.group])
+                   for p in placements for c in p.collectives if c.phase == phase)
+
+    def _price(self, layer: Layer) -> ChunkCost:
+        d, t = self.strategy.dims, self.strategy.train
+        placements = block_placements(layer.ops, self.strategy, self.shape)
+        fwd = bwd_in = bwd_w = selective = 0.0
+        for p in placements:
+            f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)
+            fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
+            if p.op.kind not in SELECTIVE_KEEPS:
+                selective += f
+        fwd_comm, bwd_comm = self._comm(placements, "fwd"), self._comm(placements, "bwd")
+        policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
+        kept_none = self._activations(placements, "none")
+        if policy == "full":
+            sp = t.sequence_parallel and d.tp > 1
+            kept = int(self.shape.hidden_bytes(d.cp) / (d.tp if sp else 1))
+            recompute_s, recompute_bytes, bwd_comm = fwd, kept_none, bwd_comm + fwd_comm
+        elif policy == "selective":
+            kept = self._activations(placements, "selective")
+            recompute_s, recompute_bytes = selective, kept_none - kept
+        else:
+            kept, recompute_s, recompute_bytes = kept_none, 0.0, 0
+        params = self.params(layer)
+        return ChunkCost(
+            name=layer.name, fwd_s=fwd, bwd_input_s=bwd_in, bwd_weight_s=bwd_w, recompute_s=recompute_s,
+            fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, grad_sync_s=self._grad_sync(params),
+            param_gather_s=self._gather(params), activation_bytes=kept, recompute_bytes=recompute_bytes,
+            gathered_bytes=params * activation_itemsize(t.precision) if self._fsdp else 0,
+        )
+
+    @property
+    def _fsdp(self) -> bool:
+        return self.strategy.train.zero == 3 and self.strategy.dims.dp_shard > 1
+
+    def _activations(self, placements: Sequence[OpPlacement], policy: str) -> int:
+        t = self.strategy.train
+        by_split: dict[tuple, list[OpNode]] = {}
+        for p in placements:
+            by_split.setdefault(tuple(sorted(p.split.local().items())), []).append(p.op)
+        return int(sum(
+            activation_bytes(ops, micro_batch=t.micro_batch, batch_traced=self.graph.batch, recompute=policy,
+                             attention=t.attention, split=dict(split), precision=t.precision)
+            for split, ops in by_split.items()
+        ))
+
+    def _grad_sync(self, params: int) -> float:
+        d, t = self.strategy.dims, self.strategy.train
+        nbytes = params * GRAD_BYTES[t.precision]
+        if d.dp == 1 or nbytes == 0:
+            return 0.0
+        if t.zero >= 2 and d.dp_shard > 1:
+            return (self.pricer.collective("reduce_scatter", nbytes, self.groups.dp_shard)
+                    + self.pricer.collective("all_reduce", nbytes / d.dp_shard, self.groups.dp_replicate))
+        return self.pricer.collective("all_reduce", nbytes, self.groups.dp)
+
+    def _gather(self, params: int) -> float:
+        if not self._fsdp or params == 0:
+            return 0.0
+        return self.pricer.collective("all_gather", params * activation_itemsize(self.strategy.train.precision), self.groups.dp_shard)
+
+
+def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy, pricer: Pricer,
+                 groups: _Groups, shape: ActivationShape) -> StageCost:
+    d, t = strategy.dims, strategy.train
+    chunks = tuple(units.chunk(layer) for layer in layers)
+    counts: dict[str, int] = {}
+    for layer in layers:
+        if layer.block_id is not None:
+            counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
+    seen_segments = {layer.segment: layer for layer in layers}
+    ops = [op for layer in seen_segments.values() for op in layer.ops]
+    params = stage_params(ops, block_counts=counts, tensor_parallel=d.tp)
+    state = model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
+                              dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
+                              param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen)
+    sp = t.sequence_parallel and d.tp > 1
+    hidden = shape.hidden_bytes(d.cp) / (d.tp if sp else 1)
+    p2p = pricer.collective("send_recv", hidden, groups.pp_pair) if d.pp > 1 else 0.0
+    return StageCost(
+        chunks=chunks, send_activation_s=p2p, send_gradient_s=p2p,
+        optimizer_s=_optimizer_time(params.trainable, strategy, pricer),
+        post_step_gather_s=(pricer.collective("all_gather", params.trainable * activation_itemsize(t.precision), groups.dp_shard)
+                            if t.zero in (1, 2) and d.dp_shard > 1 else 0.0),
+        weights_bytes=state.weights, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
+    )
+
+
+def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:
+    d, t = strategy.dims, strategy.train
+    elems = params / (d.dp_shard if t.zero >= 1 else 1)
+    opt_bytes = OPTIMIZER_BYTES.get(t.optimizer, 4)  # adafactor: a few bytes per element at most
+    touched = elems * (2 * WEIGHT_BYTES[t.precision] + GRAD_BYTES[t.precision] + 2 * opt_bytes)
+    if t.offload_optimizer:
+        transfer = elems * (GRAD_BYTES[t.precision] + activation_itemsize(t.precision))
+        return pricer.host_time(transfer) + pricer.host_time(touched)
+    return pricer.memory_time(touched)
+
+
+def _facts(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec) -> StepFacts:
+    d, t = strategy.dims, strategy.train
+    scale = t.global_batch / graph.batch
+    recomputed = 0
+    for op in graph.ops:
+        if op.block_id is None:
+            continue
+        policy = t.recompute_for(op.block_id)
+        if policy == "full" or (policy == "selective" and op.kind not in SELECTIVE_KEEPS):
+            recomputed += op.fwd_flops * graph.multiplicity(op)
+    model = (graph.fwd_flops + graph.bwd_flops) * scale
+    return StepFacts(
+        model_flops=model, hardware_flops=model + recomputed * scale, world_size=d.world_size,
+        global_batch=t.global_batch, seq_len=t.seq_len,
+        peak_flops_per_gpu=cluster.device.effective_peak(t.precision),
+        parallelism={
+            "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "zero": t.zero, "tp": d.tp,
+            "pp": d.pp, "cp": d.cp, "ep": d.ep, "sequence_parallel": t.sequence_parallel,
+            "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "num_microbatches": t.num_microbatches,
+            "schedule": t.schedule, "virtual_stages": t.virtual_stages, "recompute": t.recompute,
+            "precision": t.precision, "optimizer": t.optimizer,
+        },
+    )
+

@@ -1,0 +1,94 @@
+"""Pipeline stages over the layer sequence: the default balanced split, validation, module names.
+
+The layer sequence (`layer_sequence`) is the graph's segments expanded in execution order: each run
+of non-block ops is one layer (the prologue with the embeddings, the epilogue with the final norm, LM
+head and loss, anything between two block stacks), and each block instance is one layer. This is
+the same sequence as planner.units.layer_sequence, so the planner's partition bounds can be passed
+to `simulate(..., stages=bounds)` unchanged.
+
+Stage bounds are `(0, b1, ..., L)`: stage k holds layers bounds[k] .. bounds[k+1]-1. The default
+(`balanced_bounds`) spreads the block instances evenly over the stages (extra instances to the
+stages after the first, which carries the embeddings), keeps the prologue on the first stage and
+the epilogue on the last, and attaches a between-stacks run to the stage of the block after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tracer.errors import SoapError
+from tracer.ir import OpGraph, OpNode
+
+
+@dataclass(frozen=True)
+class Layer:
+    segment: int
+    """Index of the graph segment this layer is an instance of (layers of one segment cost the same)."""
+    block_id: str | None
+    instance: int
+    ops: tuple[OpNode, ...]
+
+    @property
+    def name(self) -> str:
+        if self.block_id is None:
+            return "<prologue>" if self.segment == 0 else "<epilogue>"
+        return f"{self.block_id}.{self.instance}"
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Module FQNs this layer puts on its stage."""
+        if self.block_id is not None:
+            return (f"{self.block_id}.{self.instance}",)
+        return tuple(dict.fromkeys(op.module_fqn for op in self.ops if op.module_fqn and op.params))
+
+
+def layer_sequence(graph: OpGraph) -> tuple[Layer, ...]:
+    layers: list[Layer] = []
+    for index, seg in enumerate(graph.segments()):
+        if seg.block_id is None:
+            layers.append(Layer(index, None, 0, seg.ops))
+        else:
+            layers.extend(Layer(index, seg.block_id, i, seg.ops) for i in range(seg.repeat))
+    return tuple(layers)
+
+
+def balanced_bounds(layers: Sequence[Layer], n_stages: int) -> tuple[int, ...]:
+    if n_stages == 1:
+        return (0, len(layers))
+    block_positions = [i for i, layer in enumerate(layers) if layer.block_id is not None]
+    if len(block_positions) < n_stages:
+        raise SoapError(
+            f"{n_stages} pipeline stages need at least {n_stages} layers but the model has {len(block_positions)}; "
+            "lower pp or virtual stages"
+        )
+    base, extra = divmod(len(block_positions), n_stages)
+    counts = [base + (1 if 1 <= k <= extra else 0) for k in range(n_stages)]
+    bounds = [0]
+    taken = 0
+    for k in range(n_stages - 1):
+        taken += counts[k]
+        bounds.append(block_positions[taken])  # a stage starts at its first block (runs before it join it)
+    bounds.append(len(layers))
+    return tuple(bounds)
+
+
+def validate_bounds(bounds: Sequence[int], layers: Sequence[Layer], n_stages: int) -> None:
+    if len(bounds) != n_stages + 1:
+        raise SoapError(f"stages: expected {n_stages + 1} bounds for {n_stages} stages, got {len(bounds)}")
+    if bounds[0] != 0 or bounds[-1] != len(layers):
+        raise SoapError(f"stages: bounds must start at 0 and end at {len(layers)} (the layer count), got {tuple(bounds)}")
+    for k in range(n_stages):
+        if bounds[k + 1] <= bounds[k]:
+            raise SoapError(f"stages: stage {k} has no layers (bounds {tuple(bounds)}); every stage needs at least one")
+
+
+def stage_modules(layers: Sequence[Layer], bounds: Sequence[int]) -> tuple[tuple[str, ...], ...]:
+    """Module FQNs per stage, for plan.json."""
+    out = []
+    for k in range(len(bounds) - 1):
+        mods: list[str] = []
+        for layer in layers[bounds[k]:bounds[k + 1]]:
+            mods.extend(layer.modules)
+        out.append(tuple(dict.fromkeys(mods)))
+    return tuple(out)
