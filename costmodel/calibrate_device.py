@@ -5,9 +5,10 @@ From the fit set (held-out points excluded):
 - `memory_bandwidth_gbps`: the best bytes/s any memory-bound kernel reached;
 - `kernel_overhead_us`: the time of a 12-byte add;
 - `matmul_efficiency` (x = FLOPs) and `memory_efficiency` (x = bytes): closed-form knots
-  (`calibrate_fit.efficiency_points`), then refined through `costmodel.opcost.op_time` on every fit
-  point (`calibrate_fit.refine_knots`). Matmuls and attention share the compute curve; elementwise,
-  norm and softmax kernels share the memory curve. The per-family median of measured/predicted on the
+  (`calibrate_fit.efficiency_points`), then refined through `costmodel.opcost.op_time`
+  (`calibrate_fit.refine_knots`): the memory curve on the elementwise, norm and softmax kernels, then
+  the matmul curve on the matmuls. The cost model prices attention with the matmul curve too; its
+  points are validated but do not bend the curve (CPU attention kernels run far from matmul speed). The per-family median of measured/predicted on the
   fit set is kept under the curves' `fit.residual_by_family`: how far one curve is from each family.
 """
 
@@ -79,23 +80,27 @@ def _as_profile(device_json: dict) -> DeviceProfile:
 
 
 def refine_device(device_json: dict, samples: Sequence[KernelSample]) -> dict:
-    """Refine both curves' knots through `op_time` on `samples`; add per-family residuals."""
+    """Refine the curves' knots through `op_time`: the memory curve on the memory-bound kernels, then the
+    matmul curve on the matmuls (attention is priced with the matmul curve but does not bend it); record
+    per-family residuals."""
     base = _as_profile(device_json)
-    mm, mem = base.matmul_efficiency.points, base.memory_efficiency.points
-    measured = [s.seconds for s in samples]
+    memory = [s for s in samples if s.case.family not in COMPUTE_FAMILIES]
+    matmuls = [s for s in samples if s.case.family == "matmul"]
 
-    def profile_for(values: Sequence[float]) -> DeviceProfile:
-        mm_pts = tuple((x, v) for (x, _), v in zip(mm, values[: len(mm)]))
-        mem_pts = tuple((x, v) for (x, _), v in zip(mem, values[len(mm):]))
-        return dataclasses.replace(base, matmul_efficiency=EfficiencyCurve(mm_pts), memory_efficiency=EfficiencyCurve(mem_pts))
+    def refine(dev: DeviceProfile, field: str, fit_on: Sequence[KernelSample]) -> DeviceProfile:
+        knots = getattr(dev, field).points
+        measured = [s.seconds for s in fit_on]
 
-    def objective(values: Sequence[float]) -> float:
-        dev = profile_for(values)
-        return mean_abs_log_error([predict_kernel(s.case, dev) for s in samples], measured)
+        def with_values(values: Sequence[float]) -> DeviceProfile:
+            return dataclasses.replace(dev, **{field: EfficiencyCurve(tuple((x, v) for (x, _), v in zip(knots, values)))})
 
-    start = [e for _, e in mm] + [e for _, e in mem]
-    values = refine_knots(start, objective, bounds=[(1e-4, 1.0)] * len(start))
-    dev = profile_for(values)
+        def objective(values: Sequence[float]) -> float:
+            trial = with_values(values)
+            return mean_abs_log_error([predict_kernel(s.case, trial) for s in fit_on], measured)
+
+        return with_values(refine_knots([e for _, e in knots], objective, bounds=[(1e-4, 1.0)] * len(knots)))
+
+    dev = refine(refine(base, "memory_efficiency", memory), "matmul_efficiency", matmuls)
     source = device_json["matmul_efficiency"]["source"]
     residuals = {}
     for fam in sorted({s.case.family for s in samples}):
