@@ -1,0 +1,201 @@
+"""Pricing real graphs: placements and their collectives, memory, monotonicity of the predicted step."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costmodel.placement import (
+    ActivationShape, OpSplit, block_placements, candidate_splits, reshard, tp_plan,
+)
+from costmodel.profiles import load_cluster
+from costmodel.schedule import build_schedule
+from costmodel.simulator import simulate, simulate_costs
+from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
+from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
+from tracer.errors import SoapError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sim_graphs import tiny_decoder  # noqa: E402
+
+GRAPH = tiny_decoder()
+CLUSTER = load_cluster("dgx-h100")
+SHAPE = ActivationShape(micro_batch=1, seq_len=64, hidden=64, itemsize=2, kv_heads=4, head_dim=16)
+
+
+def _strategy(*, tp=1, pp=1, dp=1, cp=1, zero=0, mb=4, **train):
+    dims = ParallelDims(tp=tp, pp=pp, dp_shard=dp, cp=cp)
+    return Strategy(dims=dims, train=TrainingConfig(global_batch=dp * mb, seq_len=64, num_microbatches=mb,
+                                                    grad_accum=mb if pp == 1 else 1, zero=zero, **train))
+
+
+def _bus_bytes(placements, n):
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}
+    return sum(factor[c.kind] * c.nbytes for p in placements for c in p.collectives if c.group == "tp")
+
+
+def test_sequence_parallel_moves_the_same_bytes_as_tp_allreduce_split_into_rs_and_ag():
+    tp = block_placements(GRAPH.ops_of("model.layers"), _strategy(tp=4), SHAPE)
+    sp = block_placements(GRAPH.ops_of("model.layers"), _strategy(tp=4, sequence_parallel=True), SHAPE)
+    tp_kinds = sorted(c.kind for p in tp for c in p.collectives)
+    sp_kinds = sorted(c.kind for p in sp for c in p.collectives)
+    assert tp_kinds == ["all_reduce"] * 4  # two regions, forward and backward
+    assert sp_kinds == ["all_gather"] * 4 + ["reduce_scatter"] * 4
+    assert _bus_bytes(sp, 4) == pytest.approx(_bus_bytes(tp, 4))
+
+
+def test_megatron_splits_heads_and_ffn_and_sequence_parallel_norms():
+    placed = {p.op.name.split(".")[-1]: p.split for p in
+              block_placements(GRAPH.ops_of("model.layers"), _strategy(tp=2, dp=4, sequence_parallel=True), SHAPE)}
+    assert placed["q_proj:linear"].style == "colwise" and placed["q_proj:linear"].parameter == 2
+    assert placed["o_proj:linear"].style == "rowwise"
+    assert placed["self_attn:sdpa"].describe() == "Sample x4, Parameter x2"
+    assert placed["input_layernorm:mul"].describe() == "Sample x4, Attribute x2"
+
+
+def test_context_parallel_gathers_kv_for_each_attention():
+    placed = block_placements(GRAPH.ops_of("model.layers"), _strategy(cp=2), SHAPE)
+    cp = [c for p in placed for c in p.collectives if c.group == "cp"]
+    assert [(c.kind, c.phase) for c in cp] == [("all_gather", "fwd"), ("reduce_scatter", "bwd")]
+    assert cp[0].nbytes == 2 * 1 * 64 * 4 * 16 * 2  # K and V, whole sequence, 4 KV heads of 16, bf16
+
+
+def test_tp_plan_has_torch_shape_relative_to_the_block():
+    plan = tp_plan(GRAPH.ops, _strategy(tp=2, sequence_parallel=True))
+    assert plan["self_attn.q_proj"] == "colwise" and plan["mlp.down_proj"] == "rowwise"
+    assert plan["input_layernorm"] == "sequence_parallel"
+    assert tp_plan(GRAPH.ops, _strategy()) == {}
+
+
+def test_reshard_table_names_the_collective_between_layouts():
+    h = GRAPH.ops[1].inputs[0]
+    rowwise, colwise = OpSplit(1, 1, 2, "rowwise"), OpSplit(1, 1, 2, "colwise")
+    replicated, seq = OpSplit(1, 1, 1, None), OpSplit(1, 2, 1, "sequence_parallel")
+    assert reshard(rowwise, replicated, h).kind == "all_reduce"
+    assert reshard(rowwise, seq, h).kind == "reduce_scatter"
+    assert reshard(seq, colwise, h).kind == "all_gather"
+    assert reshard(replicated, colwise, h).kind is None
+    assert reshard(rowwise, replicated, h).nbytes == h.nbytes
+
+
+def test_candidate_splits_offer_replicated_tensor_and_sequence_parallel():
+    q_proj = GRAPH.ops[2]
+    kinds = {c.style for c in candidate_splits(q_proj, ParallelDims(tp=2, dp_shard=2))}
+    assert kinds == {"replicate", "colwise", "sequence_parallel"}
+
+
+def test_1f1b_first_stage_holds_pp_microbatches_of_activations():
+    r = simulate(GRAPH, _strategy(pp=2, mb=4), CLUSTER)
+    one = simulate(GRAPH, _strategy(pp=2, mb=1), CLUSTER)
+    assert r.memory[0].at_peak.activations == 2 * one.memory[0].at_peak.activations
+
+
+def test_full_recompute_trades_memory_for_time():
+    plain = simulate(GRAPH, _strategy(mb=1), CLUSTER)
+    full = simulate(GRAPH, _strategy(mb=1, recompute="full"), CLUSTER)
+    assert full.peak_memory_bytes < plain.peak_memory_bytes
+    assert full.breakdown.compute > plain.breakdown.compute
+    assert full.facts.hardware_flops > full.facts.model_flops == plain.facts.model_flops
+
+
+def test_zero3_gathers_parameters_and_shards_state():
+    ddp = simulate(GRAPH, _strategy(dp=4, mb=1), CLUSTER)
+    fsdp = simulate(GRAPH, _strategy(dp=4, mb=1, zero=3), CLUSTER)
+    assert any(e.category == "fsdp" for e in fsdp.events) and not any(e.category == "fsdp" for e in ddp.events)
+    assert fsdp.memory[0].at_peak.weights * 4 == pytest.approx(ddp.memory[0].at_peak.weights, rel=0.01)
+
+
+def test_every_schedule_simulates_on_a_real_graph():
+    for name, v in [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]:
+        r = simulate(GRAPH, _strategy(pp=2, mb=4, schedule=name, virtual_stages=v), CLUSTER)
+        b = r.breakdown
+        assert b.compute + b.exposed_comm + b.bubble + b.optimizer + b.other == pytest.approx(r.step_time_s)
+
+
+def test_stage_bounds_are_validated():
+    with pytest.raises(SoapError, match="stage 1 has no layers"):
+        simulate(GRAPH, _strategy(pp=2), CLUSTER, stages=(0, 6, 6))
+    r = simulate(GRAPH, _strategy(pp=2), CLUSTER, stages=(0, 2, 6))
+    assert r.memory[1].at_peak.weights > r.memory[0].at_peak.weights
+
+
+def test_contract_json_has_every_key():
+    c = simulate(GRAPH, _strategy(tp=2, dp=2), CLUSTER).to_contract()
+    for key in ("step_time_s", "tokens_per_s", "samples_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
+                "mfu", "hfu", "peak_memory_gib", "parallelism", "breakdown_s"):
+        assert key in c
+    assert set(c["breakdown_s"]) == {"compute", "exposed_comm", "bubble", "optimizer", "other"}
+    assert {"dp", "zero", "tp", "pp", "cp", "micro_batch", "grad_accum", "num_microbatches", "schedule",
+            "recompute", "precision", "optimizer"} <= set(c["parallelism"])
+    assert 0 < c["mfu"] < 1
+
+
+# --- monotonicity --------------------------------------------------------------------------------
+
+
+def _scaled_cluster(bandwidth=1.0, compute=1.0):
+    dev = CLUSTER.device
+    dev = dataclasses.replace(dev, peak_flops={k: v * compute for k, v in dev.peak_flops.items()},
+                              memory_bandwidth=dev.memory_bandwidth * compute)
+    return dataclasses.replace(
+        CLUSTER, device=dev,
+        intra_node=dataclasses.replace(CLUSTER.intra_node, bandwidth=CLUSTER.intra_node.bandwidth * bandwidth),
+        inter_node=dataclasses.replace(CLUSTER.inter_node, bandwidth=CLUSTER.inter_node.bandwidth * bandwidth),
+    )
+
+
+STRATEGIES = st.sampled_from([
+    _strategy(tp=2, pp=2, dp=2, mb=4, sequence_parallel=True),
+    _strategy(dp=8, mb=2, zero=3),
+    _strategy(pp=4, mb=8, schedule="Interleaved1F1B", virtual_stages=1),
+    _strategy(tp=4, dp=2, mb=1, zero=2, recompute="full"),
+    _strategy(pp=2, cp=2, dp=2, mb=4, schedule="ZBVZeroBubble", virtual_stages=2),
+])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(strategy=STRATEGIES, factor=st.floats(1.0, 64.0))
+def test_more_bandwidth_never_slows_the_step(strategy, factor):
+    base = simulate(GRAPH, strategy, _scaled_cluster()).step_time_s
+    assert simulate(GRAPH, strategy, _scaled_cluster(bandwidth=factor)).step_time_s <= base * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(strategy=STRATEGIES, factor=st.floats(1.0, 64.0))
+def test_faster_compute_never_slows_the_step(strategy, factor):
+    base = simulate(GRAPH, strategy, _scaled_cluster()).step_time_s
+    assert simulate(GRAPH, strategy, _scaled_cluster(compute=factor)).step_time_s <= base * (1 + 1e-9)
+
+
+chunk_costs = st.builds(
+    lambda f, b, c, g, s: ChunkCost(name="c", fwd_s=f, bwd_input_s=b, bwd_weight_s=b, fwd_comm_s=c, bwd_comm_s=c,
+                                    grad_sync_s=g, param_gather_s=s),
+    *[st.floats(0.0, 2.0)] * 5,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chunks=st.lists(chunk_costs, min_size=4, max_size=4),
+    send=st.floats(0.0, 2.0),
+    shrink=st.floats(0.0, 1.0),
+    schedule=st.sampled_from([("GPipe", 2, 1), ("1F1B", 2, 1), ("Interleaved1F1B", 2, 2), ("ZBVZeroBubble", 2, 2)]),
+    every_mb=st.booleans(),
+)
+def test_fewer_bytes_moved_never_slows_the_step(chunks, send, shrink, schedule, every_mb):
+    name, pp, v = schedule
+
+    def step(k):
+        stages = tuple(
+            StageCost(chunks=(dataclasses.replace(c, fwd_comm_s=c.fwd_comm_s * k, bwd_comm_s=c.bwd_comm_s * k,
+                                                  grad_sync_s=c.grad_sync_s * k, param_gather_s=c.param_gather_s * k),),
+                      send_activation_s=send * k, send_gradient_s=send * k, optimizer_s=0.1)
+            for c in chunks[: pp * v]
+        )
+        costs = StepCosts(stages=stages, schedule=build_schedule(name, pp, 4, v), grad_sync_every_microbatch=every_mb)
+        return simulate_costs(costs).step_time_s
+
+    assert step(shrink) <= step(1.0) * (1 + 1e-9)
