@@ -19,7 +19,7 @@ from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 from tracer.errors import SoapError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sim_graphs import tiny_decoder  # noqa: E402
+from test_sim_graphs import tiny_decoder  # noqa: E402
 
 GRAPH = tiny_decoder()
 CLUSTER = load_cluster("dgx-h100")

@@ -61,3 +61,10 @@ def tiny_decoder(*, layers=4, batch=2, seq=64, hidden=64, ffn=128, heads=4, voca
         dims=ModelDims(num_layers=layers, hidden=h, heads=heads, kv_heads=heads, head_dim=h // heads, ffn=ffn, vocab=vocab),
         frontend="hand",
     )
+
+
+def test_tiny_decoder_is_prologue_block_epilogue():
+    graph = tiny_decoder(layers=3)
+    segments = list(graph.segments())
+    assert [(s.block_id, s.repeat) for s in segments] == [(None, 1), ("model.layers", 3), (None, 1)]
+    assert graph.fwd_flops > 0 and graph.bwd_flops > graph.fwd_flops
