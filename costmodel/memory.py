@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.memory_activations import activation_bytes as _activation_bytes
-from costmodel.opcost import activation_itemsize
+from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
@@ -198,7 +198,9 @@ def stage_params(
     ops: Iterable[OpNode], *, block_counts: Mapping[str, int], tensor_parallel: int = 1
 ) -> ParamSet:
     """Distinct parameters (by name) of `ops`, each block's times its instance count. Parameters read by
-    matmuls and embeddings are sharded `tensor_parallel` ways (their first dimension); others replicate."""
+    matmuls and embeddings are sharded `tensor_parallel` ways (their first dimension); others replicate.
+    Frozen floating-point tensors (frozen weights, buffers such as rotary `inv_freq`) count as frozen;
+    integer buffers (position ids) are left out."""
     seen: set[str] = set()
     trainable = frozen = 0
     shapes: list[tuple[int, ...]] = []
@@ -216,7 +218,7 @@ def stage_params(
                 trainable += local * count
                 shape = (math.ceil(p.shape[0] / degree), *p.shape[1:]) if p.shape else ()
                 shapes.extend([shape] * count)
-            else:
+            elif p.dtype in FLOAT_DTYPES:
                 frozen += local * count
     return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0))
 

@@ -1,0 +1,178 @@
+"""Memory: exact model-state bytes, ZeRO and offload, activation policies on a hand-built graph."""
+
+import pytest
+
+from costmodel.memory import (
+    DDP_BUCKET_BYTES,
+    adafactor_bytes,
+    activation_bytes,
+    estimate_memory,
+    model_state_bytes,
+)
+from costmodel.profiles import load_device
+from costmodel.strategy import TrainingConfig
+from tracer.errors import SoapError
+from tracer.ir import Block, DimRole, ModelDims, OpGraph, OpKind, OpNode, ParamMeta, TensorMeta
+
+S, A, P, N = DimRole.SAMPLE, DimRole.ATTRIBUTE, DimRole.PARAMETER, DimRole.NONE
+B, T, H, HEADS = 2, 64, 32, 4
+D = H // HEADS
+
+
+def act(*shape, roles=(S, A, P), dtype="float32"):
+    return TensorMeta(tuple(shape), dtype, roles)
+
+
+X = act(B, T, H)
+Q = act(B, HEADS, T, D, roles=(S, P, A, P))
+LSE = act(B, HEADS, T, roles=(S, P, A))
+FFN = act(B, T, 4 * H)
+
+
+def op(name, kind, block, inputs, outputs, saved, params=()):
+    return OpNode(name, kind, f"aten.{name}", name, block, inputs, outputs, params, 1, 2, 1, saved)
+
+
+def weight(name, *shape):
+    return ParamMeta(name, tuple(shape), "float32")
+
+
+def toy_ops():
+    """embedding | block(norm, qkv matmul, sdpa, out proj, up matmul, gelu, down matmul) | head, loss."""
+    ids = act(B, T, roles=(S, A), dtype="int64")
+    logits = act(B * T, 100, roles=(S, P))
+    return (
+        op("embed", OpKind.EMBEDDING, None, (ids,), (X,), (ids,), (weight("embed.weight", 100, H),)),
+        op("l.0.norm", OpKind.NORM, "l", (X,), (X,), (X, LSE), (weight("l.0.norm.weight", H),)),
+        op("l.0.qkv", OpKind.MATMUL, "l", (X,), (X,), (X,), (weight("l.0.qkv.weight", 3 * H, H),)),
+        op("l.0.sdpa", OpKind.ATTENTION, "l", (Q, Q, Q), (Q,), (Q, Q, Q, Q, LSE)),
+        op("l.0.up", OpKind.MATMUL, "l", (X,), (FFN,), (X,), (weight("l.0.up.weight", 4 * H, H),)),
+        op("l.0.gelu", OpKind.ELEMENTWISE, "l", (FFN,), (FFN,), (FFN,)),
+        op("l.0.down", OpKind.MATMUL, "l", (FFN,), (X,), (FFN,), (weight("l.0.down.weight", H, 4 * H),)),
+        op("head", OpKind.MATMUL, None, (X,), (logits,), (X,), (weight("head.weight", 100, H),)),
+        op("loss", OpKind.LOSS, None, (logits,), (act(roles=()),), (logits,)),
+    )
+
+
+def toy_graph(count=3):
+    return OpGraph("toy", "causal-lm", B, T, toy_ops(), (Block("l", "Layer", count, 1),), 0, 0,
+                   ModelDims(count, H, HEADS, HEADS, D, 4 * H, 100), "export")
+
+
+IDS, XB, QB, LSEB, FFNB, LOGITS = B * T * 8, X.nbytes, Q.nbytes, LSE.nbytes, FFN.nbytes, B * T * 100 * 4
+BLOCK_NONE = (XB + LSEB) + XB + (4 * QB + LSEB) + XB + FFNB + FFNB
+EPILOGUE = XB + LOGITS
+
+
+@pytest.mark.parametrize(
+    "precision, optimizer, per_param",
+    [
+        ("fp32", "adamw", (4, 4, 8)),
+        ("bf16", "adamw", (6, 4, 8)),
+        ("fp16", "adamw8bit", (6, 4, 2)),
+        ("bf16", "sgd", (6, 4, 4)),
+        ("fp8", "adamw", (3, 1, 3)),
+        ("fp8", "sgd", (3, 1, 4)),
+    ],
+)
+def test_model_state_bytes_per_parameter(precision, optimizer, per_param):
+    n = 1_234_567
+    state = model_state_bytes(n, precision=precision, optimizer=optimizer, zero=0, dp_shard=1, offload_optimizer=False)
+    assert (state.weights, state.grads, state.optimizer, state.offloaded) == (
+        n * per_param[0], n * per_param[1], n * per_param[2], 0)
+
+
+def test_mixed_precision_adamw_is_18_bytes_per_parameter():
+    n = 1000
+    s = model_state_bytes(n, precision="bf16", optimizer="adamw", zero=0, dp_shard=1, offload_optimizer=False)
+    assert s.weights + s.grads + s.optimizer == 18 * n
+
+
+def test_zero_stages_shard_optimizer_then_grads_then_weights():
+    n, d = 8_000, 8
+    full = model_state_bytes(n, precision="bf16", optimizer="adamw", zero=0, dp_shard=d, offload_optimizer=False)
+    z = [model_state_bytes(n, precision="bf16", optimizer="adamw", zero=k, dp_shard=d, offload_optimizer=False)
+         for k in (1, 2, 3)]
+    assert (z[0].weights, z[0].grads, z[0].optimizer) == (full.weights, full.grads, full.optimizer // d)
+    assert (z[1].weights, z[1].grads, z[1].optimizer) == (full.weights, full.grads // d, full.optimizer // d)
+    assert (z[2].weights, z[2].grads, z[2].optimizer) == (full.weights // d, full.grads // d, full.optimizer // d)
+
+
+def test_offload_moves_the_sharded_optimizer_state_to_the_host():
+    s = model_state_bytes(8_000, precision="bf16", optimizer="adamw", zero=1, dp_shard=4, offload_optimizer=True)
+    assert s.optimizer == 0 and s.offloaded == 8_000 * 8 // 4
+
+
+def test_adafactor_keeps_factored_row_and_column_statistics():
+    assert adafactor_bytes((1024, 256)) == 4 * (1024 + 256)
+    assert adafactor_bytes((4, 8, 16)) == 4 * (4 * 8 + 4 * 16)
+    assert adafactor_bytes((300,)) == 4 * 300
+    s = model_state_bytes(1024 * 256 + 300, precision="bf16", optimizer="adafactor", zero=0, dp_shard=1,
+                          offload_optimizer=False, param_shapes=[(1024, 256), (300,)])
+    assert s.optimizer == 4 * (1024 + 256 + 300)
+
+
+def test_bad_state_arguments_are_refused():
+    with pytest.raises(SoapError, match="unknown optimizer"):
+        model_state_bytes(10, precision="bf16", optimizer="lion", zero=0, dp_shard=1, offload_optimizer=False)
+    with pytest.raises(SoapError, match="zero=4"):
+        model_state_bytes(10, precision="bf16", optimizer="adamw", zero=4, dp_shard=1, offload_optimizer=False)
+
+
+def _acts(recompute, attention="sdpa", count=3, **kw):
+    return activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute=recompute, attention=attention,
+                            block_counts={"l": count}, **kw)
+
+
+def test_no_recompute_keeps_every_saved_tensor():
+    assert _acts("none") == IDS + 3 * BLOCK_NONE + EPILOGUE
+
+
+def test_full_recompute_keeps_block_inputs_plus_one_recomputed_block():
+    window = BLOCK_NONE - XB
+    assert _acts("full") == IDS + 3 * XB + max(EPILOGUE, window)
+    assert _acts("full", count=30) < _acts("none", count=30) / 5
+
+
+def test_selective_drops_memory_bound_saves_but_keeps_matmul_inputs_and_qkv():
+    kept = XB + XB + 4 * QB + FFNB  # qkv input, up input, sdpa q/k/v/out (no lse), down input
+    assert _acts("selective") == IDS + 3 * kept + EPILOGUE
+    assert _acts("full") < _acts("selective") < _acts("none")
+
+
+def test_eager_attention_stores_the_scores_per_head():
+    probs = B * HEADS * T * T * 4
+    assert _acts("none", attention="eager") - _acts("none") == 3 * (probs - LSEB)
+
+
+def test_activations_scale_with_micro_batch_splits_and_precision():
+    base = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa")
+    assert activation_bytes(toy_ops(), micro_batch=2 * B, batch_traced=B, recompute="none", attention="sdpa") == 2 * base
+    bf16 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", precision="bf16")
+    assert bf16 == IDS + (base - IDS) // 2  # floats halve, the int64 ids stay
+    tp = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", split={"parameter": 2})
+    assert tp < base
+
+
+def test_estimate_memory_adds_state_activations_buffers_and_context():
+    graph = toy_graph()
+    device = load_device("h100-sxm")
+    train = TrainingConfig(global_batch=8, seq_len=T, micro_batch=B, precision="fp32", optimizer="adamw")
+    params = 100 * H + 100 * H + 3 * (H + 3 * H * H + 4 * H * H + 4 * H * H)
+    est = estimate_memory(graph, device=device, train=train, dp=4)
+    assert (est.weights, est.grads, est.optimizer) == (4 * params, 4 * params, 8 * params)
+    assert est.activations == _acts("none")
+    assert est.buffers == 2 * DDP_BUCKET_BYTES
+    assert est.overhead == device.context_bytes
+    assert est.total == sum((est.weights, est.grads, est.optimizer, est.activations, est.buffers, est.overhead))
+    fsdp = estimate_memory(graph, device=device, train=TrainingConfig(global_batch=8, seq_len=T, micro_batch=B,
+                           precision="fp32", zero=3), dp=4, dp_shard=4)
+    assert fsdp.weights == 4 * params // 4
+    largest_unit = H + 11 * H * H  # one block outweighs the embedding + head (6400)
+    assert fsdp.buffers == largest_unit * (2 * 4 + 4)
+
+
+def test_estimate_memory_refuses_a_graph_traced_at_another_sequence_length():
+    with pytest.raises(SoapError, match="sequence length"):
+        estimate_memory(toy_graph(), device=load_device("h100-sxm"),
+                        train=TrainingConfig(global_batch=2, seq_len=2 * T, micro_batch=B))

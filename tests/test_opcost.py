@@ -1,0 +1,149 @@
+"""Op cost: the roofline against hand-computed numbers, local shapes, precisions, and monotonicity."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodel.opcost import op_time
+from costmodel.profiles import DeviceProfile, EfficiencyCurve, load_device
+from tracer.errors import SoapError
+from tracer.ir import DimRole, OpKind, OpNode, ParamMeta, TensorMeta
+
+S, A, P, N = DimRole.SAMPLE, DimRole.ATTRIBUTE, DimRole.PARAMETER, DimRole.NONE
+B, T, H, F = 4, 256, 1024, 4096
+
+
+def flat_device(*, peak=100e12, bandwidth=1e12, matmul_eff=0.5, memory_eff=0.8, overhead_s=5e-6, fp8=True):
+    peaks = {"fp32": peak / 10, "tf32": peak / 2, "fp16": peak, "bf16": peak}
+    if fp8:
+        peaks["fp8"] = 2 * peak
+    return DeviceProfile(
+        name="flat",
+        peak_flops=peaks,
+        memory_bytes=80 * 2**30,
+        memory_bandwidth=bandwidth,
+        matmul_efficiency=EfficiencyCurve(((1.0, matmul_eff),)),
+        memory_efficiency=EfficiencyCurve(((1.0, memory_eff),)),
+        kernel_overhead_s=overhead_s,
+        context_bytes=2**30,
+        host_bandwidth=50e9,
+    )
+
+
+def linear_op(batch=B):
+    x = TensorMeta((batch, T, H), "float32", (S, A, P))
+    y = TensorMeta((batch, T, F), "float32", (S, A, P))
+    w = ParamMeta("layers.0.mlp.up.weight", (F, H), "float32")
+    flops = 2 * batch * T * H * F
+    return OpNode("layers.0.mlp.up:linear", OpKind.MATMUL, "aten.linear.default", "layers.0.mlp.up", "layers",
+                  (x,), (y,), (w,), flops, 2 * flops, x.nbytes + y.nbytes + 4 * F * H, (x,))
+
+
+def gelu_op(batch=B):
+    y = TensorMeta((batch, T, F), "float32", (S, A, P))
+    return OpNode("layers.0.mlp.act:gelu", OpKind.ELEMENTWISE, "aten.gelu.default", "layers.0.mlp.act", "layers",
+                  (y,), (y,), (), 8 * y.numel, 16 * y.numel, 2 * y.nbytes, (y,))
+
+
+def test_large_matmul_is_compute_bound_at_the_precision_peak():
+    dev = flat_device()
+    cost = op_time(linear_op(), device=dev, precision="bf16", micro_batch=B, batch_traced=B)
+    flops = 2 * B * T * H * F
+    assert cost.fwd_flops == flops
+    assert cost.fwd_s == pytest.approx(flops / (100e12 * 0.5) + 5e-6)
+    assert cost.fwd_bound == "compute"
+    # backward: two kernels (input and weight gradient), each half the 2x FLOPs
+    assert cost.bwd_s == pytest.approx(2 * (flops / (100e12 * 0.5) + 5e-6))
+
+
+def test_elementwise_is_memory_bound_at_16_bit_under_mixed_precision():
+    dev = flat_device()
+    op = gelu_op()
+    fp32 = op_time(op, device=dev, precision="fp32", micro_batch=B, batch_traced=B)
+    bf16 = op_time(op, device=dev, precision="bf16", micro_batch=B, batch_traced=B)
+    nbytes = 2 * B * T * F * 4
+    assert fp32.bytes_moved == nbytes and fp32.fwd_bound == "memory"
+    assert fp32.fwd_s == pytest.approx(nbytes / (1e12 * 0.8) + 5e-6)
+    assert bf16.bytes_moved == nbytes / 2
+    assert bf16.fwd_s == pytest.approx(nbytes / 2 / (1e12 * 0.8) + 5e-6)
+    assert bf16.bwd_s == pytest.approx(nbytes / (1e12 * 0.8) + 5e-6)  # one kernel, 2x bytes
+
+
+def test_precisions_use_their_own_peaks_and_fp8_needs_hardware():
+    dev = flat_device(overhead_s=0.0)
+    times = {p: op_time(linear_op(), device=dev, precision=p, micro_batch=B, batch_traced=B).fwd_s
+             for p in ("fp32", "tf32", "bf16", "fp8")}
+    assert times["fp32"] == pytest.approx(10 * times["bf16"])
+    assert times["tf32"] == pytest.approx(2 * times["bf16"])
+    assert times["fp8"] == pytest.approx(times["bf16"] / 2)
+    with pytest.raises(SoapError, match="no fp8"):
+        op_time(linear_op(), device=load_device("a100-sxm-80g"), precision="fp8", micro_batch=B, batch_traced=B)
+    with pytest.raises(SoapError, match="no bf16"):
+        op_time(linear_op(), device=load_device("v100-sxm2-16g"), precision="bf16", micro_batch=B, batch_traced=B)
+
+
+def test_fp8_does_not_speed_up_memory_bound_ops():
+    dev = flat_device()
+    bf16 = op_time(gelu_op(), device=dev, precision="bf16", micro_batch=B, batch_traced=B)
+    fp8 = op_time(gelu_op(), device=dev, precision="fp8", micro_batch=B, batch_traced=B)
+    assert fp8.fwd_s == bf16.fwd_s
+
+
+def test_micro_batch_and_splits_shrink_the_local_work():
+    dev = flat_device()
+    full = op_time(linear_op(), device=dev, precision="bf16", micro_batch=B, batch_traced=B)
+    double = op_time(linear_op(), device=dev, precision="bf16", micro_batch=2 * B, batch_traced=B)
+    assert double.fwd_flops == 2 * full.fwd_flops
+    tp = op_time(linear_op(), device=dev, precision="bf16", micro_batch=B, batch_traced=B, split={"parameter": 4})
+    assert tp.fwd_flops == full.fwd_flops / 4
+    assert tp.bytes_moved == pytest.approx(full.bytes_moved / 4)
+    sp = op_time(gelu_op(), device=dev, precision="bf16", micro_batch=B, batch_traced=B, split={"attribute": 2, "sample": 2})
+    base = op_time(gelu_op(), device=dev, precision="bf16", micro_batch=B, batch_traced=B)
+    assert sp.fwd_flops == base.fwd_flops / 4 and sp.bytes_moved == pytest.approx(base.bytes_moved / 4)
+
+
+def test_view_costs_nothing():
+    t = TensorMeta((B, T, H), "float32", (S, A, P))
+    view = OpNode("x:view", OpKind.VIEW, "aten.view.default", "x", None, (t,), (t,), (), 0, 0, 0, ())
+    cost = op_time(view, device=flat_device(), precision="bf16", micro_batch=B, batch_traced=B)
+    assert cost.fwd_s == 0 and cost.bwd_s == 0
+
+
+def test_bad_split_is_refused():
+    with pytest.raises(SoapError, match="split role"):
+        op_time(linear_op(), device=flat_device(), precision="bf16", micro_batch=1, batch_traced=1, split={"operator": 2})
+    with pytest.raises(SoapError, match="unknown precision"):
+        op_time(linear_op(), device=flat_device(), precision="int4", micro_batch=1, batch_traced=1)
+
+
+def test_shipped_h100_prices_a_big_matmul_near_the_measured_rate():
+    flops = 2 * 8192**3
+    x = TensorMeta((8192, 8192), "float32", (S, P))
+    op = OpNode("mm", OpKind.MATMUL, "aten.mm.default", "mm", None, (x, x), (x,), (), flops, 2 * flops, 3 * x.nbytes, (x,))
+    cost = op_time(op, device=load_device("h100-sxm"), precision="bf16", micro_batch=1, batch_traced=1)
+    achieved = flops / cost.fwd_s
+    assert 700e12 < achieved < 810e12  # hardware.md: 798 TF/s measured
+
+
+factors = st.floats(min_value=1.0, max_value=100.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    compute=factors, bandwidth=factors,
+    precision=st.sampled_from(["fp32", "tf32", "bf16", "fp8"]),
+    batch=st.integers(1, 64), which=st.sampled_from(["linear", "gelu"]),
+)
+def test_more_compute_or_bandwidth_never_predicts_a_slower_op(compute, bandwidth, precision, batch, which):
+    base = load_device("h100-sxm")
+    faster = dataclasses.replace(
+        base,
+        peak_flops={k: v * compute for k, v in base.peak_flops.items()},
+        memory_bandwidth=base.memory_bandwidth * bandwidth,
+    )
+    op = linear_op(batch) if which == "linear" else gelu_op(batch)
+    slow = op_time(op, device=base, precision=precision, micro_batch=batch, batch_traced=batch)
+    fast = op_time(op, device=faster, precision=precision, micro_batch=batch, batch_traced=batch)
+    assert fast.fwd_s <= slow.fwd_s and fast.bwd_s <= slow.bwd_s
