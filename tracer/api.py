@@ -10,6 +10,7 @@ The default sequence length is min(the model's maximum positions, 2048) (inputs.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from typing import Any
@@ -63,6 +64,8 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str) -> OpGra
     depth = layers_to_trace(types)
     truncatable = spec.module is None and types and depth < max(len(t.indices) for t in types)
     model = build_model(spec, device="meta", num_layers=depth) if truncatable else full
+    if any(p.device.type != "meta" for p in model.parameters()):
+        model = copy.deepcopy(model).to("meta")  # a user's module with real weights: trace a meta copy
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)

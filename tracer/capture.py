@@ -35,6 +35,8 @@ class Value:
     """The parameter or buffer FQN when this tensor is one."""
     trainable: bool = False
     """A parameter that requires grad."""
+    buffer: bool = False
+    """`param` names a buffer (rotary frequencies, position ids), not a parameter."""
     input_name: str | None = None
     """The forward keyword this tensor was passed as (input_ids, labels, ...)."""
     producer: int | None = None

@@ -102,7 +102,7 @@ class _Recorder:
         for name, p in model.named_parameters(remove_duplicate=False):
             self._bind(p, param=name, trainable=p.requires_grad)
         for name, b in model.named_buffers(remove_duplicate=False):
-            self._bind(b, param=name)
+            self._bind(b, param=name, buffer=True)
         for name, t in inputs.items():
             if isinstance(t, torch.Tensor):
                 self._bind(t, input_name=name)

@@ -30,7 +30,8 @@ def capture_export(model: Any, inputs: dict[str, Any]) -> Capture:
         if node.name in sig.inputs_to_parameters or node.name in sig.inputs_to_buffers:
             fqn = sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers[node.name]
             trainable = bool(getattr(named.get(fqn), "requires_grad", False)) and node.name in sig.inputs_to_parameters
-            env[node.name] = table.new(val, param=fqn, trainable=trainable)
+            env[node.name] = table.new(val, param=fqn, trainable=trainable,
+                                       buffer=node.name not in sig.inputs_to_parameters)
         elif isinstance(val, torch.Tensor):
             name = user_inputs[user_index] if user_index < len(user_inputs) else node.name
             user_index += 1

@@ -44,7 +44,7 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
         if v.param is not None:
             needs_grad[v.vid] = v.trainable
             weight_bytes[v.vid] = _nbytes(v)
-            param_sources[v.vid] = frozenset([v.param])
+            param_sources[v.vid] = frozenset() if v.buffer else frozenset([v.param])
     roles = RoleInference(batch, seq_len)
     for op in ops:
         ins = tensor_args(op)
@@ -173,7 +173,11 @@ def _attrs(op: RawOp, kind: OpKind, task: str, config: Any) -> dict[str, Any]:
     decoder_self = task == "causal-lm" or (task == "seq2seq-lm" and "decoder" in fqn and "cross" not in fqn
                                             and "encdec" not in fqn and q.shape[-2] == k.shape[-2])
     is_decoder_model = not getattr(config, "is_encoder_decoder", False) and task == "causal-lm"
-    return {"heads": int(q.shape[1]), "kv_heads": int(k.shape[1]), "head_dim": int(q.shape[-1]),
+    heads, kv_heads = int(q.shape[1]), int(k.shape[1])
+    configured = getattr(config, "num_key_value_heads", None)
+    if kv_heads == heads and isinstance(configured, int) and 0 < configured < heads and heads % configured == 0:
+        kv_heads = configured  # K/V were repeated to all heads before SDPA (HF's repeat_kv)
+    return {"heads": heads, "kv_heads": kv_heads, "head_dim": int(q.shape[-1]),
             "causal": is_causal or decoder_self or is_decoder_model}
 
 

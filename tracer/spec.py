@@ -114,19 +114,32 @@ def _config_from_file(path: Path, trust_remote_code: bool) -> Any:
 
 
 def _config_from_hub(model_id: str, trust_remote_code: bool) -> Any:
+    """The local cache first; the Hub only when not offline (HF_HUB_OFFLINE unset)."""
+    import os
+
     from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise SoapError(f"{model_id} needs remote code; pass --trust-remote-code if you trust it") from None
-        raise SoapError(f"cannot resolve {model_id!r}: {_first_line(exc)}") from None
-    except (OSError, Exception) as exc:  # noqa: BLE001 - offline/unknown ids surface as OSError or HF errors
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    attempts = (True,) if offline else (True, False)
+    for local_only in attempts:
+        try:
+            config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code,
+                                                local_files_only=local_only)
+            break
+        except ValueError as exc:
+            if "trust_remote_code" in str(exc):
+                raise SoapError(f"{model_id} needs remote code; pass --trust-remote-code if you trust it") from None
+            if not local_only:
+                raise SoapError(f"cannot resolve {model_id!r}: {_first_line(exc)}") from None
+        except Exception:  # noqa: BLE001 - unknown ids and no network surface as OSError or HF errors
+            continue
+    else:
+        where = "offline (HF_HUB_OFFLINE=1) and not in the local cache" if offline else \
+            "not found in the local cache or on the Hub"
         raise SoapError(
-            f"unknown model {model_id!r}: not a preset ({', '.join(preset_names())}), not a local path, and not "
-            "resolvable on the Hugging Face Hub (offline and not cached?); pass a config.json path instead"
-        ) from None
+            f"unknown model {model_id!r}: not a preset ({', '.join(preset_names())}), not a local path, and "
+            f"{where}; pass a config.json path or a preset name"
+        )
     _check_remote_code(config.to_dict(), model_id, trust_remote_code)
     return config
 

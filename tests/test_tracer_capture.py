@@ -1,0 +1,106 @@
+"""Front-ends and their fallback, user modules, block detection and dimension roles."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tracer
+from tracer.errors import SoapError
+from tracer.ir import DimRole, OpKind
+from tracer_helpers import TINY, tiny_config
+
+
+class BranchyLM(nn.Module):
+    """A model torch.export cannot capture: Python control flow on tensor values."""
+
+    def __init__(self, vocab=100, hidden=32, layers=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, labels=None):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+            if h.mean() > 0:  # data-dependent branch
+                h = torch.relu(h)
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def test_dispatch_captures_what_export_cannot():
+    with pytest.raises(SoapError, match="export"):
+        tracer.trace(BranchyLM(), seq_len=16, frontend="export")
+    graph = tracer.trace(BranchyLM(), seq_len=16)
+    assert graph.frontend == "dispatch"
+    assert graph.params_total == sum(p.numel() for p in BranchyLM().parameters())
+    assert [(b.id, b.count) for b in graph.blocks] == [("layers", 4)]
+    matmuls = [op for op in graph.ops if op.kind is OpKind.MATMUL]
+    assert sum(op.fwd_flops * graph.multiplicity(op) for op in matmuls) == 2 * 16 * (4 * 32 * 32 + 32 * 100)
+
+
+def test_user_module_with_real_weights_is_left_untouched():
+    model = BranchyLM()
+    before = model.head.weight.detach().clone()
+    tracer.trace(model, seq_len=8, frontend="dispatch")
+    assert model.head.weight.device.type == "cpu" and torch.equal(model.head.weight, before)
+
+
+def test_failing_every_front_end_lists_each_reason():
+    class Broken(nn.Module):
+        def forward(self, input_ids, labels=None):
+            raise RuntimeError("forward is broken")
+
+    with pytest.raises(SoapError, match=r"tried export: .*broken.*; dispatch: .*broken"):
+        tracer.trace(Broken(), seq_len=8)
+
+
+def test_hf_fx_says_it_needs_transformers_4():
+    with pytest.raises(SoapError, match="transformers < 5"):
+        tracer.trace(tiny_config("llama", **TINY), seq_len=8, frontend="hf-fx")
+
+
+@pytest.mark.parametrize("model_type,overrides,stacks", [
+    ("llama", TINY, {"model.layers": 3}),
+    ("gpt2", dict(n_embd=32, n_layer=3, n_head=2, vocab_size=64), {"transformer.h": 3}),
+    ("bert", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, vocab_size=64),
+     {"bert.encoder.layer": 3}),
+    ("t5", dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=4, vocab_size=64),
+     {"encoder.block#0": 1, "encoder.block#1": 3, "decoder.block#0": 1, "decoder.block#1": 3}),
+])
+def test_repeated_blocks_are_found_and_counted(model_type, overrides, stacks):
+    graph = tracer.trace(tiny_config(model_type, **overrides), seq_len=16)
+    assert {b.id: b.count for b in graph.blocks} == stacks
+    for block in graph.blocks:
+        instances = {op.module_fqn.split(block.id.split("#")[0] + ".")[1].split(".")[0]
+                     for op in graph.ops if op.block_id == block.id}
+        assert len(instances) == 1  # one representative instance per block type
+
+
+def test_truncated_trace_equals_full_trace():
+    config = tiny_config("llama", **dict(TINY, num_hidden_layers=6))
+    graph = tracer.trace(config, seq_len=32)
+    assert graph.blocks[0].traced == 2 and graph.blocks[0].count == 6
+    full = tracer.trace(config, seq_len=32, frontend="dispatch")
+    assert graph.fwd_flops == full.fwd_flops and graph.bwd_flops == full.bwd_flops
+
+
+def test_roles_label_batch_sequence_and_hidden():
+    graph = tracer.trace("llama-3-8b", batch=2, seq_len=64)
+    q = next(op for op in graph.ops if op.module_fqn.endswith("q_proj"))
+    assert q.outputs[0].shape == (2, 64, 4096)
+    assert q.outputs[0].roles == (DimRole.SAMPLE, DimRole.ATTRIBUTE, DimRole.PARAMETER)
+    attn = next(op for op in graph.ops if op.kind is OpKind.ATTENTION)
+    assert attn.inputs[0].roles == (DimRole.SAMPLE, DimRole.PARAMETER, DimRole.ATTRIBUTE, DimRole.PARAMETER)
+    assert attn.attrs == {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True}
+    one = tracer.trace("llama-3-8b", batch=1, seq_len=64)
+    q1 = next(op for op in one.ops if op.module_fqn.endswith("q_proj"))
+    assert q1.outputs[0].roles[0] is DimRole.SAMPLE  # a batch of one keeps its sample dim
+    assert all(op.bytes_moved == 0 for op in graph.ops if op.kind is OpKind.VIEW)
+
+
+def test_repeated_trace_is_cached():
+    a = tracer.trace("gpt2", seq_len=32)
+    assert tracer.trace("gpt2", seq_len=32) is a
