@@ -27,7 +27,8 @@ weights (both the master and the low-precision copy): each sharded term is ceil(
 `offload_optimizer` moves the (sharded) optimizer state to host memory: it is reported as `offloaded`
 and not counted on the device.
 
-Activations: `costmodel.memory_activations.activation_bytes` (re-exported here).
+Activations: `costmodel.memory_activations.activation_bytes` (wrapped here) and `activation_parts`
+(its terms: prologue, blocks kept, epilogue, recompute window; re-exported).
 
 Buffers (`buffer_bytes`): with data parallelism and ZeRO < 3, two 25 MB gradient buckets (DDP's default
 bucket_cap_mb, one being reduced while the next fills); with ZeRO-3 over dp_shard > 1, FSDP's
@@ -46,6 +47,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from costmodel.memory_activations import ActivationParts, activation_parts
 from costmodel.memory_activations import activation_bytes as _activation_bytes
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
 from costmodel.profiles import DeviceProfile
@@ -63,6 +65,10 @@ ADAFACTOR_ASSUMED_SIDE = 1024
 DDP_BUCKET_BYTES = 25 * 2**20
 DDP_BUCKETS = 2
 TENSOR_PARALLEL_KINDS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING})
+__all__ = [
+    "ActivationParts", "MemoryEstimate", "ParamSet", "StateBytes", "activation_bytes", "activation_parts",
+    "adafactor_bytes", "buffer_bytes", "estimate_memory", "model_state_bytes", "optimizer_state_bytes", "stage_params",
+]
 
 
 @dataclass(frozen=True)

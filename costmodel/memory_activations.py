@@ -26,15 +26,16 @@ embeddings, final norm, LM head and loss, are never checkpointed):
   dimension); backward recomputes one block at a time, so one block's "none" set, less the input it
   already holds, is live at once.
 
-Peak (`activation_bytes`): with none/selective, the end of the forward pass, when everything is live:
-prologue + sum over blocks (instances x kept) + epilogue. With full, the same at the end of forward with
-block inputs only, or later, once the epilogue's backward has freed its tensors, the block inputs plus
+Peak (`activation_bytes`; its terms from `activation_parts`): with none/selective, the end of the
+forward pass, when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With
+full, the same at the end of forward with block inputs only, or later, once the epilogue's backward has freed its tensors, the block inputs plus
 one recomputed block: prologue + inputs + max(epilogue, largest block's none set - its input).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize, local_scale
 from tracer.errors import SoapError
@@ -111,7 +112,27 @@ class _Sizer:
         return total
 
 
-def activation_bytes(
+@dataclass(frozen=True)
+class ActivationParts:
+    """The terms of the activation peak for one micro-batch (bytes at local shapes)."""
+
+    prologue: float
+    """Saved by non-block ops before the first block (embeddings, masks, rotary tables)."""
+    blocks: float
+    """Kept through the forward pass by all block instances under their policies."""
+    epilogue: float
+    """Saved by non-block ops after the blocks (final norm, head, loss)."""
+    recompute_window: float
+    """Live while one fully recomputed block runs its backward (its none set less its input)."""
+
+    @property
+    def peak(self) -> int:
+        if self.recompute_window:
+            return int(self.prologue + self.blocks + max(self.epilogue, self.recompute_window))
+        return int(self.prologue + self.blocks + self.epilogue)
+
+
+def activation_parts(
     ops: Iterable[OpNode],
     *,
     micro_batch: int,
@@ -122,12 +143,9 @@ def activation_bytes(
     precision: str | None = None,
     block_counts: Mapping[str, int] | None = None,
     recompute_per_block: Mapping[str, str] | None = None,
-) -> int:
-    """Peak bytes saved for backward by `ops` for one micro-batch (see the module docstring).
-
-    `block_counts[block_id]` says how many instances of a block the representative ops stand for
-    (default 1); `recompute_per_block` overrides `recompute` per block id.
-    """
+) -> ActivationParts:
+    """The terms of `activation_bytes` (same arguments), for callers that schedule them themselves
+    (a pipeline keeps `blocks` per in-flight micro-batch but needs one `recompute_window`)."""
     if recompute not in RECOMPUTE_POLICIES:
         raise SoapError(f"unknown recompute policy {recompute!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
     if attention not in ATTENTION_IMPLS:
@@ -154,6 +172,27 @@ def activation_bytes(
         if policy == "full":
             recomputed = size(block_saved(block_ops, "none", attention)) - size(block_saved(block_ops, "full", attention))
             window = max(window, recomputed)
-    if window:
-        return int(prologue + kept + max(epilogue, window))
-    return int(prologue + kept + epilogue)
+    return ActivationParts(prologue, kept, epilogue, window)
+
+
+def activation_bytes(
+    ops: Iterable[OpNode],
+    *,
+    micro_batch: int,
+    batch_traced: int,
+    recompute: str,
+    attention: str,
+    split: Mapping[str, int] | None = None,
+    precision: str | None = None,
+    block_counts: Mapping[str, int] | None = None,
+    recompute_per_block: Mapping[str, str] | None = None,
+) -> int:
+    """Peak bytes saved for backward by `ops` for one micro-batch (see the module docstring).
+
+    `block_counts[block_id]` says how many instances of a block the representative ops stand for
+    (default 1); `recompute_per_block` overrides `recompute` per block id.
+    """
+    return activation_parts(
+        ops, micro_batch=micro_batch, batch_traced=batch_traced, recompute=recompute, attention=attention,
+        split=split, precision=precision, block_counts=block_counts, recompute_per_block=recompute_per_block,
+    ).peak

@@ -176,3 +176,13 @@ def test_estimate_memory_refuses_a_graph_traced_at_another_sequence_length():
     with pytest.raises(SoapError, match="sequence length"):
         estimate_memory(toy_graph(), device=load_device("h100-sxm"),
                         train=TrainingConfig(global_batch=2, seq_len=2 * T, micro_batch=B))
+
+
+def test_activation_parts_expose_the_terms_of_the_peak():
+    from costmodel.memory import activation_parts
+
+    parts = activation_parts(toy_ops(), micro_batch=B, batch_traced=B, recompute="full", attention="sdpa",
+                             block_counts={"l": 3})
+    assert (parts.prologue, parts.blocks, parts.epilogue) == (IDS, 3 * XB, EPILOGUE)
+    assert parts.recompute_window == BLOCK_NONE - XB
+    assert parts.peak == _acts("full")
