@@ -13,8 +13,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -25,6 +26,11 @@ from costmodel.strategy import (
     TrainingConfig,
 )
 from tracer.errors import SoapError
+
+if TYPE_CHECKING:
+    from costmodel.profiles import ClusterSpec
+    from costmodel.simulator_result import SimResult
+    from tracer.ir import OpGraph
 
 SCHEMA_VERSION = 1
 
@@ -105,9 +111,22 @@ class OpPlacement(_Strict):
     """One op's SOAP configuration, e.g. {"sample": 4, "parameter": 2}, and its TP style."""
 
     op: str
+    """The op's name relative to its block instance, e.g. `self_attn.q_proj:linear`."""
     soap: dict[Literal["sample", "operator", "attribute", "parameter"], int]
     style: str | None = None
-    """torch.distributed.tensor.parallel style for the op's module: colwise, rowwise, sequence, replicate."""
+    """torch.distributed.tensor.parallel style for the op's module: colwise, rowwise, sequence_parallel,
+    vocab_parallel (None: replicated or following its neighbours)."""
+    placement: str = ""
+    """The same for people: `Sample x4, Parameter x2` (or `replicated`)."""
+    collectives: tuple[str, ...] = ()
+    """What the split implies, e.g. `fwd all_reduce over tp (leave TP region)`."""
+
+    @model_validator(mode="after")
+    def _degrees(self) -> OpPlacement:
+        for role, degree in self.soap.items():
+            if degree < 1:
+                raise ValueError(f"placement of {self.op}: {role} degree {degree} must be >= 1")
+        return self
 
 
 class BlockPlacement(_Strict):
@@ -125,6 +144,8 @@ class StageRecord(_Strict):
     """The pipeline rank that runs this stage (stage index % pp for looped schedules)."""
     modules: tuple[str, ...]
     """Module FQNs in the stage, e.g. `model.embed_tokens`, `model.layers.0` ... `lm_head`."""
+    layers: tuple[int, int] | None = None
+    """[first, end) positions in the layer sequence (costmodel.simulator_stages.layer_sequence)."""
 
 
 class Plan(_Strict):
@@ -156,20 +177,31 @@ class Plan(_Strict):
     def _consistent(self) -> Plan:
         p = self.parallelism
         if self.mesh.degrees != (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp):
-            raise ValueError("mesh.degrees disagree with parallelism (pp, dp_replicate, dp_shard, cp, tp)")
+            raise ValueError(
+                f"mesh.degrees {list(self.mesh.degrees)} disagree with parallelism "
+                f"(pp, dp_replicate, dp_shard, cp, tp) = {[p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp]}"
+            )
         if p.dp != p.dp_replicate * p.dp_shard:
-            raise ValueError("parallelism.dp must equal dp_replicate * dp_shard")
+            raise ValueError(f"parallelism.dp={p.dp} must equal dp_replicate*dp_shard={p.dp_replicate * p.dp_shard}")
         world = p.pp * p.dp * p.cp * p.tp
         if world != self.cluster.gpus:
-            raise ValueError(f"mesh degrees multiply to {world} but cluster.gpus is {self.cluster.gpus}")
+            raise ValueError(
+                f"mesh.degrees multiply to {world} (pp*dp*cp*tp) but cluster.gpus is {self.cluster.gpus}; "
+                "the degrees must multiply to the world size"
+            )
         if p.dp * p.micro_batch * p.num_microbatches != self.global_batch:
-            raise ValueError("global_batch must equal dp * micro_batch * num_microbatches")
+            raise ValueError(
+                f"global_batch={self.global_batch} must equal dp*micro_batch*num_microbatches="
+                f"{p.dp * p.micro_batch * p.num_microbatches}"
+            )
         if p.pp > 1:
             if len(self.stages) != p.pp * p.virtual_stages:
-                raise ValueError(f"stages: expected pp*virtual_stages={p.pp * p.virtual_stages}, got {len(self.stages)}")
-            for stage in self.stages:
-                if not stage.modules:
-                    raise ValueError(f"stages[{stage.index}] has no modules")
+                raise ValueError(f"stages: expected pp*virtual_stages={p.pp * p.virtual_stages} stages, got {len(self.stages)}")
+            for position, stage in enumerate(self.stages):
+                if stage.index != position:
+                    raise ValueError(f"stages[{position}].index is {stage.index}; stages must be listed in order")
+                if not stage.modules or (stage.layers is not None and stage.layers[1] <= stage.layers[0]):
+                    raise ValueError(f"stages[{stage.index}] has no layers; every pipeline stage needs at least one")
         return self
 
     # --- conversions -------------------------------------------------------------------------
@@ -265,3 +297,117 @@ def plan_from_dict(data: Any, *, origin: str = "plan") -> Plan:
         return Plan.model_validate(data)
     except ValidationError as exc:
         raise SoapError(f"{origin}: invalid plan: {_first_error(exc)}") from None
+
+
+# --- building a plan from a simulation -------------------------------------------------------------
+
+
+def block_records(graph: OpGraph, strategy: Strategy) -> tuple[BlockPlacement, ...]:
+    """Per-block and per-op SOAP placements, as `costmodel.placement` assigns them; listed are the ops
+    that carry parameters, FLOPs or collectives (the mask arithmetic and views follow their neighbours)."""
+    from costmodel.opcost import activation_itemsize
+    from costmodel.placement import ActivationShape, block_placements
+
+    t, dims = strategy.train, graph.dims
+    shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden,
+                            itemsize=activation_itemsize(t.precision), kv_heads=dims.kv_heads,
+                            head_dim=dims.head_dim, experts_per_token=dims.experts_per_token)
+    records = []
+    segments = list(graph.segments())
+    for index, seg in enumerate(segments):
+        if seg.block_id is None:
+            rid = "<prologue>" if index == 0 else "<epilogue>" if index == len(segments) - 1 else f"<between-{index}>"
+            module_type, recompute = rid, "none"
+        else:
+            rid, module_type, recompute = seg.block_id, graph.block(seg.block_id).module_type, t.recompute_for(seg.block_id)
+        ops = tuple(
+            OpPlacement(
+                op=_relative_op_name(p.op.name, seg.block_id), soap=p.split.soap(), style=p.split.style,
+                placement=p.split.describe(),
+                collectives=tuple(f"{c.phase} {c.kind} over {c.group} ({c.reason})" for c in p.collectives),
+            )
+            for p in block_placements(seg.ops, strategy, shape)
+            if p.op.params or p.op.fwd_flops > 0 or p.collectives
+        )
+        records.append(BlockPlacement(id=rid, module_type=module_type, count=seg.repeat, recompute=recompute, ops=ops))
+    return tuple(records)
+
+
+def _relative_op_name(name: str, block_id: str | None) -> str:
+    if block_id is None or not name.startswith(block_id + "."):
+        return name
+    rest = name[len(block_id) + 1:]  # "0.self_attn.q_proj:linear" or "0:add"
+    module, _, op = rest.partition(":")
+    return f"{module.split('.', 1)[1]}:{op}" if "." in module else f":{op}"
+
+
+def stage_records_for(graph: OpGraph, strategy: Strategy, bounds: Sequence[int] | None) -> tuple[StageRecord, ...]:
+    from costmodel.schedule import build_schedule
+    from costmodel.simulator_stages import balanced_bounds, layer_sequence, stage_modules
+
+    d, t = strategy.dims, strategy.train
+    if d.pp == 1:
+        return ()
+    layers = layer_sequence(graph)
+    bounds = tuple(bounds) if bounds is not None else balanced_bounds(layers, d.pp * t.virtual_stages)
+    stage_to_rank = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages).stage_to_rank
+    modules = stage_modules(layers, bounds)
+    return tuple(
+        StageRecord(index=k, rank=stage_to_rank[k], modules=modules[k], layers=(bounds[k], bounds[k + 1]))
+        for k in range(len(bounds) - 1)
+    )
+
+
+def stage_bounds(plan: Plan, graph: OpGraph) -> tuple[int, ...] | None:
+    """The plan's stage bounds over `graph`'s layer sequence (from `layers`, else from module names)."""
+    if not plan.stages:
+        return None
+    from costmodel.simulator_stages import layer_sequence
+
+    layers = layer_sequence(graph)
+    if all(s.layers is not None for s in plan.stages):
+        bounds = (0, *(s.layers[1] for s in plan.stages))  # type: ignore[index]
+    else:
+        owner = {m: s.index for s in plan.stages for m in s.modules}
+        stage_of, current = [], 0
+        for layer in layers:
+            current = next((owner[m] for m in layer.modules if m in owner), current)
+            stage_of.append(current)
+        bounds = (0, *(sum(1 for s in stage_of if s <= k) for k in range(len(plan.stages))))
+    if bounds[-1] != len(layers):
+        raise SoapError(f"stages: the plan's stages cover {bounds[-1]} layers but the model has {len(layers)}; "
+                        "the plan does not match its model config")
+    return bounds
+
+
+def plan_from_simulation(
+    *,
+    model: ModelSpecRecord,
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    gpus: int,
+    strategy: Strategy,
+    result: SimResult,
+    stages: Sequence[int] | None = None,
+    launch: str = "",
+) -> Plan:
+    """A complete Plan from a simulated strategy (`stages`: the bounds given to `simulate`)."""
+    from costmodel.placement import tp_plan
+    from costmodel.profiles import cluster_to_dict
+
+    d, t = strategy.dims, strategy.train
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        model=model,
+        cluster=ClusterRecord(name=cluster.name, gpus=gpus, gpus_per_node=cluster.gpus_per_node,
+                              profile=cluster_to_dict(cluster)),
+        global_batch=t.global_batch,
+        seq_len=t.seq_len,
+        mesh=MeshRecord(names=MESH_DIM_NAMES, degrees=d.mesh_shape),
+        parallelism=parallelism_record(strategy),
+        tp_plan=dict(sorted(tp_plan(graph.ops, strategy).items())),
+        blocks=block_records(graph, strategy),
+        stages=stage_records_for(graph, strategy, stages),
+        predicted=json.loads(json.dumps(result.to_contract(), sort_keys=True)),
+        launch=launch,
+    )

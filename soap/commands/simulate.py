@@ -1,0 +1,101 @@
+"""`soap simulate PLAN`: re-trace the plan's model, simulate one step, summarize it (and draw it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("simulate", help="simulate one training step of a plan.json")
+    parser.add_argument("plan", metavar="PLAN", help="plan.json written by `soap plan`")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open it in Perfetto)")
+    parser.add_argument("--png", metavar="FILE", help="draw the per-stage timeline with memory beneath")
+    return parser
+
+
+def simulate_plan(plan):
+    """(graph, SimResult) for a loaded Plan: the model re-traced from its inline config."""
+    import tracer
+    from costmodel.profiles import cluster_from_dict
+    from costmodel.simulator import simulate
+    from planner.plan import stage_bounds
+
+    strategy = plan.strategy()
+    cluster = cluster_from_dict(plan.cluster.profile)
+    graph = tracer.trace(_config(plan.model.config), task=plan.model.task, seq_len=plan.seq_len)
+    return graph, simulate(graph, strategy, cluster, stages=stage_bounds(plan, graph))
+
+
+def _config(config: dict):
+    from transformers import AutoConfig
+
+    from tracer.errors import SoapError
+
+    data = dict(config)
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise SoapError("model.config has no model_type; regenerate the plan with `soap plan`")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise SoapError(f"model.config cannot be rebuilt ({exc}); regenerate the plan with `soap plan`") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from planner.plan import load_plan
+
+    plan = load_plan(args.plan)
+    start = time.perf_counter()
+    graph, result = simulate_plan(plan)
+    elapsed = time.perf_counter() - start
+    if args.trace:
+        from costmodel.timeline import chrome_trace
+
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(result), f)
+    if args.png:
+        from costmodel.timeline import gantt_png
+
+        gantt_png(result, args.png)
+    if args.json:
+        json.dump(result.to_contract(), sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        _print_summary(plan, graph, result, elapsed, args)
+    return 0
+
+
+def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    c = result.to_contract()
+    p = c["parallelism"]
+    console.print(f"[bold]{plan.model.name}[/] ({graph.params_total / 1e9:.2f} B params) on {plan.cluster.gpus} x "
+                  f"{plan.cluster.name}: tp {p['tp']}, pp {p['pp']}, dp {p['dp']} (zero {p['zero']}), cp {p['cp']}, "
+                  f"{p['schedule']} with {p['num_microbatches']} micro-batches of {p['micro_batch']}, "
+                  f"recompute {p['recompute']}, {p['precision']}")
+    table = Table(show_header=False, box=None)
+    table.add_row("step time", f"{c['step_time_s'] * 1e3:.2f} ms")
+    table.add_row("throughput", f"{c['tokens_per_s']:,.0f} tokens/s, {c['samples_per_s']:.2f} samples/s")
+    table.add_row("MFU / HFU", f"{c['mfu']:.1%} / {c['hfu']:.1%} ({c['model_tflops_per_gpu']:.1f} model TFLOP/s per GPU)")
+    table.add_row("peak memory", f"{c['peak_memory_gib']:.2f} GiB (max over ranks)")
+    for key, value in c["breakdown_s"].items():
+        table.add_row(f"  {key}", f"{value * 1e3:.2f} ms ({value / c['step_time_s']:.1%})" if c["step_time_s"] else "0")
+    console.print(table)
+    mem = Table("rank", "stages", "weights", "grads", "optimizer", "activations", "buffers", "overhead", "peak GiB")
+    for m in result.memory:
+        b = m.at_peak
+        mem.add_row(str(m.rank), ",".join(map(str, m.stages)),
+                    *(f"{x / 2**30:.2f}" for x in (b.weights, b.grads, b.optimizer, b.activations, b.buffers, b.overhead, b.total)))
+    console.print(mem)
+    console.print(f"simulated in {elapsed:.2f} s (tracing included)"
+                  + (f"; trace written to {args.trace}" if args.trace else "")
+                  + (f"; timeline drawn to {args.png}" if args.png else ""), style="dim")
