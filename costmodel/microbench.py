@@ -3,8 +3,8 @@
 A `KernelCase` names one kernel at one shape and dtype. It knows three things:
 - how to build the torch call that runs it (`build_kernel`), on CPU or CUDA;
 - its FLOPs and bytes moved, counted the way `tracer` counts them for an `OpNode`
-  (matmul: 2·m·k·n FLOPs and every operand read or written once; memory-bound kernels: their inputs,
-  weights and output once; attention: 4·b·h·s²·d FLOPs for QKᵀ and PV);
+  (matmul: 2·m·k·n FLOPs and every operand read or written once; memory-bound kernels: no FLOPs, their
+  inputs, weights and output once; attention: 4·b·h·s²·d FLOPs for QKᵀ and PV, causal or not);
 - the `OpNode` the cost model prices for it (`KernelCase.op_node`), so held-out points are predicted
   by the very function the simulator uses.
 
@@ -120,14 +120,19 @@ class KernelCase:
         rows, cols = self.shape
         x = TensorMeta((rows, cols), dt, (_S, _P))
         if self.op in ("add", "mul"):
-            return _node(self, self.kind, f"aten.{self.op}.Tensor", (x, x), (x,), rows * cols, ())
+            return _node(self, self.kind, f"aten.{self.op}.Tensor", (x, x), (x,), 0, ())
         if self.op in ("gelu", "silu"):
-            return _node(self, self.kind, f"aten.{self.op}.default", (x,), (x,), rows * cols, ())
+            return _node(self, self.kind, f"aten.{self.op}.default", (x,), (x,), 0, ())
         if self.op == "softmax":
-            return _node(self, self.kind, "aten._softmax.default", (x,), (x,), 5 * rows * cols, ())
+            return _node(self, self.kind, "aten._softmax.default", (x,), (x,), 0, ())
         weights = ("weight",) if self.op == "rms_norm" else ("weight", "bias")
         params = tuple(ParamMeta(f"norm.{w}", (cols,), dt) for w in weights)
-        return _node(self, self.kind, f"aten.{self.op}.default", (x,), (x,), 5 * rows * cols, params)
+        return _node(self, self.kind, f"aten.{self.op}.default", (x, *params_as_inputs(params)), (x,), 0, ())
+
+
+def params_as_inputs(params: tuple[ParamMeta, ...]) -> tuple[TensorMeta, ...]:
+    """Norm weights as the tracer records them: extra inputs of the op."""
+    return tuple(TensorMeta(p.shape, p.dtype, (_P,)) for p in params)
 
 
 def _node(case: KernelCase, kind: OpKind, target: str, inputs, outputs, flops: int, params, attrs=None) -> OpNode:
