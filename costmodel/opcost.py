@@ -13,7 +13,8 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
 - Forward (`forward_time`): one kernel with the op's `fwd_flops` and `bytes_moved`.
 - Backward (`backward_time`): `bwd_flops` and twice the forward bytes (gradients are read and written
   besides the saved inputs). A matmul's backward is two kernels (input and weight gradient), each with
-  half the FLOPs and half the bytes; every other op's is one kernel. An op without backward FLOPs,
+  half the FLOPs and half the bytes, when both gradients are needed (`backward_kernels`); every other
+  op's is one kernel. An op without backward FLOPs,
   saved tensors or parameters (a view, an index computation) has no backward kernel.
 - Views with no FLOPs and no bytes cost nothing (no kernel).
 
@@ -146,11 +147,20 @@ def has_backward(op: OpNode) -> bool:
     return op.bwd_flops > 0 or bool(op.saved) or bool(op.params)
 
 
+def backward_kernels(op: OpNode) -> int:
+    """A matmul whose inputs both need gradients runs two backward kernels (input and weight gradient,
+    backward FLOPs about twice the forward's); one with a single gradient (a frozen weight, or the
+    first layer's input) runs one. Every other op runs one."""
+    if op.kind is OpKind.MATMUL and op.bwd_flops > 1.5 * op.fwd_flops:
+        return 2
+    return 1
+
+
 def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceProfile, precision: str) -> float:
     if not has_backward(op):
         return 0.0
     peak = compute_peak(op, device, precision)
-    kernels = 2 if op.kind is OpKind.MATMUL else 1
+    kernels = backward_kernels(op)
     t, _ = kernel_time(flops / kernels, 2 * fwd_bytes / kernels, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device)
     return kernels * t
 

@@ -147,3 +147,11 @@ def test_more_compute_or_bandwidth_never_predicts_a_slower_op(compute, bandwidth
     slow = op_time(op, device=base, precision=precision, micro_batch=batch, batch_traced=batch)
     fast = op_time(op, device=faster, precision=precision, micro_batch=batch, batch_traced=batch)
     assert fast.fwd_s <= slow.fwd_s and fast.bwd_s <= slow.bwd_s
+
+
+def test_matmul_with_one_gradient_runs_one_backward_kernel():
+    op = linear_op()
+    frozen = OpNode(op.name, op.kind, op.target, op.module_fqn, op.block_id, op.inputs, op.outputs, op.params,
+                    op.fwd_flops, op.fwd_flops, op.bytes_moved, op.saved)
+    cost = op_time(frozen, device=flat_device(), precision="bf16", micro_batch=B, batch_traced=B)
+    assert cost.bwd_s == pytest.approx(op.fwd_flops / (100e12 * 0.5) + 5e-6)
