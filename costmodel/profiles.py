@@ -373,12 +373,22 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     return _cluster_from_json(_read_json(path), str(path), device_dir)
 
 
-def check_profile(path: str) -> DeviceProfile | ClusterSpec:
-    """Validate one profile file, device or cluster (told apart by the `links` key)."""
-    data = _read_json(Path(path))
+def check_profile(name_or_path: str) -> DeviceProfile | ClusterSpec:
+    """Validate one profile: a JSON file (device or cluster, told apart by the `links` key) or a
+    shipped name (clusters first, then devices)."""
+    if not _looks_like_path(name_or_path):
+        if (PROFILES_DIR / "clusters" / f"{name_or_path}.json").is_file():
+            return load_cluster(name_or_path)
+        if (PROFILES_DIR / "devices" / f"{name_or_path}.json").is_file():
+            return load_device(name_or_path)
+        raise SoapError(
+            f"no device or cluster profile named {name_or_path!r}; choose one of "
+            f"{', '.join(list_clusters() + list_devices())}, or give a JSON file path"
+        )
+    data = _read_json(Path(name_or_path))
     if isinstance(data, dict) and "links" in data:
-        return load_cluster(path)
-    return _device_from_json(data, path)
+        return load_cluster(name_or_path)
+    return _device_from_json(data, name_or_path)
 
 
 # ---------------------------------------------------------------------------------------------

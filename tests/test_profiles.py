@@ -187,3 +187,10 @@ def test_cli_check_reports_invalid_json(tmp_path, capsys):
     path.write_text("{not json")
     assert main(["profiles", "--check", str(path)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_cli_check_names_an_unknown_profile(capsys):
+    assert main(["profiles", "--check", "dgx-z"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no device or cluster profile named 'dgx-z'") and "dgx-h100" in err
+    assert main(["profiles", "--check", "h100-sxm"]) == 0

@@ -21,7 +21,7 @@ from costmodel.profiles import (
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("profiles", help="list device and cluster profiles")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--check", metavar="FILE", help="validate one device or cluster profile JSON file")
+    parser.add_argument("--check", metavar="NAME|FILE", help="validate one device or cluster profile (a JSON file or a shipped name)")
     return parser
 
 
