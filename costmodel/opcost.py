@@ -104,12 +104,15 @@ def local_work(
         if DimRole(role) in roles:
             flop_scale /= degree
     width = activation_itemsize(precision)
-    traced = sum(t.nbytes for t in tensors) + sum(p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in op.params)
+    # A weight the op reads usually appears among its inputs too; count the others once, as parameters.
+    input_shapes = {t.shape for t in op.inputs} | {t.shape[::-1] for t in op.inputs}
+    extra_params = [p for p in op.params if p.shape not in input_shapes]
+    traced = sum(t.nbytes for t in tensors) + sum(p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in extra_params)
     local = sum(
         t.numel * _element_bytes(t.dtype, width) * local_scale(t, sample_scale=sample_scale, split=split)
         for t in tensors
     )
-    local += sum(p.numel * _element_bytes(p.dtype, width) / split.get("parameter", 1) for p in op.params)
+    local += sum(p.numel * _element_bytes(p.dtype, width) / split.get("parameter", 1) for p in extra_params)
     # op.bytes_moved is the tracer's forward byte count; rescale it by how the tensors it counts shrink.
     byte_scale = local / traced if traced else 0.0
     return op.fwd_flops * flop_scale, op.bwd_flops * flop_scale, op.bytes_moved * byte_scale

@@ -155,3 +155,14 @@ def test_matmul_with_one_gradient_runs_one_backward_kernel():
                     op.fwd_flops, op.fwd_flops, op.bytes_moved, op.saved)
     cost = op_time(frozen, device=flat_device(), precision="bf16", micro_batch=B, batch_traced=B)
     assert cost.bwd_s == pytest.approx(op.fwd_flops / (100e12 * 0.5) + 5e-6)
+
+
+def test_a_weight_listed_as_input_and_parameter_counts_once():
+    x = TensorMeta((B, T, H), "float32", (S, A, P))
+    w = TensorMeta((F, H), "float32", (P, P))
+    y = TensorMeta((B, T, F), "float32", (S, A, P))
+    flops = 2 * B * T * H * F
+    op = OpNode("up:linear", OpKind.MATMUL, "aten.linear.default", "up", None, (x, w), (y,),
+                (ParamMeta("up.weight", (F, H), "float32"),), flops, 2 * flops, x.nbytes + w.nbytes + y.nbytes, (x,))
+    cost = op_time(op, device=flat_device(), precision="fp32", micro_batch=2 * B, batch_traced=B)
+    assert cost.bytes_moved == pytest.approx(2 * x.nbytes + w.nbytes + 2 * y.nbytes)
