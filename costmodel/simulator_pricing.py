@@ -33,6 +33,7 @@ members; a stream's link is intra_node when its groups fit in one node.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -249,7 +250,7 @@ class _UnitPricer:
 def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy, pricer: Pricer,
                  groups: _Groups, shape: ActivationShape) -> StageCost:
     d, t = strategy.dims, strategy.train
-    chunks = tuple(units.chunk(layer) for layer in layers)
+    chunks = tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers)
     counts: dict[str, int] = {}
     for layer in layers:
         if layer.block_id is not None:

@@ -7,8 +7,10 @@ thread and `recv` on the receiver's, joined by a flow ("s" on the send, "f" on t
 the enclosing slice). Memory per rank is a counter track ("C", GiB).
 
 Gantt chart (`gantt_png`): one row per pipeline rank; its compute lane shows forward (blue), backward
-(green; input-gradient orange and weight-gradient olive when split) and the optimizer (purple),
-labelled with the micro-batch; thin lanes beneath show tp-comm, dp-comm and pp-p2p. Below, memory
+(green; input-gradient orange and weight-gradient olive when split) and the optimizer (purple), one
+bar per schedule action from its first chunk's start to its last chunk's end (the activation
+collectives it waits for inside are in the tp-comm lane), labelled with the micro-batch; thin lanes
+beneath show tp-comm, dp-comm and pp-p2p. Below, memory
 over time per rank. Drawn with matplotlib's Agg backend (no display needed).
 """
 
@@ -79,12 +81,15 @@ def gantt_png(result: SimResult, path: str, *, title: str = "") -> None:
     fig, (ax, mem_ax) = plt.subplots(2, 1, figsize=(12, 2.0 + 0.9 * ranks + 2.2), sharex=True,
                                      gridspec_kw={"height_ratios": [0.9 * ranks + 0.6, 2.2]})
     lane = {"compute": (0.0, 0.5), "tp-comm": (0.52, 0.12), "dp-comm": (0.66, 0.12), "pp-p2p": (0.80, 0.12)}
-    for e in result.events:
-        offset, height = lane[e.stream]
-        match = _ACTION.match(e.name) if e.stream == "compute" else None
-        color = COLORS[match[2]] if match else COLORS["optimizer"] if e.category == "optimizer" else COLORS.get(e.stream, "grey")
-        ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], (e.rank + offset, height), facecolors=color, linewidth=0)
-    for (rank, label), (start, end) in _actions(result.events).items():
+    for e in result.events:  # communication lanes, and the optimizer on the compute lane
+        if e.stream != "compute" or e.category == "optimizer":
+            offset, height = lane[e.stream]
+            color = COLORS["optimizer"] if e.category == "optimizer" else COLORS.get(e.stream, "grey")
+            ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], (e.rank + offset, height), facecolors=color, linewidth=0)
+    for (rank, label), (start, end) in _actions(result.events).items():  # one bar per action, gaps inside it included
+        kind = _ACTION.match(label)[2]
+        ax.broken_barh([(start * scale, (end - start) * scale)], (rank, 0.5), facecolors=COLORS[kind],
+                       edgecolors="white", linewidth=0.6)
         if (end - start) / result.step_time_s > 0.012:
             ax.text((start + end) / 2 * scale, rank + 0.25, re.sub(r"^\d+", "", label), ha="center", va="center",
                     fontsize=7, color="white")
