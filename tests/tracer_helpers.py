@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import flop_counter as fc
 
 from tracer.build import build_model
@@ -34,6 +35,19 @@ CPU_ATTENTION_FLOPS = {
 """flop_counter has no formula for CPU flash attention; these apply its SDPA formulas to it."""
 
 
+def without_dropout(config):
+    """A copy of `config` with every dropout probability 0: CPU dropout saves float masks (CUDA's saves
+    bool ones) and CPU attention falls back to unfused math under dropout."""
+    import copy
+
+    config = copy.deepcopy(config)
+    for sub in [config, *[v for v in vars(config).values() if hasattr(v, "to_dict")]]:
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_rate", "drop_prob")):
+                setattr(sub, key, 0.0)
+    return config
+
+
 def real_step(config, task: str, batch: int, seq_len: int, *, seed: int = 0):
     """Build `config` with random weights on CPU and run one forward+backward under flop and saved-tensor
     measurement. Returns (total flops, bytes of distinct non-parameter tensors saved for backward)."""
@@ -51,8 +65,12 @@ def real_step(config, task: str, batch: int, seq_len: int, *, seed: int = 0):
             saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
         return t
 
+    if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
+        model.set_experts_implementation("eager")  # real routing; batched_mm would save gathered weights
     counter = fc.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
-    with counter:
+    # The fused CPU kernel, whose backward flop_counter prices as the tracer does (the math fallback
+    # decomposes into bmms whose backward costs 2x forward instead of SDPA's 2.5x).
+    with counter, sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(**inputs).loss
         loss.backward()

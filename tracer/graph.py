@@ -7,7 +7,9 @@ Passes, in program order:
 3. parameter-derived ("weight-like") tensors: parameters, and outputs of ops whose floating inputs are
    all weight-like (transposed or gathered weights). They are not activations;
 4. dimension roles (roles.py) and per-op kind, FLOPs, bytes and saved tensors (oprules.py);
-5. saved tensors are deduplicated by base: a tensor saved by several ops counts at the first. A tensor
+5. saved tensors are deduplicated by base: a tensor saved by several ops counts at the first, and a
+   saved view counts as its whole base (which autograd keeps alive: a slice of a fused QKV output
+   keeps the fused output). A tensor
    produced outside every block and saved inside two or more block instances (rotary cos/sin, a shared
    mask) counts once, at its producer, instead of once per layer;
 6. blocks: ops inside stack instances are tagged with their block id; only the representative (first
@@ -89,6 +91,7 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
         for value, _, _ in entries:
             if value is not None:
                 savers[base[value.vid]].add(instance_key[i])
+    by_vid = {v.vid: v for v in capture.values}
     producer_of = {o.vid: i for i, op in enumerate(ops) for o in op.outputs}
     moved_to_producer: dict[int, list[Value]] = defaultdict(list)
     counted: set[int] = set()
@@ -106,9 +109,9 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
             shared = sum(1 for k in savers[b] if k is not None) >= 2
             prod = producer_of.get(b)
             if shared and prod is not None and instance_key[prod] is None:
-                moved_to_producer[prod].append(value)
+                moved_to_producer[prod].append(by_vid[b])
                 continue
-            metas.append(_meta(value, roles))
+            metas.append(_meta(by_vid[b], roles))
         saved_per_op.append(metas)
     for prod, values in moved_to_producer.items():
         saved_per_op[prod].extend(_meta(v, roles) for v in values)
