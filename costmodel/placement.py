@@ -14,7 +14,8 @@ Megatron rules (`block_placements`), over a block's ops in execution order:
   parallelism Attribute x tp (sequence shards);
 - every op in a block is Attribute x cp under context parallelism (sequence split), and the
   attention core exchanges K/V;
-- MoE expert ops (module path containing `experts`) are Parameter x ep (experts split).
+- MoE expert ops (module path containing `experts`) are Parameter x ep (experts split; their local
+  work is unchanged, see `OpSplit.local`); TP does not split experts.
 Outside blocks: the embedding is vocab-parallel (Parameter x tp), the LM head column-parallel over
 the vocabulary (ops on its logits stay vocab-sharded), the loss vocab-parallel; other non-block ops
 replicate (Attribute x tp with sequence parallelism).
@@ -60,7 +61,7 @@ COLWISE = frozenset({
     "value", "wi", "wi_0", "wi_1", "fc1", "query_key_value", "dense_h_to_4h", "qkv_proj", "gate_up_proj",
 })
 ROWWISE = frozenset({"o_proj", "down_proj", "w2", "c_proj", "wo", "fc2", "dense_4h_to_h", "out_proj"})
-STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "vocab_parallel")
+STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "vocab_parallel", "expert_parallel")
 
 
 def _leaf(module_fqn: str) -> str:
@@ -95,8 +96,12 @@ class OpSplit:
         return {k: v for k, v in (("sample", self.sample), ("attribute", self.attribute), ("parameter", self.parameter)) if v > 1}
 
     def local(self) -> dict[str, int]:
-        """The split `op_time` and `activation_bytes` take (the sample split is in the micro-batch)."""
-        return {k: v for k, v in (("attribute", self.attribute), ("parameter", self.parameter)) if v > 1}
+        """The split `op_time` and `activation_bytes` take (the sample split is in the micro-batch).
+
+        Expert parallelism leaves an expert op's local work unchanged: each rank holds 1/ep of the
+        experts but receives the tokens routed to them from all ep ranks (balanced routing)."""
+        parameter = 1 if self.style == "expert_parallel" else self.parameter
+        return {k: v for k, v in (("attribute", self.attribute), ("parameter", parameter)) if v > 1}
 
     def describe(self) -> str:
         parts = [f"{k.capitalize()} x{v}" for k, v in self.soap().items()]
@@ -165,7 +170,7 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
             out.append(placed)
             continue
         if "experts" in op.module_fqn.split(".") and d.ep > 1:
-            split = OpSplit(dp, cp, d.ep, None)
+            split = OpSplit(dp, cp, d.ep, "expert_parallel")
         elif style == "colwise" and tp > 1:
             if not inside:
                 colls.append(Collective(tp_kinds[0], s_bytes, "tp", "fwd", "enter TP region") if sp else

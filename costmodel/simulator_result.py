@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from costmodel.simulator_costs import StepCosts
 from costmodel.simulator_engine import Task
@@ -74,8 +74,9 @@ class RankMemory:
         return self.at_peak.total
 
 
-@dataclass(frozen=True)
-class TimelineEvent:
+class TimelineEvent(NamedTuple):
+    """One task of the simulated step (a NamedTuple: thousands are made per simulation)."""
+
     rank: int
     stream: str
     name: str
@@ -153,7 +154,10 @@ class SimResult:
 def analyse(costs: StepCosts, tasks: Sequence[Task], memory_events: Sequence[MemoryEvent], facts: StepFacts) -> SimResult:
     step = max((t.end for t in tasks), default=0.0)
     pp = costs.schedule.pp
-    breakdowns = tuple(_rank_breakdown(rank, tasks, step) for rank in range(pp))
+    by_rank: list[list[Task]] = [[] for _ in range(pp)]
+    for t in tasks:
+        by_rank[t.rank].append(t)
+    breakdowns = tuple(_rank_breakdown(rank, by_rank[rank], tasks, step) for rank in range(pp))
     critical = max(range(pp), key=lambda r: (breakdowns[r].compute + breakdowns[r].optimizer, -r))
     events = tuple(
         TimelineEvent(t.rank, t.stream, t.name, t.category, t.start, t.end, t.flow, t.peer)
@@ -165,13 +169,12 @@ def analyse(costs: StepCosts, tasks: Sequence[Task], memory_events: Sequence[Mem
     )
 
 
-def _rank_breakdown(rank: int, tasks: Sequence[Task], step: float) -> TimeBreakdown:
+def _rank_breakdown(rank: int, own: Sequence[Task], tasks: Sequence[Task], step: float) -> TimeBreakdown:
+    """`own`: this rank's tasks in issue order; `tasks`: all of them, indexed by id (dependencies)."""
     compute = optimizer = exposed = bubble = other = 0.0
     prev_end = 0.0
     last_own_comm_end = 0.0
-    for t in tasks:
-        if t.rank != rank:
-            continue
+    for t in own:
         if t.stream != "compute":
             last_own_comm_end = max(last_own_comm_end, t.end)
             continue

@@ -199,3 +199,19 @@ def test_fewer_bytes_moved_never_slows_the_step(chunks, send, shrink, schedule, 
         return simulate_costs(costs).step_time_s
 
     assert step(shrink) <= step(1.0) * (1 + 1e-9)
+
+
+def test_expert_parallel_adds_all_to_all_and_keeps_local_work():
+    import dataclasses as dc
+
+    up = GRAPH.ops_of("model.layers")[7]
+    experts = dc.replace(up, name="model.layers.0.mlp.experts:bmm", module_fqn="model.layers.0.mlp.experts")
+    ops = (*GRAPH.ops_of("model.layers")[:7], experts)
+    dims = ParallelDims(dp_shard=4, ep=4)
+    strategy = Strategy(dims=dims, train=TrainingConfig(global_batch=4, seq_len=64))
+    placed = block_placements(ops, strategy, dataclasses.replace(SHAPE, experts_per_token=2))
+    expert = placed[-1]
+    assert expert.split.describe() == "Sample x4, Parameter x4" and expert.split.local() == {}
+    a2a = [c for p in placed for c in p.collectives if c.kind == "all_to_all"]
+    assert len(a2a) == 4 and {c.phase for c in a2a} == {"fwd", "bwd"}
+    assert a2a[0].nbytes == SHAPE.hidden_bytes(1) * 2
