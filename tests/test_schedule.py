@@ -105,3 +105,13 @@ def test_bad_schedule_requests_are_soap_errors():
         build_schedule("ZBVZeroBubble", 2, 4, 3)
     with pytest.raises(SoapError, match="one stage per rank"):
         build_schedule("1F1B", 2, 4, 2)
+
+
+@pytest.mark.parametrize("name,v", CASES)
+def test_torch_own_dry_run_accepts_our_actions(name, v):
+    from torch.distributed.pipelining.schedules import _simulate_comms_compute
+
+    schedule = build_schedule(name, 4, 8, v)
+    simulated = _simulate_comms_compute(schedule.to_torch(), lambda s: schedule.stage_to_rank[s], schedule.num_stages)
+    ran = sum(1 for acts in simulated.values() for a in acts if a is not None)
+    assert ran == sum(len(a) for a in schedule.actions)
