@@ -104,3 +104,31 @@ def test_shared_link_serializes_dp_and_pp_traffic():
     shared = step({"dp-comm": "inter_node", "pp-p2p": "inter_node"})
     separate = step({"dp-comm": "inter_node", "pp-p2p": "intra_node"})
     assert shared > separate
+
+
+def test_gradient_accumulation_runs_the_schedule_again_and_syncs_once():
+    chunk = ChunkCost(name="c", fwd_s=1.0, bwd_input_s=1.0, bwd_weight_s=1.0, grad_sync_s=0.5)
+    stages = (StageCost(chunks=(chunk,)),) * 2
+    once = simulate_costs(StepCosts(stages=stages, schedule=build_schedule("1F1B", 2, 4)))
+    twice = simulate_costs(StepCosts(stages=stages, schedule=build_schedule("1F1B", 2, 4), grad_accum=2))
+    assert twice.breakdown.compute == pytest.approx(2 * once.breakdown.compute)
+    syncs = [e for e in twice.events if e.category == "dp"]
+    assert len(syncs) == 2
+    last_backward = max(e.end for e in twice.events if e.rank == 0 and e.category == "compute")
+    assert min(e.start for e in syncs if e.rank == 0) == pytest.approx(last_backward)
+
+
+def test_fsdp_reduces_gradients_every_microbatch():
+    r = _uniform("1F1B", 2, 4, grad_sync_s=0.1)
+    costs_every = StepCosts(
+        stages=(StageCost(chunks=(ChunkCost(name="c", fwd_s=1, bwd_input_s=1, bwd_weight_s=1, grad_sync_s=0.1),)),) * 2,
+        schedule=build_schedule("1F1B", 2, 4), grad_sync_every_microbatch=True,
+    )
+    every = simulate_costs(costs_every)
+    assert sum(e.category == "dp" for e in every.events) == 2 * 4
+    assert sum(e.category == "dp" for e in r.events) == 2
+
+
+def test_simulation_is_deterministic():
+    a, b = _uniform("Interleaved1F1B", 4, 8, v=2), _uniform("Interleaved1F1B", 4, 8, v=2)
+    assert a == b
