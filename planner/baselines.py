@@ -8,8 +8,8 @@ isolates the parallelization. Families (`baseline_families`):
 - Megatron grid: any tp x pp x dp (tp inside a node), cp = 1, replicated or ZeRO-1 (Megatron's
   distributed optimizer) state, 1F1B or interleaved 1F1B — the best of the grid.
 - Rules of thumb (the multi-GPU guide's "Combinations", `rule_of_thumb_mesh`): DDP when the model fits
-  on one GPU, else ZeRO data parallel when that fits, else TP across the node (PP instead when the
-  node has no fast link) plus the fewest pipeline stages that fit, ZeRO-1 over the rest.
+  on one GPU; else TP across the node (none when the node has no fast link: PP wins there) plus the
+  fewest pipeline stages that fit, ZeRO-1 data parallelism over the rest; else ZeRO data parallelism.
 No baseline offloads optimizer state. The search space contains every family, so the chosen plan is
 never slower than a baseline.
 """
@@ -61,18 +61,23 @@ def rule_of_thumb_mesh(candidates: Sequence[Candidate], *, intra_node_bandwidth:
     ddp = [k for k in pure if by_key[k].zero == 0]
     if ddp:
         return ddp[0]
-    zero = [k for k in pure if by_key[k].dims.dp_replicate == 1]
-    if zero:
-        return min(zero, key=lambda k: (by_key[k].zero, k))
     fast = intra_node_bandwidth >= FAST_LINK_BYTES_PER_S
     grid = [k for k in keys if by_key[k].dims.cp == 1 and by_key[k].zero in (0, 1)]
-    if not grid:
-        return None
-    widest_tp = max(by_key[k].dims.tp for k in grid) if fast else 1
-    with_tp = [k for k in grid if by_key[k].dims.tp == widest_tp] or grid
-    fewest_stages = min(by_key[k].dims.pp for k in with_tp)
-    staged = [k for k in with_tp if by_key[k].dims.pp == fewest_stages]
-    return min(staged, key=lambda k: (-by_key[k].zero, k))
+    widest_tp = max((by_key[k].dims.tp for k in grid), default=1) if fast else 1
+    with_tp = [k for k in grid if by_key[k].dims.tp == widest_tp]
+    if with_tp:
+        fewest_stages = min(by_key[k].dims.pp for k in with_tp)
+        staged = [k for k in with_tp if by_key[k].dims.pp == fewest_stages]
+        return min(staged, key=lambda k: (-by_key[k].zero, k))
+    zero = [k for k in pure if by_key[k].dims.dp_replicate == 1]
+    return min(zero, key=lambda k: (by_key[k].zero, k)) if zero else None
+
+
+def baseline_mesh(mesh: MeshChoice, *, widest_tp: int) -> bool:
+    """Meshes the DDP, ZeRO-3 and rules-of-thumb baselines draw from: pure data parallelism, or the
+    widest TP with ZeRO 0/1 and no CP (any pipeline depth). The search always estimates them."""
+    d = mesh.dims
+    return _data_parallel_only_mesh(mesh) or (d.cp == 1 and mesh.zero in (0, 1) and d.tp == widest_tp)
 
 
 def baseline_families(

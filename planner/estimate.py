@@ -50,7 +50,7 @@ from costmodel.profiles import ClusterSpec
 from costmodel.strategy import TrainingConfig
 from planner.space import MeshChoice
 from planner.stages import partition_stages
-from planner.units import Unit
+from planner.units import Unit, layer_units
 from tracer.ir import OpGraph, OpKind
 
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}
@@ -101,17 +101,20 @@ class Estimator:
         self.graph, self.cluster, self.units = graph, cluster, units
         self.hidden = graph.dims.hidden
         self.kv_width = graph.dims.kv_heads * graph.dims.head_dim
+        self._costed_ops = [tuple(op for op in u.ops if op.fwd_flops or op.bwd_flops or op.bytes_moved) for u in units]
+        """Ops that take time (views move no bytes and run no FLOPs: op_time prices them at zero)."""
         self.unit_time = lru_cache(maxsize=None)(self._unit_time_uncached)
         self.unit_activation = lru_cache(maxsize=None)(self._unit_activation_uncached)
         self._stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
         self._comm = lru_cache(maxsize=None)(self._comm_uncached)
+        self.unit_costs = lru_cache(maxsize=None)(self._unit_costs_uncached)
 
     # --- cached per-unit costs ------------------------------------------------------------------
     def _unit_time_uncached(self, u: int, tp: int, cp: int, mb: int, precision: str) -> tuple[float, float, float]:
         """(forward, backward, attention-core forward) seconds of one instance of unit u."""
         split = {"parameter": tp, "attribute": cp}
         fwd = bwd = attn = 0.0
-        for op in self.units[u].ops:
+        for op in self._costed_ops[u]:
             cost = op_time(
                 op, device=self.cluster.device, precision=precision, micro_batch=mb,
                 batch_traced=self.graph.batch, split=split,
@@ -148,54 +151,75 @@ class Estimator:
 
     def _stage_counts_uncached(self, pp: int, v: int) -> np.ndarray:
         """Instances of each unit on each pipeline rank: shape (pp, units), time-balanced at mb=1."""
-        layer_units = [i for i, u in enumerate(self.units) for _ in range(u.repeat)]
+        layers = layer_units(self.units)
         stages = pp * v
         counts = np.zeros((pp, len(self.units)))
         if stages == 1:
             counts[0] = [u.repeat for u in self.units]
             return counts
-        times = [sum(self.unit_time(i, 1, 1, 1, "bf16")[:2]) for i in layer_units]
-        zeros = [0.0] * len(layer_units)
+        times = [sum(self.unit_time(i, 1, 1, 1, "bf16")[:2]) for i in layers]
+        zeros = [0.0] * len(layers)
         part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
         assert part is not None, "a partition without memory limits always exists when stages <= layers"
         for stage, (a, b) in enumerate(zip(part.bounds, part.bounds[1:])):
             for layer in range(a, b):
-                counts[stage % pp, layer_units[layer]] += 1
+                counts[stage % pp, layers[layer]] += 1
         return counts
+
+    def _unit_costs_uncached(
+        self, u: int, tp: int, cp: int, mb: int, precision: str, recompute: str
+    ) -> tuple[float, float, float]:
+        """(compute with recompute, critical path with TP/CP communication, backward) seconds of one
+        instance of unit u for one micro-batch."""
+        unit, gpn, seq = self.units[u], self.cluster.gpus_per_node, self.graph.seq_len
+        act_b = ACTIVATION_BYTES[precision]
+        fwd, bwd, attn = self.unit_time(u, tp, cp, mb, precision)
+        policy = "none" if unit.id.startswith("<") else recompute
+        compute = fwd + bwd + (fwd if policy == "full" else attn if policy == "selective" else 0.0)
+        regions = 1 if unit.id.startswith("<") else unit.tp_regions
+        tp_comm = 2 * regions * self._comm(
+            "all_reduce", mb * seq / cp * self.hidden * act_b, tp, group_ranks_per_node(tp, 1, gpn))
+        cp_exposed = 0.0
+        if cp > 1:
+            kv_bytes = 2 * mb * seq * self.kv_width * act_b / tp
+            cp_comm = unit.attention_ops * 3 * self._comm("all_gather", kv_bytes, cp, group_ranks_per_node(cp, tp, gpn))
+            cp_exposed = max(0.0, cp_comm - 3 * attn)
+        return compute, compute + tp_comm + cp_exposed, bwd
+
+    def _p2p(self, mesh: MeshChoice, mb: int, precision: str, v: int) -> float:
+        d = mesh.dims
+        if d.pp == 1:
+            return 0.0
+        nbytes = mb * self.graph.seq_len / d.cp * self.hidden * ACTIVATION_BYTES[precision] / d.tp
+        return 2 * v * self._comm("send_recv", nbytes, 2, 1)
+
+    def time_floor(self, mesh: MeshChoice, mb: int, num_microbatches: int, grad_accum: int, precision: str,
+                   bubble_factor: float) -> float:
+        """A lower bound on `estimate(...).step_time_s` over every configuration of `mesh` with this
+        micro-batching and precision: no recompute, no data-parallel or optimizer time, the busiest
+        rank no busier than the average, and the smallest bubble factor ((pp-1)/v, halved for ZBV)
+        of the schedules allowed."""
+        d = mesh.dims
+        per_instance = sum(
+            unit.repeat * self.unit_costs(u, d.tp, d.cp, mb, precision, "none")[1] for u, unit in enumerate(self.units)
+        )
+        average = per_instance / d.pp + self._p2p(mesh, mb, precision, 1)
+        return num_microbatches * average + grad_accum * bubble_factor * (d.pp - 1) * average
 
     # --- the estimate ---------------------------------------------------------------------------
     def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
-        d, t, gpn = mesh.dims, train, self.cluster.gpus_per_node
+        d, t = mesh.dims, train
         counts = self._stage_counts(d.pp, t.virtual_stages)
-        n_units = len(self.units)
-        act_b = ACTIVATION_BYTES[t.precision]
-        tokens_local = t.micro_batch * t.seq_len / d.cp
-        tp_group = (d.tp, group_ranks_per_node(d.tp, 1, gpn))
-        cp_group = (d.cp, group_ranks_per_node(d.cp, d.tp, gpn))
-
-        per_unit = np.zeros(n_units)
-        bwd_unit = np.zeros(n_units)
-        act_unit = np.zeros(n_units)
-        transient_unit = np.zeros(n_units)
-        compute_unit = np.zeros(n_units)
-        for u, unit in enumerate(self.units):
-            fwd, bwd, attn = self.unit_time(u, d.tp, d.cp, t.micro_batch, t.precision)
-            recompute = t.recompute_for(unit.id if not unit.id.startswith("<") else None)
-            extra = fwd if recompute == "full" else attn if recompute == "selective" else 0.0
-            regions = unit.tp_regions if not unit.id.startswith("<") else 1
-            tp_comm = 2 * regions * self._comm("all_reduce", tokens_local * self.hidden * act_b, *tp_group)
-            kv_bytes = 2 * t.micro_batch * t.seq_len * self.kv_width * act_b / d.tp
-            cp_comm = unit.attention_ops * 3 * self._comm("all_gather", kv_bytes, *cp_group)
-            cp_exposed = max(0.0, cp_comm - 3 * attn) if d.cp > 1 else 0.0
-            compute_unit[u] = fwd + bwd + extra
-            per_unit[u] = compute_unit[u] + tp_comm + cp_exposed
-            bwd_unit[u] = bwd
-            act_unit[u], transient_unit[u] = self.unit_activation(u, d.tp, d.cp, t.micro_batch, recompute, t.precision)
+        policies = [t.recompute_for(None if unit.id.startswith("<") else unit.id) for unit in self.units]
+        costs = np.array([
+            (*self.unit_costs(u, d.tp, d.cp, t.micro_batch, t.precision, policy),
+             *self.unit_activation(u, d.tp, d.cp, t.micro_batch, policy, t.precision))
+            for u, policy in enumerate(policies)
+        ])
+        compute_unit, per_unit, bwd_unit, act_unit, transient_unit = costs.T
 
         params_unit = np.array([unit.params for unit in self.units], dtype=float)
-        p2p = 0.0
-        if d.pp > 1:
-            p2p = 2 * t.virtual_stages * self._comm("send_recv", tokens_local * self.hidden * act_b / d.tp, 2, 1)
+        p2p = self._p2p(mesh, t.micro_batch, t.precision, t.virtual_stages)
         rank_time = counts @ per_unit + p2p
         rank_compute = counts @ compute_unit
         rank_bwd = counts @ bwd_unit

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from costmodel.memory import model_state_bytes
 from planner.estimate import Estimator, MemoryParts
-from planner.space import SpaceRequest, mesh_choices, training_choices
+from planner.space import SpaceRequest, mesh_choices, recompute_choices, training_config, training_heads
 from tracer.errors import SoapError
 
 GIB = 2**30
@@ -28,15 +28,16 @@ _PART_NAMES = {"weights": "weights", "grads": "gradients", "optimizer": "optimiz
 def memory_floor(req: SpaceRequest, estimator: Estimator) -> MemoryParts | None:
     """The least per-GPU memory over the request's meshes, or None when the pins leave no mesh."""
     best: MemoryParts | None = None
+    recompute = recompute_choices(req)[-1]
     for mesh in mesh_choices(req):
-        configs = list(training_choices(req, mesh))
-        if not configs:
-            continue
-        frugal = min(configs, key=lambda t: (t.micro_batch, -("none", "selective", "full").index(t.recompute),
-                                             -t.offload_optimizer, t.virtual_stages))
-        parts = estimator.estimate(mesh, frugal).memory
-        if best is None or parts.total < best.total:
-            best = parts
+        heads = training_heads(req, mesh)
+        smallest = min((h.micro_batch for h in heads), default=None)
+        for head in heads:
+            if head.micro_batch != smallest:
+                continue
+            parts = estimator.estimate(mesh, training_config(req, mesh, head, recompute=recompute, offload=True)).memory
+            if best is None or parts.total < best.total:
+                best = parts
     return best
 
 

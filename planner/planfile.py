@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from costmodel.profiles import cluster_to_dict
+from costmodel.simulator_stages import layer_sequence, stage_modules
 from costmodel.strategy import MESH_DIM_NAMES
 from planner.plan import (
     SCHEMA_VERSION,
@@ -25,7 +26,6 @@ from planner.plan import (
     parallelism_record,
 )
 from planner.search import Priced
-from planner.units import Layer
 from tracer.ir import OpGraph
 
 SOURCES = {"preset": "preset", "file": "file", "hub": "hub", "module": "module", "config": "module"}
@@ -37,18 +37,15 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
 
 
-def stage_records(bounds: Sequence[int] | None, layers: Sequence[Layer], pp: int, schedule: str) -> tuple[StageRecord, ...]:
+def stage_records(graph: OpGraph, bounds: Sequence[int] | None, pp: int, schedule: str) -> tuple[StageRecord, ...]:
     if pp == 1 or bounds is None:
         return ()
     stages = len(bounds) - 1
+    modules = stage_modules(layer_sequence(graph), bounds)
     records = []
-    for index, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        if schedule == "ZBVZeroBubble":
-            rank = index if index < pp else stages - 1 - index
-        else:
-            rank = index % pp
-        modules = tuple(m for layer in layers[a:b] for m in layer.modules)
-        records.append(StageRecord(index=index, rank=rank, modules=modules))
+    for index in range(stages):
+        rank = (index if index < pp else stages - 1 - index) if schedule == "ZBVZeroBubble" else index % pp
+        records.append(StageRecord(index=index, rank=rank, modules=modules[index]))
     return tuple(records)
 
 
@@ -62,7 +59,7 @@ def launch_command(gpus: int, gpus_per_node: int) -> str:
 
 
 def build_plan(
-    request: Any, graph: OpGraph, chosen: Priced, bounds: Sequence[int] | None, layers: Sequence[Layer],
+    request: Any, graph: OpGraph, chosen: Priced, bounds: Sequence[int] | None,
     *, blocks: tuple[BlockPlacement, ...] = (), tp_plan: dict[str, str] | None = None,
 ) -> Plan:
     spec, cluster = request.spec, request.cluster
@@ -82,7 +79,7 @@ def build_plan(
         parallelism=parallelism_record(strategy),
         tp_plan=dict(sorted((tp_plan or {}).items())),
         blocks=blocks,
-        stages=stage_records(bounds, layers, d.pp, t.schedule),
+        stages=stage_records(graph, bounds, d.pp, t.schedule),
         predicted=json.loads(json.dumps(predicted, sort_keys=True)),
         launch=launch_command(request.space.gpus, cluster.gpus_per_node),
     )

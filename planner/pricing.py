@@ -9,7 +9,8 @@ Pricing one candidate (`Pricer.__call__`):
 2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)`;
 3. the plan fits when the simulated peak memory (max over ranks) is within the limit.
 
-`run_search` wires enumeration, ranking, baselines and the report together (see `planner.api`).
+`run_search` wires enumeration, ranking, baselines and the report together (see `planner.api`); the
+chosen plan's per-op placements come from the per-op split search (`planner.block_splits`).
 """
 
 from __future__ import annotations
@@ -17,17 +18,21 @@ from __future__ import annotations
 from functools import lru_cache
 
 from costmodel.memory import model_state_bytes
+from costmodel.placement import tp_plan
 from costmodel.simulator import simulate
 from planner.api import PlanRequest
-from planner.baselines import baseline_families
+from planner.baselines import baseline_families, baseline_mesh
+from planner.block_splits import block_placements
 from planner.estimate import Estimator
 from planner.explain import explain
 from planner.feasibility import infeasible_error
+from planner.intra_op import BlockSplitCache
 from planner.planfile import build_plan
 from planner.report import PlanReport
-from planner.search import Candidate, Priced, SearchConfig, enumerate_candidates, search
+from planner.search import Candidate, Priced, SearchConfig, enumerate_candidates, search, simulation_work
+from planner.space import mesh_choices
 from planner.stages import partition_stages
-from planner.units import layer_sequence, model_units, total_params
+from planner.units import layer_units, model_units, total_params
 from tracer.errors import SoapError
 from tracer.ir import OpGraph
 
@@ -47,7 +52,7 @@ class Pricer:
 
     def __init__(self, request: PlanRequest, graph: OpGraph, estimator: Estimator) -> None:
         self.request, self.graph, self.estimator = request, graph, estimator
-        self.layers = layer_sequence(estimator.units)
+        self.layers = layer_units(estimator.units)
         self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds)
 
     def _stage_bounds(self, candidate: Candidate) -> tuple[int, ...] | None:
@@ -61,13 +66,13 @@ class Pricer:
         )
         per_param = (state.weights + state.grads + state.optimizer) / 1_000_000
         times, static, acts = [], [], []
-        for layer in self.layers:
-            unit = units[layer.unit]
-            fwd, bwd, attn = est.unit_time(layer.unit, d.tp, d.cp, t.micro_batch, t.precision)
+        for index in self.layers:
+            unit = units[index]
+            fwd, bwd, attn = est.unit_time(index, d.tp, d.cp, t.micro_batch, t.precision)
             policy = t.recompute_for(None if unit.id.startswith("<") else unit.id)
             times.append(fwd + bwd + (fwd if policy == "full" else attn if policy == "selective" else 0.0))
             static.append(unit.params / d.tp * per_param)
-            kept, transient = est.unit_activation(layer.unit, d.tp, d.cp, t.micro_batch, policy, t.precision)
+            kept, transient = est.unit_activation(index, d.tp, d.cp, t.micro_batch, policy, t.precision)
             acts.append(kept)
             static[-1] += transient  # an upper bound: only one block recomputes at a time
         flight = in_flight_per_stage(t.schedule, d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum)
@@ -88,7 +93,10 @@ class Pricer:
 def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int) -> PlanReport:
     units = model_units(graph)
     estimator = Estimator(graph, request.cluster, units)
-    candidates, estimated = enumerate_candidates(request.space, estimator, request.memory_limit)
+    widest_tp = max((m.dims.tp for m in mesh_choices(request.space)), default=1)
+    candidates, estimated = enumerate_candidates(
+        request.space, estimator, request.memory_limit, always=lambda m: baseline_mesh(m, widest_tp=widest_tp)
+    )
     params = graph.params_trainable or total_params(units)
     if not candidates:
         raise infeasible_error(request.model_name, request.space, estimator, request.memory_limit, params=params)
@@ -98,6 +106,7 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
         candidates, pricer,
         baselines=lambda best: baseline_families(best, candidates, intra_node_bandwidth=bandwidth),
         config=SearchConfig(time_budget_s=time_budget_s, seed=seed), estimated=estimated,
+        work=lambda c: simulation_work(c, len(pricer.layers)),
     )
     if not outcome.ranked:
         closest = min(outcome.rejected_by_simulation, key=lambda p: (p.peak_memory_bytes, p.candidate.key))
@@ -111,7 +120,10 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
         chosen.candidate, candidates, model=request.model_name, cluster=request.cluster,
         memory_limit=request.memory_limit, breakdown=chosen.result.breakdown.as_dict(),
     )
-    plan = build_plan(request, graph, chosen, pricer.stage_bounds(chosen.candidate), pricer.layers)
+    strategy = chosen.candidate.strategy
+    blocks = block_placements(units, graph, strategy, request.cluster, BlockSplitCache())
+    tp_styles = {k: v for u in units if not u.id.startswith("<") for k, v in tp_plan(u.ops, strategy).items()}
+    plan = build_plan(request, graph, chosen, pricer.stage_bounds(chosen.candidate), blocks=blocks, tp_plan=tp_styles)
     return PlanReport(
         plan=plan, chosen=chosen, alternatives=outcome.ranked[1:], baselines=outcome.baselines, why=why,
         model=request.model_name, cluster=request.cluster.name, gpus=request.space.gpus,

@@ -1,13 +1,15 @@
 """Search: enumerate, prune by estimate, price the survivors by full simulation, refine.
 
 Pipeline (`search`):
-1. Enumerate (`enumerate_candidates`): every mesh of `planner.space`, then its training
-   configurations. A mesh whose most memory-frugal configuration (smallest micro-batch, full
-   recompute, offloaded optimizer state) does not fit is dropped whole. For the rest, recompute and
-   offload only ever add time, so per (micro-batch, schedule, precision, optimizer) only the first
-   fitting recompute policy is kept, with and without offload (offload only when it lets a cheaper
-   recompute policy fit).
-2. Estimate: `planner.estimate.Estimator` prices each survivor analytically.
+1. Enumerate (`enumerate_candidates`): every mesh of `planner.space`. A mesh whose most
+   memory-frugal configuration (smallest micro-batch, full recompute, offloaded optimizer state)
+   does not fit is dropped whole (the memory bound). The rest are visited by a lower bound on their
+   estimated step time (the compute bound: `Estimator.time_floor`) and expanded until the bound
+   exceeds the estimate of the `keep_meshes`-th best mesh found (branch and bound). Expanding a
+   mesh: recompute and offload only ever add time, so per (micro-batch, schedule, precision,
+   optimizer) only the first fitting recompute policy is kept, with and without offload (offload
+   only when it lets a cheaper recompute policy fit).
+2. Estimate: `planner.estimate.Estimator` prices each expanded configuration analytically.
 3. Price: the best estimate of each of the `simulate_meshes` best meshes, the `simulate_top` best
    estimates overall, and every baseline family's best estimates are simulated (`price`, the full
    simulator). Plans whose simulated peak memory exceeds the limit are dropped; the rest are ranked
@@ -25,6 +27,7 @@ of the strategy; nothing iterates a set or depends on hashing.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import time
@@ -36,7 +39,15 @@ import numpy as np
 
 from costmodel.strategy import Strategy, TrainingConfig
 from planner.estimate import Estimate, Estimator
-from planner.space import MeshChoice, SpaceRequest, mesh_choices, training_choices
+from planner.space import (
+    MeshChoice,
+    SpaceRequest,
+    TrainingHead,
+    mesh_choices,
+    recompute_choices,
+    training_config,
+    training_heads,
+)
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -92,7 +103,11 @@ class SearchConfig:
     simulate_top: int = 16
     """Best estimates overall that are simulated (often variants of the best meshes)."""
     baseline_tries: int = 3
-    """Best estimates of each baseline family that are simulated."""
+    """Best estimates of each baseline family that are simulated (budget permitting; the first always)."""
+    simulation_budget: float = 100_000.0
+    """Simulation work allowed (see `simulation_work`): about 5 s on a 2-core CI machine. Half goes to
+    the best estimates, the rest to baselines; the best estimate and each family's best are always
+    simulated, so a huge job still gets its plan and its baselines."""
     time_budget_s: float | None = None
     """Wall-clock seconds for MCMC refinement after ranking; None skips it."""
     max_refine_steps: int | None = None
@@ -116,47 +131,108 @@ class SearchOutcome:
     """Simulated plans whose simulated memory exceeded the limit."""
 
 
-def _recompute_options(req: SpaceRequest) -> tuple[str, ...]:
-    return (req.pins.recompute,) if req.pins.recompute else RECOMPUTE_ORDER
+def _bubble_factor(head: TrainingHead) -> float:
+    return (0.5 if head.schedule == "ZBVZeroBubble" else 1.0) / head.virtual_stages
+
+
+def _frugal_fits(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: list[TrainingHead],
+                 memory_limit: float) -> bool:
+    """Whether the mesh's most memory-frugal configuration fits (smallest micro-batch, the strongest
+    recompute policy allowed, optimizer state offloaded)."""
+    smallest = min(h.micro_batch for h in heads)
+    recompute = recompute_choices(req)[-1]
+    return any(
+        estimator.estimate(mesh, training_config(req, mesh, h, recompute=recompute, offload=True)).memory_bytes
+        <= memory_limit
+        for h in heads if h.micro_batch == smallest
+    )
+
+
+def _expand(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: list[tuple[float, TrainingHead]],
+            memory_limit: float, global_bar: float) -> tuple[list[Candidate], int]:
+    """The mesh's fitting configurations: per head, the first recompute policy that fits, without
+    offload and (only when offload lets a cheaper policy fit) with it. Heads come sorted by their time
+    floor; a head is skipped once its floor can beat neither this mesh's best so far nor `global_bar`."""
+    kept: list[Candidate] = []
+    estimated = 0
+    best = math.inf
+    recomputes = recompute_choices(req)
+    for floor, head in heads:
+        if floor > best and floor > global_bar:
+            continue
+        fitting_level = len(recomputes)
+        for offload in (False, True):
+            for level, recompute in enumerate(recomputes[:fitting_level]):
+                t = training_config(req, mesh, head, recompute=recompute, offload=offload)
+                est = estimator.estimate(mesh, t)
+                estimated += 1
+                if est.memory_bytes <= memory_limit:
+                    kept.append(Candidate(mesh, t, est))
+                    best = min(best, est.step_time_s)
+                    fitting_level = level
+                    break
+            if fitting_level == 0:
+                break
+    return kept, estimated
 
 
 def enumerate_candidates(
-    req: SpaceRequest, estimator: Estimator, memory_limit: float
+    req: SpaceRequest, estimator: Estimator, memory_limit: float, *, keep_meshes: int = 24, keep_top: int = 16,
+    always: Callable[[MeshChoice], bool] = lambda mesh: False,
 ) -> tuple[list[Candidate], int]:
-    """Candidates that fit by estimate, sorted by (estimated time, key), and how many were estimated."""
-    kept: list[Candidate] = []
+    """Candidates that fit by estimate, sorted by (estimated time, key), and how many were estimated.
+
+    Branch and bound over meshes and their heads: meshes are visited by their time floor
+    (`Estimator.time_floor`). A mesh is skipped when its floor exceeds both the `keep_meshes`-th best
+    mesh's estimate and the `keep_top`-th best candidate's (it can enter neither set that
+    `select_for_simulation` draws from), unless `always(mesh)`: the baseline families' meshes are
+    always expanded."""
+    scored = []
     estimated = 0
-    recomputes = _recompute_options(req)
     for mesh in mesh_choices(req):
-        configs = list(training_choices(req, mesh))
-        if not configs:
+        heads = training_heads(req, mesh)
+        if not heads:
             continue
-        frugal = min(configs, key=lambda t: (t.micro_batch, -RECOMPUTE_ORDER.index(t.recompute), -t.offload_optimizer))
         estimated += 1
-        if estimator.estimate(mesh, frugal).memory_bytes > memory_limit:
+        if not _frugal_fits(req, estimator, mesh, heads, memory_limit):
             continue
-        groups: dict[tuple, dict[tuple[str, bool], TrainingConfig]] = {}
-        for t in configs:
-            head = (t.micro_batch, t.num_microbatches, t.grad_accum, t.schedule, t.virtual_stages, t.precision,
-                    t.optimizer)
-            groups.setdefault(head, {})[(t.recompute, t.offload_optimizer)] = t
-        for options in groups.values():
-            fitting_level = len(recomputes)
-            for offload in (False, True):
-                for level, recompute in enumerate(recomputes[:fitting_level]):
-                    t = options.get((recompute, offload))
-                    if t is None:
-                        continue
-                    est = estimator.estimate(mesh, t)
-                    estimated += 1
-                    if est.memory_bytes <= memory_limit:
-                        kept.append(Candidate(mesh, t, est))
-                        fitting_level = level
-                        break
-                if fitting_level == 0:
-                    break
+        floors = sorted(
+            ((estimator.time_floor(mesh, h.micro_batch, h.num_microbatches, h.grad_accum, h.precision,
+                                   _bubble_factor(h)), i, h) for i, h in enumerate(heads)),
+            key=lambda x: (x[0], x[1]),
+        )
+        scored.append((floors[0][0], mesh.sort_key, mesh, [(f, h) for f, _, h in floors]))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    kept: list[Candidate] = []
+    mesh_best: list[float] = []
+    top: list[float] = []
+    for floor, _, mesh, heads in scored:
+        mesh_bar = mesh_best[keep_meshes - 1] if len(mesh_best) >= keep_meshes else math.inf
+        top_bar = top[keep_top - 1] if len(top) >= keep_top else math.inf
+        forced = always(mesh)
+        if floor > mesh_bar and floor > top_bar and not forced:
+            continue
+        found, n = _expand(req, estimator, mesh, heads, memory_limit, math.inf if forced else top_bar)
+        estimated += n
+        if found:
+            kept.extend(found)
+            bisect.insort(mesh_best, min(c.estimate.step_time_s for c in found))
+            for c in found:
+                bisect.insort(top, c.estimate.step_time_s)
+            del top[keep_top:]
     kept.sort(key=lambda c: (c.estimate.step_time_s, c.key))
     return kept, estimated
+
+
+SIMULATION_OVERHEAD = 400.0
+"""Work units one simulation costs regardless of size (pricing, stage DP, analysis)."""
+
+
+def simulation_work(candidate: Candidate, layers: int) -> float:
+    """A deterministic proxy for a simulation's cost: the simulator's task count grows with the
+    micro-batches times (layers + pipeline transfers)."""
+    d, t = candidate.mesh.dims, candidate.train
+    return SIMULATION_OVERHEAD + t.num_microbatches * (layers + 4 * d.pp * t.virtual_stages)
 
 
 def select_for_simulation(candidates: Sequence[Candidate], config: SearchConfig) -> list[Candidate]:
@@ -184,6 +260,9 @@ class _PriceCache:
             self.calls += 1
         return self._seen[c.key]
 
+    def has(self, c: Candidate) -> bool:
+        return c.key in self._seen
+
     @property
     def priced(self) -> list[Priced]:
         return sorted(self._seen.values(), key=lambda p: p.order)
@@ -196,6 +275,7 @@ def search(
     baselines: Callable[[Candidate], Sequence[Any]] | None = None,
     config: SearchConfig = SearchConfig(),
     estimated: int = 0,
+    work: Callable[[Candidate], float] = lambda c: 1.0,
 ) -> SearchOutcome:
     """Rank `candidates` (sorted by estimate) by full simulation; see the module docstring.
 
@@ -203,7 +283,11 @@ def search(
     once the best plan is known; their best members are simulated and join the ranking.
     """
     cache = _PriceCache(price)
+    spent = 0.0
     for c in select_for_simulation(candidates, config):
+        if cache.calls and spent + work(c) > config.simulation_budget / 2:
+            continue
+        spent += work(c)
         cache(c)
     steps = 0
     fitting_now = [p for p in cache.priced if p.fits]
@@ -214,7 +298,14 @@ def search(
     if baselines is not None and fitting_now:
         for family in baselines(fitting_now[0].candidate):
             members = [c for c in candidates if family.member(c)][: config.baseline_tries]
-            fitting = sorted((p for p in map(cache, members) if p.fits), key=lambda p: p.order)
+            tried = []
+            for i, c in enumerate(members):
+                if not cache.has(c):
+                    if i and spent + work(c) > config.simulation_budget:
+                        continue
+                    spent += work(c)
+                tried.append(cache(c))
+            fitting = sorted((p for p in tried if p.fits), key=lambda p: p.order)
             family_best.append((family.name, fitting[0] if fitting else None))
     priced = cache.priced
     ranked = tuple(p for p in priced if p.fits)

@@ -8,7 +8,8 @@ A strategy is a mesh and a training configuration (`costmodel.strategy.Strategy`
 Mesh rules (`mesh_choices`):
 - tp divides the heads; tp and the KV heads divide one another; tp divides gpus_per_node (TP stays
   inside a node) unless the cluster says `tp_across_nodes`;
-- cp needs the sequence divisible by 2·cp (load-balanced causal chunks);
+- cp needs the sequence divisible by 2·cp (load-balanced causal chunks) and, unless pinned, at least
+  MIN_CP_SHARD_TOKENS tokens per rank;
 - pp <= layers (stages need not hold equal layer counts: `planner.stages` balances them);
 - dp divides the global batch;
 - the sample-parallel group either replicates (ZeRO 0, DDP), shards over all of dp (ZeRO 1/2/3),
@@ -17,7 +18,8 @@ Mesh rules (`mesh_choices`):
 `ParallelDims.check_model` states the divisibility rules; the search filters on it instead of raising.
 
 Training rules (`training_choices`), per mesh:
-- micro_batch divides the per-rank batch global_batch / dp; with pp == 1 every micro-batch is a
+- micro_batch divides the per-rank batch global_batch / dp (and holds at most MAX_MICROBATCH_TOKENS
+  tokens unless pinned or 1); with pp == 1 every micro-batch is a
   gradient-accumulation step; with pp > 1 one schedule run takes them all (grad_accum = 1 unless
   pinned);
 - schedules (pp > 1): GPipe, 1F1B, Interleaved1F1B with v in {2, 4} (v·pp <= layers and a
@@ -53,6 +55,13 @@ SEARCHED_SCHEDULES: tuple[tuple[str, int], ...] = (
     ("ZBVZeroBubble", 2),
 )
 """(schedule, virtual stages per rank) tried when pp > 1; ZBV's V shape always runs two stages per rank."""
+
+MIN_CP_SHARD_TOKENS = 512
+"""Unpinned context parallelism keeps at least this many tokens per rank: shorter shards leave the
+attention kernels too small to hide the K/V exchange, so such meshes are never competitive."""
+
+MAX_MICROBATCH_TOKENS = 1 << 17
+"""Unpinned micro-batches stop growing at this many tokens: matmuls are at full efficiency long before."""
 
 AUTO_OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "adafactor")
 """Optimizers searched under `optimizer="auto"` (SGD changes training too much to pick silently)."""
@@ -184,7 +193,7 @@ def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
     p, n = req.pins, req.gpus
     out: list[MeshChoice] = []
     for tp in (p.tp,) if p.tp else divisors(n):
-        for cp in (p.cp,) if p.cp else divisors(n // tp):
+        for cp in (p.cp,) if p.cp else [c for c in divisors(n // tp) if req.seq_len // c >= MIN_CP_SHARD_TOKENS]:
             for pp in (p.pp,) if p.pp else divisors(n // (tp * cp)):
                 if n % (tp * cp * pp):
                     continue
@@ -250,6 +259,8 @@ def micro_batching(req: SpaceRequest, *, dp: int, pp: int) -> list[tuple[int, in
     for mb in divisors(local):
         if p.micro_batch and mb != p.micro_batch:
             continue
+        if not p.micro_batch and mb > 1 and mb * req.seq_len > MAX_MICROBATCH_TOKENS:
+            break
         count = local // mb
         accum = count if pp == 1 else (p.grad_accum or 1)
         if p.grad_accum and accum != p.grad_accum:
@@ -260,19 +271,47 @@ def micro_batching(req: SpaceRequest, *, dp: int, pp: int) -> list[tuple[int, in
     return out
 
 
+@dataclass(frozen=True)
+class TrainingHead:
+    """A training configuration less its recompute policy and offload (the memory-for-time knobs)."""
+
+    micro_batch: int
+    num_microbatches: int
+    grad_accum: int
+    schedule: str
+    virtual_stages: int
+    precision: str
+    optimizer: str
+
+
+def training_heads(req: SpaceRequest, mesh: MeshChoice) -> list[TrainingHead]:
+    d = mesh.dims
+    return [
+        TrainingHead(mb, count, accum, schedule, v, precision, optimizer)
+        for mb, count, accum in micro_batching(req, dp=d.dp, pp=d.pp)
+        for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count)
+        for precision in precision_choices(req)
+        for optimizer in optimizer_choices(req)
+    ]
+
+
+def recompute_choices(req: SpaceRequest) -> tuple[str, ...]:
+    return (req.pins.recompute,) if req.pins.recompute else RECOMPUTE
+
+
+def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, recompute: str,
+                    offload: bool) -> TrainingConfig:
+    return TrainingConfig(
+        global_batch=req.global_batch, seq_len=req.seq_len, micro_batch=head.micro_batch,
+        num_microbatches=head.num_microbatches, grad_accum=head.grad_accum, schedule=head.schedule,
+        virtual_stages=head.virtual_stages, zero=mesh.zero, sequence_parallel=mesh.dims.tp > 1,
+        recompute=recompute, precision=head.precision, optimizer=head.optimizer, offload_optimizer=offload,
+    )
+
+
 def training_choices(req: SpaceRequest, mesh: MeshChoice) -> Iterator[TrainingConfig]:
     """Every training configuration of one mesh, in a fixed order."""
-    d = mesh.dims
-    recomputes = (req.pins.recompute,) if req.pins.recompute else RECOMPUTE
-    for mb, count, accum in micro_batching(req, dp=d.dp, pp=d.pp):
-        for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count):
-            for precision in precision_choices(req):
-                for optimizer in optimizer_choices(req):
-                    for recompute in recomputes:
-                        for offload in (False, True):
-                            yield TrainingConfig(
-                                global_batch=req.global_batch, seq_len=req.seq_len, micro_batch=mb,
-                                num_microbatches=count, grad_accum=accum, schedule=schedule, virtual_stages=v,
-                                zero=mesh.zero, sequence_parallel=d.tp > 1, recompute=recompute,
-                                precision=precision, optimizer=optimizer, offload_optimizer=offload,
-                            )
+    for head in training_heads(req, mesh):
+        for recompute in recompute_choices(req):
+            for offload in (False, True):
+                yield training_config(req, mesh, head, recompute=recompute, offload=offload)

@@ -3,8 +3,7 @@
 A unit is what a pipeline stage boundary may fall between: the ops before the first block
 (embeddings), one instance of a repeated block, or the ops after the last block (final norm, LM head,
 loss). `model_units` reads them off `OpGraph.segments()`; `layer_sequence` expands repeats into the
-per-layer list that `planner.stages.partition_stages` partitions, with the module FQNs each layer
-contributes to a stage record.
+per-layer list that `planner.stages.partition_stages` partitions.
 
 A parameter read by several ops (tied embeddings) is counted once, in the first unit that reads it.
 """
@@ -85,25 +84,10 @@ def model_units(graph: OpGraph) -> tuple[Unit, ...]:
     return tuple(units)
 
 
-@dataclass(frozen=True)
-class Layer:
-    """One position of the layer sequence a pipeline partition cuts: a unit instance."""
-
-    unit: int
-    """Index into the units tuple."""
-    modules: tuple[str, ...]
-    """Module FQNs this layer puts on its stage."""
-
-
-def layer_sequence(units: tuple[Unit, ...]) -> tuple[Layer, ...]:
-    layers: list[Layer] = []
-    for index, unit in enumerate(units):
-        if unit.id.startswith("<"):
-            layers.append(Layer(unit=index, modules=unit.modules))
-            continue
-        for instance in range(unit.repeat):
-            layers.append(Layer(unit=index, modules=(f"{unit.id}.{instance}",)))
-    return tuple(layers)
+def layer_units(units: tuple[Unit, ...]) -> tuple[int, ...]:
+    """The unit index of every layer of the sequence a pipeline partition cuts (each block instance is
+    a layer; so is each run of non-block ops): `costmodel.simulator_stages.layer_sequence`'s order."""
+    return tuple(i for i, unit in enumerate(units) for _ in range(unit.repeat))
 
 
 def total_params(units: tuple[Unit, ...]) -> int:
