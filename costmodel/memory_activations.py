@@ -3,8 +3,10 @@
 Inputs are the traced graph's ops with their `saved` tensors (each saved tensor is expected once in the
 graph, attributed to the op that saves it). Sizes are at local shapes: every saved tensor is scaled by
 `opcost.local_scale` (micro_batch / batch_traced on its sample dimension, 1/d per split role it
-carries), and under fp16/bf16/fp8 floating-point tensors take 2 bytes per element (`precision`; None
-keeps the traced dtypes).
+carries). Under fp16/bf16/fp8 (`precision`; None keeps the traced dtypes) a graph traced in fp32 has its
+floating-point tensors counted at 2 bytes per element; a graph traced with 16-bit parameters
+(`traced_in_low_precision`) already carries the real dtypes, fp32 upcasts (RMSNorm statistics, fp32
+logits for the loss) included, and is counted as traced.
 
 Attention implementation (`attention_saved`), for ops of kind ATTENTION (the fused SDPA core):
 - sdpa: what the traced SDPA op saves (q, k, v, out, the fp32 logsumexp [b, h, s_q], a mask if any),
@@ -37,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodel.opcost import FLOAT_DTYPES, activation_itemsize, local_scale
+from costmodel.opcost import FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, local_scale
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta
 
@@ -94,15 +96,24 @@ def block_saved(ops: Sequence[OpNode], policy: str, attention: str) -> tuple[Ten
     return () if first is None else (first,)
 
 
+def traced_in_low_precision(ops: Sequence[OpNode]) -> bool:
+    """Whether the graph was traced with 16-bit (or 8-bit) floating-point parameters: its tensors then
+    carry the run's real dtypes (fp32 upcasts included) and are not rescaled."""
+    return any(p.dtype in LOW_PRECISION_DTYPES for op in ops for p in op.params)
+
+
 class _Sizer:
     """Local bytes of saved tensors for one micro-batch."""
 
-    def __init__(self, *, micro_batch: int, batch_traced: int, split: Mapping[str, int] | None, precision: str | None):
+    def __init__(
+        self, *, micro_batch: int, batch_traced: int, split: Mapping[str, int] | None, precision: str | None,
+        traced_low_precision: bool = False,
+    ):
         if micro_batch < 1 or batch_traced < 1:
             raise SoapError(f"micro_batch ({micro_batch}) and batch_traced ({batch_traced}) must be positive")
         self.sample_scale = micro_batch / batch_traced
         self.split = dict(split or {})
-        self.width = None if precision is None else activation_itemsize(precision)
+        self.width = None if precision is None or traced_low_precision else activation_itemsize(precision)
 
     def __call__(self, tensors: Iterable[TensorMeta]) -> float:
         total = 0.0
@@ -150,7 +161,9 @@ def activation_parts(
         raise SoapError(f"unknown recompute policy {recompute!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
     if attention not in ATTENTION_IMPLS:
         raise SoapError(f"unknown attention implementation {attention!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
-    size = _Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=split, precision=precision)
+    ops = tuple(ops)
+    size = _Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=split, precision=precision,
+                  traced_low_precision=traced_in_low_precision(ops))
     counts = dict(block_counts or {})
     policies = dict(recompute_per_block or {})
     prologue = epilogue = kept = window = 0.0

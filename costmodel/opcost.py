@@ -25,8 +25,9 @@ tensor under context parallelism shrinks by cp, not cp^2). An op's FLOPs scale b
 the roles present in any of its tensors (the op's iteration space is partitioned d ways along that role).
 Parameters shrink only by the "parameter" degree (tensor parallelism shards weights).
 
-Byte width: under fp16/bf16/fp8 floating-point activations are 16-bit (autocast), so the traced bytes of
-floating tensors are rescaled to 2 bytes per element (`activation_itemsize`); fp32/tf32 keep 4.
+Byte width: under fp16/bf16/fp8 floating-point activations are 16-bit, so the bytes of an op traced in
+fp32 are rescaled to 2 bytes per floating-point element (`activation_itemsize`); fp32/tf32 keep 4. An
+op traced with 16-bit tensors (a graph traced at the run's precision) keeps its traced dtypes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta
 
 MATMUL_LIKE = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+LOW_PRECISION_DTYPES = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 
@@ -85,8 +87,9 @@ def _check_split(split: Mapping[str, int] | None) -> dict[str, int]:
 
 
 def _element_bytes(dtype: str, float_width: int) -> int:
-    """Floating-point tensors take the precision's activation width; others keep their dtype's size."""
-    return float_width if dtype in FLOAT_DTYPES else DTYPE_BYTES.get(dtype, 4)
+    """Floating-point tensors take the precision's activation width (0: keep the traced dtype); others
+    keep their dtype's size."""
+    return float_width if float_width and dtype in FLOAT_DTYPES else DTYPE_BYTES.get(dtype, 4)
 
 
 def local_work(
@@ -104,6 +107,8 @@ def local_work(
         if DimRole(role) in roles:
             flop_scale /= degree
     width = activation_itemsize(precision)
+    if width < 4 and any(t.dtype in LOW_PRECISION_DTYPES for t in tensors):
+        width = 0  # traced at low precision: the tensors carry their real dtypes
     # A weight the op reads usually appears among its inputs too; count the others once, as parameters.
     input_shapes = {t.shape for t in op.inputs} | {t.shape[::-1] for t in op.inputs}
     extra_params = [p for p in op.params if p.shape not in input_shapes]

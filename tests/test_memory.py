@@ -186,3 +186,19 @@ def test_activation_parts_expose_the_terms_of_the_peak():
     assert (parts.prologue, parts.blocks, parts.epilogue) == (IDS, 3 * XB, EPILOGUE)
     assert parts.recompute_window == BLOCK_NONE - XB
     assert parts.peak == _acts("full")
+
+
+def test_a_graph_traced_in_bf16_keeps_its_fp32_upcasts():
+    def retype(t, dtype):
+        return TensorMeta(t.shape, dtype, t.roles)
+
+    ops = []
+    for o in toy_ops():
+        saved = tuple(retype(t, "bfloat16") if t.dtype == "float32" and t is not LSE else t for t in o.saved)
+        params = tuple(ParamMeta(p.name, p.shape, "bfloat16") for p in o.params)
+        ops.append(OpNode(o.name, o.kind, o.target, o.module_fqn, o.block_id, o.inputs, o.outputs, params,
+                          o.fwd_flops, o.bwd_flops, o.bytes_moved, saved))
+    traced_bf16 = activation_bytes(ops, micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", precision="bf16")
+    traced_fp32 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa",
+                                   precision="bf16")
+    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2  # the two fp32 statistics stay at 4 bytes
