@@ -12,7 +12,7 @@ refined through `costmodel.collectives.collective_time` on the fit set (`calibra
 A local machine has one link level: `inter_node` carries the same figures as `intra_node`, noted as
 such. What the shared curve cannot express (gloo's algorithms differ per collective and per group size
 on an oversubscribed CPU) is recorded as data: the median measured/predicted ratio per collective and
-per group size, under the curve's `fit`.
+group size (`fit.residual_by_collective`, key `kind/n`), which `residual_factor` applies.
 """
 
 from __future__ import annotations
@@ -34,6 +34,17 @@ def ring_terms(kind: str, n: int) -> tuple[float, float]:
     if kind == "send_recv":
         return 1.0, 1.0
     return float(n - 1), (n - 1) / n
+
+
+def comm_key(case) -> str:
+    """`kind/group size`, the key of a collective's recorded residual."""
+    return f"{case.kind}/{case.group_size}"
+
+
+def residual_factor(cluster_json: dict, case) -> float:
+    """The profile's recorded measured/predicted ratio for `case`'s collective and group size (1 if none)."""
+    fit = cluster_json["links"]["intra_node"]["efficiency"].get("fit", {})
+    return fit.get("residual_by_collective", {}).get(comm_key(case), 1.0)
 
 
 def _group(s: CommSample) -> int:
@@ -100,21 +111,17 @@ def refine_link(cluster: dict, samples: Sequence[CommSample]) -> dict:
     values = refine_knots([latency, *(e for _, e in knots)], objective,
                           bounds=[(0.0, 100 * latency)] + [(1e-4, 1.0)] * len(knots))
     spec = spec_for(values)
-    residual_kind = {}
-    for kind in sorted({s.case.kind for s in samples}):
-        ratios = [s.seconds / predict_comm(s.case, spec) for s in samples if s.case.kind == kind]
-        residual_kind[kind] = float(f"{statistics.median(ratios):.3g}")
-    residual_group = {}
-    for n in sorted({s.case.group_size for s in samples}):
-        ratios = [s.seconds / predict_comm(s.case, spec) for s in samples if s.case.group_size == n]
-        residual_group[str(n)] = float(f"{statistics.median(ratios):.3g}")
+    residuals = {}
+    for key in sorted({comm_key(s.case) for s in samples}):
+        ratios = [s.seconds / predict_comm(s.case, spec) for s in samples if comm_key(s.case) == key]
+        residuals[key] = float(f"{statistics.median(ratios):.3g}")
     link = dict(cluster["links"]["intra_node"])
     source = link["latency_us"]["source"]
     link["latency_us"] = _num(values[0] * 1e6, source)
     link["efficiency"] = {
         **link["efficiency"],
         "points": [[float(x), float(f"{v:.4g}")] for (x, _), v in zip(knots, values[1:])],
-        "fit": {**link["efficiency"]["fit"], "residual_by_collective": residual_kind, "residual_by_group_size": residual_group},
+        "fit": {**link["efficiency"]["fit"], "residual_by_collective": residuals},
     }
     return cluster_json(name=cluster["name"], description=cluster["description"], device_json=cluster["device"],
                         gpus_per_node=cluster["gpus_per_node"], link=link)

@@ -2,14 +2,22 @@
 
 From the fit set (held-out points excluded):
 - `peak_tflops[p]`: the best FLOP/s any matmul reached at precision p, so efficiencies stay ≤ 1;
-- `memory_bandwidth_gbps`: the best bytes/s any memory-bound kernel reached;
-- `kernel_overhead_us`: the time of a 12-byte add;
-- `matmul_efficiency` (x = FLOPs) and `memory_efficiency` (x = bytes): closed-form knots
-  (`calibrate_fit.efficiency_points`), then refined through `costmodel.opcost.op_time`
-  (`calibrate_fit.refine_knots`): the memory curve on the elementwise, norm and softmax kernels, then
-  the matmul curve on the matmuls. The cost model prices attention with the matmul curve too; its
-  points are validated but do not bend the curve (CPU attention kernels run far from matmul speed). The per-family median of measured/predicted on the
-  fit set is kept under the curves' `fit.residual_by_family`: how far one curve is from each family.
+- `memory_bandwidth_gbps` and `memory_efficiency` (x = bytes): from the memory-bound reference kernels
+  (`MEMORY_REFERENCE_OPS`, add and mul: STREAM-style, one arithmetic op per element, nothing to hide
+  behind) at the reference precision, best bytes/s and then knots refined through `op_time`;
+- `matmul_efficiency` (x = FLOPs): closed-form knots refined through `op_time` on the reference
+  precision's matmuls. One curve serves every precision, each with its own peak, so the curve follows
+  the precision the device trains in (the caller's `reference`): at other precisions small matmuls
+  may run at a different share of their peak, recorded as their residual;
+- `kernel_overhead_us`: the time of a 12-byte add.
+Knots start from `calibrate_fit.efficiency_points` and are refined with `calibrate_fit.refine_knots`.
+
+Kernels the roofline cannot express on a device (on a CPU: transcendental activations, norms and
+softmax are bound by vector arithmetic the tracer does not count as FLOPs; bf16 elementwise kernels by
+conversions) are still measured and validated. What one curve per resource misses is recorded as data:
+the median measured/predicted ratio per family and precision on the fit set, under each curve's
+`fit.residual_by_family` (key `family/precision`, e.g. `elementwise/bf16`). `with_residuals` applies
+them, which the held-out report shows as what a per-family factor in the cost model would give.
 """
 
 from __future__ import annotations
@@ -24,6 +32,20 @@ from costmodel.microbench import KernelSample
 from costmodel.profiles import GIB, DeviceProfile, EfficiencyCurve, cluster_from_dict
 
 COMPUTE_FAMILIES = ("matmul", "attention")
+MEMORY_REFERENCE_OPS = frozenset({"add", "mul"})
+"""The kernels that define the device's memory-bound behaviour."""
+
+
+def family_key(case) -> str:
+    return f"{case.family}/{case.precision_key}"
+
+
+def _fit_sets(samples: Sequence[KernelSample], reference: str) -> tuple[list[KernelSample], list[KernelSample]]:
+    """(matmuls, memory-bound reference kernels) at the reference precision."""
+    at_ref = [s for s in samples if s.case.precision_key == reference]
+    if not any(s.case.family == "matmul" for s in at_ref):
+        raise ValueError(f"no {reference} matmul was measured to fit the curves on")
+    return [s for s in at_ref if s.case.family == "matmul"], [s for s in at_ref if s.case.op in MEMORY_REFERENCE_OPS]
 
 
 def _num(value: float, source: str, digits: int = 4) -> dict:
@@ -37,15 +59,15 @@ def _curve(points: Sequence[tuple[float, float]], source: str, fit: dict | None 
     return out
 
 
-def closed_form_device(samples: Sequence[KernelSample], *, name: str, description: str, source: str,
+def closed_form_device(samples: Sequence[KernelSample], *, reference: str, name: str, description: str, source: str,
                        overhead_s: float, memory_bytes: int, context_bytes: int) -> dict:
     """The device JSON from the closed-form estimates alone (before refinement)."""
-    compute = [s for s in samples if s.case.family == "matmul"]
-    memory = [s for s in samples if s.case.family not in COMPUTE_FAMILIES]
+    compute, memory = _fit_sets(samples, reference)
     peaks: dict[str, float] = {}
-    for s in compute:
-        prec = s.case.precision_key
-        peaks[prec] = max(peaks.get(prec, 0.0), s.case.flops / s.seconds)
+    for s in samples:
+        if s.case.family == "matmul":
+            prec = s.case.precision_key
+            peaks[prec] = max(peaks.get(prec, 0.0), s.case.flops / s.seconds)
     bandwidth = max(s.case.bytes_moved / s.seconds for s in memory)
 
     def busy(s: KernelSample) -> float:
@@ -79,13 +101,12 @@ def _as_profile(device_json: dict) -> DeviceProfile:
     return cluster_from_dict(cluster).device
 
 
-def refine_device(device_json: dict, samples: Sequence[KernelSample]) -> dict:
-    """Refine the curves' knots through `op_time`: the memory curve on the memory-bound kernels, then the
-    matmul curve on the matmuls (attention is priced with the matmul curve but does not bend it); record
-    per-family residuals."""
+def refine_device(device_json: dict, samples: Sequence[KernelSample], *, reference: str) -> dict:
+    """Refine the curves' knots through `op_time`: the memory curve on the memory-bound reference
+    kernels, then the matmul curve on the matmuls (both at the reference precision); record per-family
+    residuals on every sample."""
     base = _as_profile(device_json)
-    memory = [s for s in samples if s.case.family not in COMPUTE_FAMILIES]
-    matmuls = [s for s in samples if s.case.family == "matmul"]
+    matmuls, memory = _fit_sets(samples, reference)
 
     def refine(dev: DeviceProfile, field: str, fit_on: Sequence[KernelSample]) -> DeviceProfile:
         knots = getattr(dev, field).points
@@ -103,13 +124,22 @@ def refine_device(device_json: dict, samples: Sequence[KernelSample]) -> dict:
     dev = refine(refine(base, "memory_efficiency", memory), "matmul_efficiency", matmuls)
     source = device_json["matmul_efficiency"]["source"]
     residuals = {}
-    for fam in sorted({s.case.family for s in samples}):
-        ratios = [s.seconds / predict_kernel(s.case, dev) for s in samples if s.case.family == fam]
-        residuals[fam] = float(f"{statistics.median(ratios):.3g}")
-    mm_fit = {"residual_by_family": {k: v for k, v in residuals.items() if k in COMPUTE_FAMILIES}}
-    mem_fit = {"residual_by_family": {k: v for k, v in residuals.items() if k not in COMPUTE_FAMILIES}}
+    for key in sorted({family_key(s.case) for s in samples}):
+        ratios = [s.seconds / predict_kernel(s.case, dev) for s in samples if family_key(s.case) == key]
+        residuals[key] = float(f"{statistics.median(ratios):.3g}")
+    mm_fit = {"residual_by_family": {k: v for k, v in residuals.items() if k.split("/")[0] in COMPUTE_FAMILIES}}
+    mem_fit = {"residual_by_family": {k: v for k, v in residuals.items() if k.split("/")[0] not in COMPUTE_FAMILIES}}
     return {
         **device_json,
         "matmul_efficiency": _curve(dev.matmul_efficiency.points, source, mm_fit),
         "memory_efficiency": _curve(dev.memory_efficiency.points, source, mem_fit),
     }
+
+
+def residual_factor(device_json: dict, key: str) -> float:
+    """The profile's recorded measured/predicted ratio for a `family/precision` key (1 if none)."""
+    for curve in ("matmul_efficiency", "memory_efficiency"):
+        factors = device_json[curve].get("fit", {}).get("residual_by_family", {})
+        if key in factors:
+            return factors[key]
+    return 1.0

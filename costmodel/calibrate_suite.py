@@ -41,7 +41,7 @@ def kernel_sweeps(device: str, *, quick: bool) -> list[Sweep]:
     squares = [32, 64, 128, 256] if quick else [32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
     if gpu:
         squares = [s * scale for s in squares] + ([] if quick else [8192])
-    rows_mm = [8, 64, 512] if quick else [8, 32, 128, 512, 2048]
+    rows_mm = [8, 64, 512] if quick else [8, 32, 128, 256, 512, 1024, 2048]
     rows_mem = [1, 16, 256, 1024] if quick else [1, 4, 16, 64, 256, 1024, 4096]
     seqs = [64, 128, 256] if quick else [64, 128, 256, 512, 1024]
     mem_ops = ("add", "gelu", "layer_norm", "softmax") if quick else tuple(MEMORY_BOUND_OPS)
@@ -51,7 +51,7 @@ def kernel_sweeps(device: str, *, quick: bool) -> list[Sweep]:
         sweeps.append(Sweep(f"mm square {prec}", tuple(KernelCase("mm", (n, n, n), dtype, p) for n in squares)))
         if dtype == "float8_e4m3fn":
             continue  # fp8 exists for matmuls only
-        for k, n in ((512, 2048), (2048, 512)):
+        for k, n in ((512, 2048), (2048, 512), (256, 768), (1024, 256)):
             sweeps.append(Sweep(f"mm m x {k} x {n} {prec}",
                                 tuple(KernelCase("mm", (m * scale, k * scale, n * scale), dtype, p) for m in rows_mm)))
         sweeps.append(Sweep(f"bmm scores {prec}", tuple(KernelCase("bmm", (8, s, 64, s), dtype, p) for s in seqs)))

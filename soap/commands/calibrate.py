@@ -45,7 +45,8 @@ def _config(args: argparse.Namespace) -> CalibrationConfig:
 
         nproc = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 4
     config = CalibrationConfig(device=args.device, nproc=nproc, quick=args.quick, threads=args.threads,
-                               name=args.name or f"local-{args.device}")
+                               name=args.name or f"local-{args.device}", rounds=1 if args.quick else 2,
+                               reference_precision="bf16" if args.device == "cuda" else "fp32")
     check_config(config)
     return config
 
