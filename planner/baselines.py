@@ -9,7 +9,8 @@ isolates the parallelization. Families (`baseline_families`):
   distributed optimizer) state, 1F1B or interleaved 1F1B — the best of the grid.
 - Rules of thumb (the multi-GPU guide's "Combinations", `rule_of_thumb_mesh`): DDP when the model fits
   on one GPU; else TP across the node (none when the node has no fast link: PP wins there) plus the
-  fewest pipeline stages that fit, ZeRO-1 data parallelism over the rest; else ZeRO data parallelism.
+  fewest pipeline stages that fit (1F1B), ZeRO-1 data parallelism over the rest; else ZeRO data
+  parallelism.
 No baseline offloads optimizer state. The search space contains every family, so the chosen plan is
 never slower than a baseline.
 """
@@ -103,6 +104,6 @@ def baseline_families(
         ),
         Baseline(
             "rules of thumb", "the multi-GPU guide's combinations",
-            lambda c: rule is not None and same(c) and c.mesh.sort_key == rule,
+            lambda c: rule is not None and same(c) and c.mesh.sort_key == rule and c.train.schedule == "1F1B",
         ),
     ]

@@ -117,7 +117,7 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
         )
     chosen = outcome.ranked[0]
     why = explain(
-        chosen.candidate, candidates, model=request.model_name, cluster=request.cluster,
+        chosen, outcome.priced, candidates, model=request.model_name, cluster=request.cluster,
         memory_limit=request.memory_limit, breakdown=chosen.result.breakdown.as_dict(),
     )
     strategy = chosen.candidate.strategy

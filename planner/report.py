@@ -102,6 +102,8 @@ def render_summary(report: PlanReport, *, output: str | None = None) -> None:
     from rich.table import Table
 
     console = Console(file=sys.stdout, highlight=False)
+    if not console.is_terminal:
+        console.width = 140
     c = report.chosen
     m = contract(c)
     limit = report.memory_limit_bytes / GIB

@@ -129,6 +129,8 @@ class SearchOutcome:
     refine_steps: int = 0
     rejected_by_simulation: tuple[Priced, ...] = field(default=())
     """Simulated plans whose simulated memory exceeded the limit."""
+    priced: tuple[Priced, ...] = field(default=())
+    """Every simulated plan that fits, fastest first (the explanation's counterfactuals)."""
 
 
 def _bubble_factor(head: TrainingHead) -> float:
@@ -312,6 +314,7 @@ def search(
     return SearchOutcome(
         ranked=ranked[: config.top_k + 1], baselines=tuple(family_best), candidates=estimated or len(candidates),
         simulated=cache.calls, refine_steps=steps, rejected_by_simulation=tuple(p for p in priced if not p.fits),
+        priced=ranked,
     )
 
 

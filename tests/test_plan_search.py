@@ -1,0 +1,114 @@
+"""`soap plan` behaviour: what the search chooses for small models on simulated clusters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+from planner.api import plan_report
+
+GIB = 2**30
+
+TINY_GPT2 = {
+    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 8,
+    "vocab_size": 8192, "n_positions": 1024,
+}
+MEDIUM_LLAMA = {  # about 0.9B parameters: 16 GB of AdamW state, so memory limits bite
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False,
+}
+LONG_LLAMA = {  # 4 heads: tensor parallelism can use at most 4 of 8 GPUs on one sequence
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 8192,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, config in (("tiny-gpt2", TINY_GPT2), ("medium-llama", MEDIUM_LLAMA), ("long-llama", LONG_LLAMA)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(root / name)
+    return paths
+
+
+def _parallelism(report):
+    return report.plan.parallelism
+
+
+def test_small_model_on_8_gpus_gets_the_data_parallel_family(models):
+    report = plan_report(models["tiny-gpt2"], gpus=8)
+    p = _parallelism(report)
+    assert (p.tp, p.pp, p.cp, p.dp) == (1, 1, 1, 8)
+    assert report.chosen.peak_memory_bytes <= 80 * GIB
+
+
+def test_tight_memory_limit_forces_sharding_tensor_or_pipeline_parallelism(models):
+    roomy = _parallelism(plan_report(models["medium-llama"], gpus=8, global_batch=64))
+    tight = plan_report(models["medium-llama"], gpus=8, global_batch=64, mem_limit_gib=6)
+    p = _parallelism(tight)
+    assert (roomy.zero, roomy.tp, roomy.pp) == (0, 1, 1) or roomy.dp == 8
+    assert p.zero > 0 or p.tp > 1 or p.pp > 1
+    assert tight.chosen.peak_memory_bytes <= 6 * GIB
+
+
+def test_slow_inter_node_links_keep_tensor_parallelism_inside_nodes(models):
+    data = cluster_to_dict(load_cluster("dgx-h100"))
+    data["tp_across_nodes"] = True  # allowed to span nodes, but the network makes it a bad idea
+    data["links"]["inter_node"]["bandwidth_gbps"]["value"] = 1.0
+    slow = cluster_from_dict(data)
+    report = plan_report(models["medium-llama"], gpus=16, cluster=slow, global_batch=64, mem_limit_gib=12)
+    p = _parallelism(report)
+    assert p.tp * p.cp <= 8, "the tp (and cp) groups must stay on the fast intra-node link"
+    assert p.pp > 1 or p.dp > 1  # what crosses the slow link is pipeline or data parallelism
+
+
+def test_long_sequence_chooses_context_parallelism(models):
+    report = plan_report(models["long-llama"], gpus=8, seq_len=131072, global_batch=1)
+    p = _parallelism(report)
+    assert p.cp > 1
+    assert any("CP=" in line for line in report.why)
+
+
+def test_pins_are_respected(models):
+    report = plan_report(models["tiny-gpt2"], gpus=8, global_batch=64, tp=2, pp=2, zero=1, micro_batch=4,
+                         recompute="full", schedule="GPipe")
+    p = _parallelism(report)
+    assert (p.tp, p.pp, p.dp, p.zero, p.micro_batch, p.recompute, p.schedule) == (2, 2, 2, 1, 4, "full", "GPipe")
+    assert p.dp * p.micro_batch * p.num_microbatches == 64
+    assert len(report.plan.stages) == 2 and all(s.modules for s in report.plan.stages)
+
+
+def test_everything_pinned_simulates_that_one_configuration(models):
+    pins = dict(tp=2, pp=2, dp=2, cp=1, zero=1, micro_batch=4, grad_accum=1, recompute="selective",
+                schedule="1F1B", precision="bf16", optimizer="adamw")
+    report = plan_report(models["tiny-gpt2"], gpus=8, global_batch=64, **pins)
+    p = _parallelism(report)
+    assert {k: getattr(p, k) for k in pins} == pins
+    assert report.alternatives == ()
+    assert report.plan.predicted["step_time_s"] == pytest.approx(report.chosen.step_time_s)
+
+
+def test_one_gpu_uses_single_device_techniques_to_fit(models):
+    roomy = plan_report(models["medium-llama"], gpus=1, global_batch=64)
+    tight = plan_report(models["medium-llama"], gpus=1, global_batch=64, mem_limit_gib=16)
+    r, t = _parallelism(roomy), _parallelism(tight)
+    assert (r.recompute, r.offload_optimizer) == ("none", False)
+    assert t.offload_optimizer or t.recompute != "none" or t.micro_batch < r.micro_batch
+    assert t.grad_accum == t.num_microbatches and t.micro_batch * t.grad_accum == 64
+    assert tight.chosen.peak_memory_bytes <= 16 * GIB
+
+
+def test_chosen_plan_is_at_least_as_fast_as_every_baseline(models):
+    report = plan_report(models["medium-llama"], gpus=16, global_batch=64)
+    names = [name for name, _ in report.baselines]
+    assert names == ["DDP", "FSDP / ZeRO-3", "Megatron grid", "rules of thumb"]
+    for _, baseline in report.baselines:
+        if baseline is not None:
+            assert report.chosen.step_time_s <= baseline.step_time_s
