@@ -3,8 +3,8 @@
 Chrome trace (`chrome_trace`): one process per pipeline rank (pid = rank, named with its stages),
 one thread per stream (tid: 0 compute, 1 tp-comm, 2 dp-comm, 3 pp-p2p); every task is a complete
 ("X") event in microseconds. A pipeline transfer appears twice, as `send` on the sender's pp-p2p
-thread and `recv` on the receiver's, joined by a flow ("s" on the send, "f" on the recv, binding to
-the enclosing slice). Memory per rank is a counter track ("C", GiB).
+thread and `recv` on the receiver's, joined by a flow ("s" on the send, "f" on the recv, both at the
+transfer's midpoint so each binds to its enclosing slice). Memory per rank is a counter track ("C", GiB).
 
 Gantt chart (`gantt_png`): one row per pipeline rank; its compute lane shows forward (blue), backward
 (green; input-gradient orange and weight-gradient olive when split) and the optimizer (purple), one
@@ -48,8 +48,9 @@ def chrome_trace(result: SimResult, *, stage_names: dict[int, str] | None = None
         events.append(_slice(e, e.rank, e.name if e.flow is None else f"send {e.name.split(' ', 2)[-1]}"))
         if e.flow is not None and e.peer is not None:
             events.append(_slice(e, e.peer, f"recv {e.name.split(' ', 2)[-1]}"))
-            events.append({"ph": "s", "id": e.flow, "name": "p2p", "cat": "pp", "pid": e.rank, "tid": _tid(e.stream), "ts": e.start * 1e6})
-            events.append({"ph": "f", "bp": "e", "id": e.flow, "name": "p2p", "cat": "pp", "pid": e.peer, "tid": _tid(e.stream), "ts": e.end * 1e6})
+            middle = (e.start + e.end) / 2 * 1e6  # inside both slices, so each flow end binds to its slice
+            events.append({"ph": "s", "id": e.flow, "name": "p2p", "cat": "pp", "pid": e.rank, "tid": _tid(e.stream), "ts": middle})
+            events.append({"ph": "f", "bp": "e", "id": e.flow, "name": "p2p", "cat": "pp", "pid": e.peer, "tid": _tid(e.stream), "ts": middle})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"step_time_s": result.step_time_s}}
 
 

@@ -96,6 +96,10 @@ def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace
         mem.add_row(str(m.rank), ",".join(map(str, m.stages)),
                     *(f"{x / 2**30:.2f}" for x in (b.weights, b.grads, b.optimizer, b.activations, b.buffers, b.overhead, b.total)))
     console.print(mem)
+    for stage in plan.stages:
+        mods = stage.modules
+        span = mods[0] if len(mods) == 1 else f"{mods[0]} .. {mods[-1]}"
+        console.print(f"stage {stage.index} on pipeline rank {stage.rank}: {span} ({len(mods)} modules)")
     console.print(f"simulated in {elapsed:.2f} s (tracing included)"
                   + (f"; trace written to {args.trace}" if args.trace else "")
                   + (f"; timeline drawn to {args.png}" if args.png else ""), style="dim")
