@@ -6,9 +6,9 @@ the profile schema, version 1). Every number is `{"value": x, "source": "..."}` 
 datasheet, a published measurement, an assumption, or `soap calibrate`.
 
 Units inside Python are SI: FLOP/s, bytes, bytes/s, seconds. The JSON uses TFLOP/s, GiB, GB/s
-(1e9 bytes/s), microseconds; `_device_from_json` and `_link_from_json` convert.
+(1e9 bytes/s), microseconds; `costmodel.profiles_json` reads (strictly) and writes the format.
 
-Loading is strict (`_Reader`): an unknown key, a missing source, a zero or negative bandwidth, an
+Loading is strict (`profiles_json._Reader`): an unknown key, a missing source, a zero or negative bandwidth, an
 efficiency outside (0, 1] or a curve whose x does not increase raises SoapError naming the file and the
 field. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
@@ -122,184 +122,6 @@ class ClusterSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# Strict reading
-
-
-class _Reader:
-    """Walks one JSON document, raising SoapError that names the file and the field path."""
-
-    def __init__(self, origin: str) -> None:
-        self.origin = origin
-
-    def fail(self, path: str, problem: str) -> SoapError:
-        return SoapError(f"profile {self.origin}: field {path}: {problem}; fix the profile JSON")
-
-    def obj(self, data: Any, path: str, required: set[str], optional: set[str] = frozenset()) -> dict:
-        if not isinstance(data, dict):
-            raise self.fail(path, f"expected an object, got {type(data).__name__}")
-        unknown = sorted(set(data) - required - set(optional))
-        if unknown:
-            raise self.fail(path, f"unknown key(s) {', '.join(unknown)}")
-        missing = sorted(required - set(data))
-        if missing:
-            raise self.fail(path, f"missing key(s) {', '.join(missing)}")
-        return data
-
-    def text(self, data: dict, key: str, path: str) -> str:
-        value = data[key]
-        if not isinstance(value, str) or not value.strip():
-            raise self.fail(f"{path}.{key}".lstrip("."), "must be a non-empty string")
-        return value
-
-    def integer(self, data: dict, key: str, path: str, minimum: int = 1) -> int:
-        value = data[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(f"{path}.{key}".lstrip("."), f"must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    def flag(self, data: dict, key: str, path: str) -> bool:
-        value = data[key]
-        if not isinstance(value, bool):
-            raise self.fail(f"{path}.{key}".lstrip("."), f"must be true or false, got {value!r}")
-        return value
-
-    def number(self, data: Any, path: str, *, positive: bool = True) -> tuple[float, str]:
-        """A `{"value": x, "source": s}` object; x must be > 0 (or >= 0 when not `positive`)."""
-        self.obj(data, path, {"value", "source"}, {"notes"})
-        value = data["value"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.fail(f"{path}.value", f"must be a finite number, got {value!r}")
-        if value < 0 or (positive and value == 0):
-            raise self.fail(f"{path}.value", f"must be {'positive' if positive else 'non-negative'}, got {value}")
-        return float(value), self.text(data, "source", path)
-
-    def curve(self, data: Any, path: str) -> EfficiencyCurve:
-        self.obj(data, path, {"points", "source"}, {"fit", "notes"})
-        points = data["points"]
-        if not isinstance(points, list) or not points:
-            raise self.fail(f"{path}.points", "must be a non-empty list of [x, efficiency] pairs")
-        parsed: list[tuple[float, float]] = []
-        for i, pair in enumerate(points):
-            ok = isinstance(pair, list) and len(pair) == 2 and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair
-            )
-            if not ok:
-                raise self.fail(f"{path}.points[{i}]", f"must be a pair of numbers, got {pair!r}")
-            x, eff = float(pair[0]), float(pair[1])
-            if x <= 0:
-                raise self.fail(f"{path}.points[{i}]", f"x must be positive, got {x}")
-            if not 0 < eff <= 1:
-                raise self.fail(f"{path}.points[{i}]", f"efficiency must be in (0, 1], got {eff}")
-            if parsed and x <= parsed[-1][0]:
-                raise self.fail(f"{path}.points[{i}]", f"x must increase, got {x} after {parsed[-1][0]}")
-            parsed.append((x, eff))
-        extras = {k: data[k] for k in ("fit", "notes") if k in data}
-        return EfficiencyCurve(tuple(parsed), source=self.text(data, "source", path), extras=extras)
-
-
-_DEVICE_REQUIRED = {
-    "schema_version", "name", "description", "memory_gib", "peak_tflops", "memory_bandwidth_gbps",
-    "matmul_efficiency", "memory_efficiency", "kernel_overhead_us", "context_overhead_gib", "host_link_gbps",
-}
-_CLUSTER_REQUIRED = {"schema_version", "name", "description", "device", "gpus_per_node", "tp_across_nodes", "links"}
-_LINK_REQUIRED = {"bandwidth_gbps", "latency_us", "efficiency", "sharp"}
-
-
-def _check_version(r: _Reader, data: dict) -> None:
-    if data["schema_version"] != SCHEMA_VERSION:
-        raise r.fail("schema_version", f"unsupported version {data['schema_version']!r}, expected {SCHEMA_VERSION}")
-
-
-def _device_from_json(data: Any, origin: str) -> DeviceProfile:
-    r = _Reader(origin)
-    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "notes"})
-    _check_version(r, data)
-    sources: dict[str, str] = {}
-
-    def num(key: str, *, positive: bool = True) -> float:
-        value, sources[key] = r.number(data[key], key, positive=positive)
-        return value
-
-    peaks = r.obj(data["peak_tflops"], "peak_tflops", {"fp32"}, set(PRECISION_KEYS) - {"fp32"})
-    peak_flops: dict[str, float] = {}
-    for key in PRECISION_KEYS:
-        if key in peaks:
-            value, sources[f"peak_tflops.{key}"] = r.number(peaks[key], f"peak_tflops.{key}")
-            peak_flops[key] = value * 1e12
-    dtype_eff: dict[str, float] = {}
-    if "dtype_efficiency" in data:
-        block = r.obj(data["dtype_efficiency"], "dtype_efficiency", {"source"}, set(PRECISION_KEYS))
-        sources["dtype_efficiency"] = r.text(block, "source", "dtype_efficiency")
-        for key in PRECISION_KEYS:
-            if key in block:
-                v = block[key]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-                    raise r.fail(f"dtype_efficiency.{key}", f"must be in (0, 1], got {v!r}")
-                dtype_eff[key] = float(v)
-    matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
-    memory = r.curve(data["memory_efficiency"], "memory_efficiency")
-    return DeviceProfile(
-        name=r.text(data, "name", ""),
-        description=r.text(data, "description", ""),
-        peak_flops=peak_flops,
-        memory_bytes=int(num("memory_gib") * GIB),
-        memory_bandwidth=num("memory_bandwidth_gbps") * 1e9,
-        matmul_efficiency=matmul,
-        memory_efficiency=memory,
-        kernel_overhead_s=num("kernel_overhead_us", positive=False) * 1e-6,
-        context_bytes=int(num("context_overhead_gib", positive=False) * GIB),
-        host_bandwidth=num("host_link_gbps") * 1e9,
-        dtype_efficiency=dtype_eff,
-        sources=sources,
-    )
-
-
-def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
-    r.obj(data, path, _LINK_REQUIRED, {"fit", "notes"})
-    bandwidth, bw_src = r.number(data["bandwidth_gbps"], f"{path}.bandwidth_gbps")
-    latency, lat_src = r.number(data["latency_us"], f"{path}.latency_us", positive=False)
-    fit = data.get("fit", {})
-    if not isinstance(fit, dict):
-        raise r.fail(f"{path}.fit", "must be an object")
-    factor = fit.get("sharp_all_reduce_factor", 1.0)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 2:
-        raise r.fail(f"{path}.fit.sharp_all_reduce_factor", f"must be in (0, 2], got {factor!r}")
-    return LinkLevel(
-        name=path.split(".")[-1],
-        bandwidth=bandwidth * 1e9,
-        latency_s=latency * 1e-6,
-        efficiency=r.curve(data["efficiency"], f"{path}.efficiency"),
-        sharp=r.flag(data, "sharp", path),
-        sharp_all_reduce_factor=float(factor),
-        sources={"bandwidth_gbps": bw_src, "latency_us": lat_src},
-        extras={k: data[k] for k in ("fit", "notes") if k in data},
-    )
-
-
-def _cluster_from_json(data: Any, origin: str, device_dir: Path | None) -> ClusterSpec:
-    r = _Reader(origin)
-    r.obj(data, "<root>", _CLUSTER_REQUIRED, {"notes"})
-    _check_version(r, data)
-    device_ref = data["device"]
-    if isinstance(device_ref, dict):
-        device = _device_from_json(device_ref, f"{origin} (inline device)")
-    elif isinstance(device_ref, str) and device_ref:
-        device = _device_by_name(device_ref, origin, device_dir)
-    else:
-        raise r.fail("device", "must be a device profile name or an inline device object")
-    links = r.obj(data["links"], "links", {"intra_node", "inter_node"})
-    return ClusterSpec(
-        name=r.text(data, "name", ""),
-        description=r.text(data, "description", ""),
-        device=device,
-        gpus_per_node=r.integer(data, "gpus_per_node", ""),
-        tp_across_nodes=r.flag(data, "tp_across_nodes", ""),
-        intra_node=_link_from_json(r, links["intra_node"], "links.intra_node"),
-        inter_node=_link_from_json(r, links["inter_node"], "links.inter_node"),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
 # Finding files
 
 
@@ -337,11 +159,22 @@ def _missing(kind: str, name: str) -> SoapError:
     return SoapError(f"unknown {kind} {name!r}; choose one of {choices}, or give a JSON file path")
 
 
+def _read_device(path: Path) -> DeviceProfile:
+    from costmodel.profiles_json import device_from_json
+
+    return device_from_json(_read_json(path), str(path))
+
+
+def _read_cluster(path: Path, device_dir: Path | None) -> ClusterSpec:
+    from costmodel.profiles_json import cluster_from_json
+
+    return cluster_from_json(_read_json(path), str(path), lambda name: _device_by_name(name, str(path), device_dir))
+
+
 def _device_by_name(name: str, origin: str, device_dir: Path | None) -> DeviceProfile:
     for folder in (device_dir, PROFILES_DIR / "devices"):
         if folder is not None and (folder / f"{name}.json").is_file():
-            path = folder / f"{name}.json"
-            return _device_from_json(_read_json(path), str(path))
+            return _read_device(folder / f"{name}.json")
     raise SoapError(f"profile {origin}: field device: {_missing('device', name)}")
 
 
@@ -352,7 +185,7 @@ def load_device(name_or_path: str) -> DeviceProfile:
         if _looks_like_path(name_or_path):
             raise SoapError(f"device profile file {name_or_path} does not exist; check the path")
         raise _missing("device", name_or_path)
-    return _device_from_json(_read_json(path), str(path))
+    return _read_device(path)
 
 
 def load_cluster(name_or_path: str) -> ClusterSpec:
@@ -370,7 +203,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
         if not path.is_file():
             raise _missing("cluster", name_or_path)
         device_dir = None
-    return _cluster_from_json(_read_json(path), str(path), device_dir)
+    return _read_cluster(path, device_dir)
 
 
 def check_profile(name_or_path: str) -> DeviceProfile | ClusterSpec:
@@ -388,7 +221,7 @@ def check_profile(name_or_path: str) -> DeviceProfile | ClusterSpec:
     data = _read_json(Path(name_or_path))
     if isinstance(data, dict) and "links" in data:
         return load_cluster(name_or_path)
-    return _device_from_json(data, name_or_path)
+    return load_device(name_or_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,66 +230,20 @@ def check_profile(name_or_path: str) -> DeviceProfile | ClusterSpec:
 
 def cluster_from_dict(data: dict) -> ClusterSpec:
     """Build a ClusterSpec from the inline JSON form stored in plan.json (validated)."""
-    return _cluster_from_json(data, "inline cluster (plan.json)", None)
+    from costmodel.profiles_json import cluster_from_json
 
-
-def _number(value: float, source: str | None) -> dict:
-    return {"value": value, "source": source or NOT_RECORDED}
-
-
-def _curve_dict(curve: EfficiencyCurve) -> dict:
-    return {"points": [[x, e] for x, e in curve.points], "source": curve.source, **dict(curve.extras)}
+    return cluster_from_json(data, "inline cluster (plan.json)", lambda name: _device_by_name(name, "inline cluster", None))
 
 
 def device_to_dict(device: DeviceProfile) -> dict:
     """The device profile JSON (schema version 1), sources kept."""
-    src = device.sources.get
-    out: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "name": device.name,
-        "description": device.description or device.name,
-        "memory_gib": _number(device.memory_bytes / GIB, src("memory_gib")),
-        "peak_tflops": {
-            k: _number(device.peak_flops[k] / 1e12, src(f"peak_tflops.{k}")) for k in PRECISION_KEYS if k in device.peak_flops
-        },
-        "memory_bandwidth_gbps": _number(device.memory_bandwidth / 1e9, src("memory_bandwidth_gbps")),
-        "matmul_efficiency": _curve_dict(device.matmul_efficiency),
-        "memory_efficiency": _curve_dict(device.memory_efficiency),
-        "kernel_overhead_us": _number(device.kernel_overhead_s * 1e6, src("kernel_overhead_us")),
-        "context_overhead_gib": _number(device.context_bytes / GIB, src("context_overhead_gib")),
-        "host_link_gbps": _number(device.host_bandwidth / 1e9, src("host_link_gbps")),
-    }
-    if device.dtype_efficiency:
-        out["dtype_efficiency"] = {**device.dtype_efficiency, "source": src("dtype_efficiency") or NOT_RECORDED}
-    return out
+    from costmodel.profiles_json import device_to_dict as to_dict
 
-
-def _link_dict(link: LinkLevel) -> dict:
-    out = {
-        "bandwidth_gbps": _number(link.bandwidth / 1e9, link.sources.get("bandwidth_gbps")),
-        "latency_us": _number(link.latency_s * 1e6, link.sources.get("latency_us")),
-        "efficiency": _curve_dict(link.efficiency),
-        "sharp": link.sharp,
-    }
-    notes = link.extras.get("notes")
-    fit = dict(link.extras.get("fit", {}))
-    if link.sharp_all_reduce_factor != 1.0:
-        fit["sharp_all_reduce_factor"] = link.sharp_all_reduce_factor
-    if fit:
-        out["fit"] = fit
-    if notes is not None:
-        out["notes"] = notes
-    return out
+    return to_dict(device)
 
 
 def cluster_to_dict(cluster: ClusterSpec) -> dict:
     """The inline JSON form (cluster with its device profile, provenance kept)."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "name": cluster.name,
-        "description": cluster.description or cluster.name,
-        "device": device_to_dict(cluster.device),
-        "gpus_per_node": cluster.gpus_per_node,
-        "tp_across_nodes": cluster.tp_across_nodes,
-        "links": {"intra_node": _link_dict(cluster.intra_node), "inter_node": _link_dict(cluster.inter_node)},
-    }
+    from costmodel.profiles_json import cluster_to_dict as to_dict
+
+    return to_dict(cluster)
