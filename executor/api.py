@@ -1,0 +1,194 @@
+"""`parallelize(model, plan)`: apply a plan to a model inside an initialized process group.
+
+The transforms run in the fixed order of the executor (see `executor/__init__.py`):
+    1. pipeline split            executor.pipeline.split_stage
+    2. tensor/sequence parallel  executor.tensor_parallel.apply_tp
+    3. context parallel          executor.context_parallel.apply_cp
+    4. activation checkpointing  apply_recompute (HF's per-layer checkpointing, non-reentrant)
+    5. mixed precision           executor.precision (fp8 conversion here; autocast/GradScaler at run time)
+    6. torch.compile             each block, in place (FQNs unchanged)
+    7. data parallel             FSDP2 on meta, before materialization; DDP after it
+A model on the meta device is materialized between 7's FSDP and DDP (`executor.model.materialize`,
+seeded per FQN, or from `weights`); a model with real weights keeps them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from executor import precision as precision_mod
+from executor.context_parallel import apply_cp
+from executor.data_parallel import apply_ddp, apply_fsdp, uses_ddp, uses_fsdp
+from executor.mesh import MeshView, build_mesh
+from executor.model import materialize, normalize_for_tp
+from executor.pipeline import build_schedule, set_position_ids, split_stage, stages_of_rank
+from executor.tensor_parallel import apply_tp, find_block_list
+from planner.plan import Plan
+from tracer.errors import SoapError
+
+
+@dataclass
+class ParallelModel:
+    """The parallelized model on this rank."""
+
+    parts: list[nn.Module]
+    """The modules this rank runs: `[model]`, or its pipeline stages' modules."""
+    plan: Plan
+    mesh: MeshView
+    schedule: Any = None
+    """For pp > 1: the torch.distributed.pipelining schedule to `step(...)`."""
+    stage_indices: list[int] = field(default_factory=list)
+    precision: precision_mod.PrecisionRuntime = field(default_factory=precision_mod.PrecisionRuntime)
+
+    @property
+    def model(self) -> nn.Module:
+        """The model (pp == 1) or this rank's first stage module."""
+        return self.parts[0]
+
+    @property
+    def has_first_stage(self) -> bool:
+        return not self.stage_indices or 0 in self.stage_indices
+
+    @property
+    def has_last_stage(self) -> bool:
+        p = self.plan.parallelism
+        return not self.stage_indices or p.pp * p.virtual_stages - 1 in self.stage_indices
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for part in self.parts:
+            for param in part.parameters():
+                seen.setdefault(id(param), param)
+        return list(seen.values())
+
+
+def check_world_size(plan: Plan, launched: int) -> None:
+    if launched != plan.world_size:
+        raise SoapError(
+            f"the plan needs {plan.world_size} ranks, launched {launched}; fix: launch with "
+            f"--nproc-per-node {plan.world_size} (or nnodes x nproc-per-node = {plan.world_size}), "
+            f"or re-plan with --gpus {launched}"
+        )
+
+
+def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, seed: int = 0,
+                weights: str | None = None, loss_fn: Callable | None = None,
+                device: torch.device | None = None) -> ParallelModel:
+    """Apply `plan` to `model` on this rank (see the module docstring); returns a `ParallelModel`.
+
+    `loss_fn(logits, labels)` is the pipeline's loss (pp > 1); by default the mean token cross-entropy.
+    `seed` / `weights` fill a meta-device model; `device` defaults to cuda:LOCAL_RANK or the CPU.
+    """
+    if not dist.is_initialized():
+        raise SoapError("soap.parallelize needs an initialized process group; run under torchrun "
+                        "(or `soap execute`) and call torch.distributed.init_process_group first")
+    check_world_size(plan, dist.get_world_size())
+    p = plan.parallelism
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mesh = mesh or build_mesh(plan, device.type)
+    normalize_for_tp(model)
+    on_meta = next(model.parameters()).device.type == "meta"
+    template = model if p.pp > 1 else copy.deepcopy(model) if on_meta else None
+
+    stage_indices = stages_of_rank(plan, mesh.pp_rank) if p.pp > 1 else []
+    parts = [split_stage(model, plan, s) for s in stage_indices] if p.pp > 1 else [model]
+    num_layers = len(find_block_list(model)[1]) if p.pp == 1 else None
+    for part, index in zip(parts, stage_indices or [0]):
+        _apply_intra_stage(part, plan, mesh, first=index == 0,
+                           last=(index == p.pp * p.virtual_stages - 1), num_layers=num_layers)
+    if on_meta:
+        for part in parts:
+            materialize(part, template, device, seed=seed, weights_dir=weights)
+    elif device.type != "cpu":
+        for part in parts:
+            part.to(device)
+    if uses_ddp(plan):
+        parts = [apply_ddp(part, plan, mesh) for part in parts]
+    for part in parts:
+        part.train()
+    runtime = precision_mod.runtime_for(plan, device, fsdp=uses_fsdp(plan))
+    result = ParallelModel(parts=parts, plan=plan, mesh=mesh, stage_indices=stage_indices, precision=runtime)
+    if p.pp > 1:
+        result.schedule = _pipeline(result, device, loss_fn or _mean_loss())
+    return result
+
+
+def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView, *, first: bool, last: bool,
+                       num_layers: int | None) -> None:
+    p = plan.parallelism
+    if p.tp > 1:
+        _, blocks = find_block_list(part)
+        modules = list(blocks)
+        apply_tp(part, mesh.tp, plan.tp_plan, sequence_parallel=p.sequence_parallel,
+                 first_block=modules[0] if first else None, last_block=modules[-1] if last else None)
+    if p.cp > 1:
+        apply_cp(part, mesh.cp)
+    apply_recompute(part, _recompute_policy(plan))
+    precision_mod.convert_fp8(part, plan)
+    if p.compile:
+        for block in find_block_list(part)[1]:
+            block.compile()
+    if uses_fsdp(plan):
+        apply_fsdp(part, plan, mesh)
+
+
+def _recompute_policy(plan: Plan) -> str:
+    policies = {b.recompute for b in plan.blocks if b.id not in ("<prologue>", "<epilogue>")}
+    if len(policies) > 1:
+        raise SoapError(f"blocks ask for different recompute policies {sorted(policies)}; the executor applies "
+                        "one policy to the layer stack")
+    return policies.pop() if policies else plan.parallelism.recompute
+
+
+def apply_recompute(model: nn.Module, policy: str) -> None:
+    """Activation checkpointing per block: `full` recomputes each block, `selective` saves matmuls."""
+    if policy == "none":
+        return
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise SoapError(f"{type(model).__name__} does not support per-layer activation checkpointing")
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if policy == "selective":
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                torch.ops.aten._scaled_dot_product_flash_attention.default}
+
+        def policy_fn(ctx: Any, op: Any, *args: Any, **kw: Any) -> CheckpointPolicy:
+            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy_fn)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _mean_loss() -> Callable:
+    import torch.nn.functional as F
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    return loss
+
+
+def _pipeline(parallel: ParallelModel, device: torch.device, loss_fn: Callable) -> Any:
+    from torch.distributed.pipelining import PipelineStage
+
+    plan, mesh = parallel.plan, parallel.mesh
+    p = plan.parallelism
+    local = plan.seq_len // p.cp
+    offset = mesh.cp_rank * local
+    stages = []
+    for part, index in zip(parallel.parts, parallel.stage_indices):
+        inner = part.module if hasattr(part, "module") and isinstance(part.module, nn.Module) else part
+        set_position_ids(inner, lambda x, d=device: (torch.arange(local, device=d) + offset).unsqueeze(0))
+        stages.append(PipelineStage(part, index, p.pp * p.virtual_stages, device, group=mesh.pp.get_group()))
+    return build_schedule(plan, stages, loss_fn)
+

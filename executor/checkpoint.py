@@ -1,0 +1,101 @@
+"""Distributed checkpoints (torch.distributed.checkpoint), saved atomically.
+
+Layout of `--checkpoint-dir D`:
+    D/step-00000006/   one DCP checkpoint (model and optimizer state of every rank, and the step)
+    D/latest           the name of the newest complete checkpoint
+Saving writes into `D/.tmp-step-N`, waits for every rank, then rank 0 renames it to `D/step-N`,
+rewrites `latest` atomically and deletes older checkpoints. A crash mid-save leaves only a `.tmp-*`
+directory behind, and `latest` still names the last good checkpoint. State dicts use
+`get_state_dict` with flattened optimizer state, so FSDP/TP/PP shards are saved under their FQNs and
+can be loaded back into the same plan.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from planner.plan import write_atomic
+from tracer.errors import SoapError
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    state: dict = {}
+    for part, optimizer in zip(parts, optimizers):
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+            raise SoapError("checkpoints are not supported with zero=1 (ZeroRedundancyOptimizer); re-plan with --zero 2")
+        model_sd, optim_sd = get_state_dict(part, optimizer, options=OPTIONS)
+        state.update({f"model.{k}": v for k, v in model_sd.items()})
+        state.update({f"optim.{k}": v for k, v in optim_sd.items()})
+    return state
+
+
+def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module],
+                    optimizers: list[torch.optim.Optimizer]) -> Path:
+    root = Path(directory)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = _state(parts, optimizers)
+    state["step"] = torch.tensor(step)
+    dcp.save(state, checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        write_atomic(root / "latest", final.name + "\n")
+        for old in root.glob("step-*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(directory: str | Path) -> Path:
+    """The newest complete checkpoint in `directory`, or a SoapError saying what is wrong."""
+    root = Path(directory)
+    pointer = root / "latest"
+    if not pointer.is_file():
+        raise SoapError(f"--resume: no checkpoint in {root} (no `latest` file); run without --resume first "
+                        "or point --checkpoint-dir at a directory written by `soap execute`")
+    path = root / pointer.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise SoapError(f"--resume: checkpoint {path} is missing or corrupt (no DCP .metadata); "
+                        "delete it and `latest`, or resume from another directory")
+    return path
+
+
+def load_checkpoint(directory: str | Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:
+    """Load the newest checkpoint into `parts` / `optimizers` in place; returns the step it was saved at."""
+    path = latest_checkpoint(directory)
+    state = _state(parts, optimizers)
+    state["step"] = torch.tensor(0)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:  # noqa: BLE001 - any read failure is a bad checkpoint for the user
+        raise SoapError(f"--resume: cannot load {path} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                        "was it written with the same plan?") from None
+    for part, optimizer in zip(parts, optimizers):
+        model_sd, optim_sd = get_state_dict(part, optimizer, options=OPTIONS)
+        set_state_dict(
+            part, optimizer,
+            model_state_dict={k: state[f"model.{k}"] for k in model_sd},
+            optim_state_dict={k: state[f"optim.{k}"] for k in optim_sd},
+            options=OPTIONS,
+        )
+    return int(state["step"])

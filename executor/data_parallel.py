@@ -1,0 +1,113 @@
+"""Data parallelism (the Sample dimension) and the optimizer.
+
+Which engine runs the plan's `zero` stage:
+    zero 3      FSDP2 `fully_shard` per block and on the root, reshard_after_forward=True
+    zero 2      FSDP2 with reshard_after_forward=False (parameters stay gathered between forward and
+                backward, ZeRO-2-like memory)
+    zero 1      DDP + torch's ZeroRedundancyOptimizer (optimizer state sharded); with DTensor (TP)
+                parameters DDP cannot run, so it falls back to the zero-2 engine
+    zero 0      DDP; with TP, FSDP2 over a (dp, 1) HSDP mesh (pure replication with DTensor support)
+FSDP shards over `dp_shard x cp` (HSDP adds `dp_replicate` as the replicate dimension); DDP reduces
+over `dp x cp`. bf16 under FSDP is its MixedPrecisionPolicy (bf16 params, fp32 reductions), and
+`offload_optimizer` is FSDP's CPUOffloadPolicy.
+
+FSDP is applied on the meta model (before materialization); DDP wraps the materialized model.
+
+Optimizers: adamw (fused on CUDA, foreach on CPU), adafactor (torch.optim.Adafactor), sgd, adamw8bit
+(bitsandbytes, when importable). Parameters are grouped by their DTensor mesh (plain tensors apart),
+because foreach kernels cannot mix tensors of different meshes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from executor.mesh import MeshView
+from executor.tensor_parallel import find_block_list
+from planner.plan import Plan
+from tracer.errors import SoapError
+
+
+def uses_fsdp(plan: Plan) -> bool:
+    p = plan.parallelism
+    if p.dp * p.cp == 1:
+        return False
+    return p.zero >= 2 or (p.tp > 1 and p.zero in (0, 1))
+
+
+def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    p = plan.parallelism
+    if p.zero in (0, 1):
+        if p.cp > 1:
+            raise SoapError("zero 0/1 with tp > 1 and cp > 1 is not supported; re-plan with --zero 2 or 3")
+        dp_mesh, reshard = mesh.mesh["dp_replicate", "dp_shard"], False
+    else:
+        dp_mesh, reshard = mesh.hsdp, p.zero == 3
+    kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if p.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if p.offload_optimizer:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    _, blocks = find_block_list(model)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+
+
+def apply_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if plan.parallelism.offload_optimizer:
+        raise SoapError("optimizer CPU offload needs FSDP (zero 2 or 3); re-plan with --zero 3")
+    return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
+
+
+def uses_ddp(plan: Plan) -> bool:
+    p = plan.parallelism
+    return p.dp * p.cp > 1 and not uses_fsdp(plan)
+
+
+def build_optimizer(plan: Plan, params: list[nn.Parameter], *, lr: float, mesh: MeshView | None) -> torch.optim.Optimizer:
+    p = plan.parallelism
+    groups = _group_by_mesh(params)
+    on_cuda = params[0].device.type == "cuda"
+    if p.zero == 1 and mesh is not None and uses_ddp(plan):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls, kwargs = _optimizer_class(p.optimizer, on_cuda)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.dp_cp.get_group(),
+                                       lr=lr, **kwargs)
+    cls, kwargs = _optimizer_class(p.optimizer, on_cuda)
+    return cls([{"params": g} for g in groups], lr=lr, **kwargs)
+
+
+def _optimizer_class(name: str, on_cuda: bool) -> tuple[type, dict[str, Any]]:
+    if name == "adamw":
+        return torch.optim.AdamW, ({"fused": True} if on_cuda else {"foreach": True})
+    if name == "adafactor":
+        return torch.optim.Adafactor, {"foreach": True}
+    if name == "sgd":
+        return torch.optim.SGD, {"momentum": 0.9, "foreach": True}
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise SoapError("adamw8bit needs bitsandbytes (pip install bitsandbytes, CUDA only); "
+                            "or re-plan with --optimizer adamw") from None
+        return bitsandbytes.optim.AdamW8bit, {}
+    raise SoapError(f"unknown optimizer {name!r}; choose adamw, adafactor, sgd or adamw8bit")
+
+
+def _group_by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        key = id(param.device_mesh) if isinstance(param, DTensor) else None
+        groups.setdefault(key, []).append(param)
+    return list(groups.values())

@@ -1,0 +1,243 @@
+"""Model building and materialization: the plan's config -> a meta model -> each rank's real shards.
+
+Building. The model is built on the meta device from the plan's inline HF config and task
+(`build_meta_model`), then *normalized* (`normalize_for_tp`): modules that DTensor's parallel styles
+cannot shard are rewritten into `nn.Linear`s, in every layout alike so that parameter names and
+shapes never depend on the layout. Today that is GPT-2's `Conv1D` (weight stored transposed), and its
+fused `c_attn` projection, which becomes a `FusedQKV` of three Linears (`q`, `k`, `v`) whose outputs
+are concatenated: a column split of each keeps every rank's heads together.
+
+Materialization (`materialize`). After every parallel transform that works on meta (pipeline split,
+TP/SP, FSDP), `to_empty` allocates only this rank's shards. Each parameter is then filled from a *full
+tensor source*, one parameter-owning module at a time, and only the rank's slice of that full tensor is
+kept (the slice comes from the parameter's DTensor placements; no communication):
+- `SeededInit(seed)`: HF's own `_init_weights(module)` run on a CPU copy of the unsharded module, with
+  the RNG seeded by `sha256(seed, module FQN)`. Every layout therefore starts from bit-identical
+  weights, the single-process model included. (Model-level special cases that reach into child
+  modules from a parent, such as GPT-2's scaled residual projections, are not applied.)
+- `CheckpointWeights(dir)`: a local HF checkpoint (`*.safetensors`), read tensor by tensor, with the
+  normalization's renames and transposes.
+Buffers (rotary frequencies, BERT's position ids) are re-created by HF's `_init_weights` on the real
+module that owns them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tracer.errors import SoapError
+
+TASK_AUTO_CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq-cls": "AutoModelForSequenceClassification",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+}
+TRAINABLE_TASKS = ("causal-lm", "masked-lm")
+
+
+def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
+    """The plan's model on the meta device (no memory), normalized for tensor parallelism."""
+    import transformers
+
+    if task not in TRAINABLE_TASKS:
+        raise SoapError(f"soap execute trains causal-lm and masked-lm models, not {task}; re-plan with --task causal-lm")
+    fields = {k: v for k, v in config.items() if k not in ("transformers_version", "architectures")}
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise SoapError("the plan's model.config has no model_type; regenerate the plan with `soap plan`")
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        raise SoapError(f"cannot rebuild the {model_type} config from the plan: {exc}") from None
+    hf_config.use_cache = False
+    auto = getattr(transformers, TASK_AUTO_CLASSES[task])
+    with torch.device("meta"):
+        model = auto.from_config(hf_config, dtype=torch.float32)
+    normalize_for_tp(model)
+    return model
+
+
+# --- normalization ----------------------------------------------------------------------------------
+
+
+class FusedQKV(nn.Module):
+    """A fused q/k/v projection as three Linears; the output is `cat([q(x), k(x), v(x)], -1)`."""
+
+    def __init__(self, hidden: int, *, bias: bool, device: Any) -> None:
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden, bias=bias, device=device)
+        self.k = nn.Linear(hidden, hidden, bias=bias, device=device)
+        self.v = nn.Linear(hidden, hidden, bias=bias, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+WeightTransform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def normalize_for_tp(model: nn.Module) -> None:
+    """Rewrite HF `Conv1D`s as `nn.Linear` (and GPT-2's fused c_attn as `FusedQKV`), keeping values.
+
+    Records `model.soap_checkpoint_keys: {new param FQN: (checkpoint key, transform)}` so a checkpoint
+    in the original layout can be loaded.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    renames: dict[str, tuple[str, WeightTransform]] = {}
+    for fqn, module in list(model.named_modules()):
+        if not isinstance(module, Conv1D):
+            continue
+        parent_fqn, _, name = fqn.rpartition(".")
+        parent = model.get_submodule(parent_fqn)
+        n_in, n_out = module.weight.shape
+        device = module.weight.device
+        has_bias = module.bias is not None
+        if name == "c_attn" and n_out == 3 * n_in:
+            new: nn.Module = FusedQKV(n_in, bias=has_bias, device=device)
+            for i, part in enumerate(("q", "k", "v")):
+                cols = slice(i * n_in, (i + 1) * n_in)
+                renames[f"{fqn}.{part}.weight"] = (f"{fqn}.weight", lambda w, c=cols: w[:, c].t())
+                if has_bias:
+                    renames[f"{fqn}.{part}.bias"] = (f"{fqn}.bias", lambda b, c=cols: b[c])
+                if device.type != "meta":
+                    with torch.no_grad():
+                        linear = getattr(new, part)
+                        linear.weight.copy_(module.weight[:, cols].t())
+                        if has_bias:
+                            linear.bias.copy_(module.bias[cols])
+        else:
+            new = nn.Linear(n_in, n_out, bias=has_bias, device=device)
+            renames[f"{fqn}.weight"] = (f"{fqn}.weight", lambda w: w.t())
+            if device.type != "meta":
+                with torch.no_grad():
+                    new.weight.copy_(module.weight.t())
+                    if has_bias:
+                        new.bias.copy_(module.bias)
+        setattr(parent, name, new)
+    model.soap_checkpoint_keys = renames
+
+
+# --- materialization --------------------------------------------------------------------------------
+
+
+def fqn_seed(seed: int, fqn: str) -> int:
+    """A 63-bit RNG seed for module `fqn`, the same on every rank and in every layout."""
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class SeededInit:
+    """Full tensors from HF's `_init_weights`, seeded per module FQN (see the module docstring)."""
+
+    def __init__(self, template: nn.Module, seed: int) -> None:
+        self.template = template
+        self.seed = seed
+
+    def module_params(self, fqn: str, names: list[str]) -> dict[str, torch.Tensor]:
+        source = self.template.get_submodule(fqn)
+        cpu = _shallow_copy_on_cpu(source)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(fqn_seed(self.seed, fqn))
+            self.template._init_weights(cpu)
+        return {name: getattr(cpu, name) for name in names}
+
+
+class CheckpointWeights:
+    """Full tensors read from a local HF checkpoint directory (`*.safetensors`)."""
+
+    def __init__(self, directory: str | Path, renames: dict[str, tuple[str, WeightTransform]]) -> None:
+        from safetensors import safe_open
+
+        root = Path(directory)
+        files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+        if not files:
+            raise SoapError(f"--weights {directory}: no *.safetensors files there; save the model with "
+                            "`model.save_pretrained(DIR)` or point at an HF checkpoint directory")
+        self.renames = renames
+        self.key_to_file: dict[str, Any] = {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            for key in handle.keys():
+                self.key_to_file[key] = handle
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        key, transform = self.renames.get(fqn, (fqn, lambda t: t))
+        for candidate in (key, key.partition(".")[2]):  # checkpoints saved from the base model lack the prefix
+            if candidate in self.key_to_file:
+                return transform(self.key_to_file[candidate].get_tensor(candidate)).contiguous()
+        raise SoapError(f"--weights: the checkpoint has no tensor {key!r}; is it a checkpoint of this model?")
+
+    def module_params(self, fqn: str, names: list[str]) -> dict[str, torch.Tensor]:
+        prefix = f"{fqn}." if fqn else ""
+        return {name: self.tensor(prefix + name) for name in names}
+
+
+def _shallow_copy_on_cpu(module: nn.Module) -> nn.Module:
+    """A copy of `module` with its own parameters on the CPU and its children removed."""
+    clone = copy.copy(module)
+    clone._modules = {}
+    clone._parameters = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+                         for n, p in module._parameters.items()}
+    clone._buffers = {}
+    return clone
+
+
+def materialize(model: nn.Module, template: nn.Module, device: torch.device, *, seed: int,
+                weights_dir: str | None = None) -> None:
+    """Allocate this rank's shards of `model` on `device` and fill them (see the module docstring).
+
+    `template` is the unsharded meta model the plan was applied to; its FQNs name every parameter.
+    """
+    from torch.distributed.tensor import DTensor
+
+    tied = _tied_pairs(model)
+    model.to_empty(device=device)
+    for module, name, owner, owner_name in tied:
+        setattr(module, name, getattr(owner, owner_name))
+    source: Any = (CheckpointWeights(weights_dir, getattr(template, "soap_checkpoint_keys", {}))
+                   if weights_dir else SeededInit(template, seed))
+    seen: set[int] = set()
+    with torch.no_grad():
+        for fqn, module in model.named_modules():
+            names = [n for n, p in module._parameters.items() if p is not None and id(p) not in seen]
+            seen.update(id(module._parameters[n]) for n in names)
+            if names:
+                full = source.module_params(fqn, names)
+                for name in names:
+                    _copy_local_slice(getattr(module, name), full[name], DTensor)
+            if module._buffers and not names:
+                template._init_weights(module)
+
+
+def _copy_local_slice(param: torch.Tensor, full: torch.Tensor, dtensor_cls: type) -> None:
+    if isinstance(param, dtensor_cls):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+        local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """Parameters registered under two names (tied embeddings), to re-tie after `to_empty`."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    pairs = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                pairs.append((module, name, *first[id(p)]))
+            else:
+                first[id(p)] = (module, name)
+    return pairs

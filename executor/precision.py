@@ -1,0 +1,70 @@
+"""Mixed precision: what each plan precision means at run time.
+
+    fp32   nothing
+    tf32   TF32 matmuls and convolutions (CUDA flags; no effect on CPU)
+    bf16   FSDP: MixedPrecisionPolicy(param bf16, reduce fp32) (see executor.data_parallel);
+           otherwise autocast to bf16 around forward and loss
+    fp16   autocast to fp16 and a GradScaler (ShardedGradScaler under FSDP); not with pipelining
+    fp8    torchao float8 training (Linear layers) on GPUs with compute capability >= 8.9, applied
+           before compile and FSDP; anywhere else a SoapError
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.plan import Plan
+from tracer.errors import SoapError
+
+
+@dataclass
+class PrecisionRuntime:
+    """The autocast dtype (None: none) and the gradient scaler (None: none) of a run."""
+
+    device_type: str = "cpu"
+    autocast_dtype: torch.dtype | None = None
+    scaler: Any = None
+
+    def autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+
+def runtime_for(plan: Plan, device: torch.device, *, fsdp: bool) -> PrecisionRuntime:
+    p = plan.parallelism
+    if p.precision in ("tf32", "bf16", "fp8"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if p.precision == "bf16" and not fsdp:
+        return PrecisionRuntime(device.type, torch.bfloat16)
+    if p.precision == "fp16":
+        if p.pp > 1:
+            raise SoapError("fp16 loss scaling is not supported with pipeline parallelism; re-plan with --precision bf16")
+        if fsdp:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler: Any = ShardedGradScaler(device.type)
+        else:
+            scaler = torch.amp.GradScaler(device.type)
+        return PrecisionRuntime(device.type, torch.float16, scaler)
+    return PrecisionRuntime(device.type)
+
+
+def convert_fp8(model: nn.Module, plan: Plan) -> None:
+    """Swap Linear layers for torchao's float8 training layers (fp8 plans only)."""
+    if plan.parallelism.precision != "fp8":
+        return
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise SoapError("fp8 needs a GPU with compute capability >= 8.9 (H100, L40S, ...); "
+                        "re-plan with --precision bf16")
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise SoapError("fp8 training needs torchao (pip install torchao); or re-plan with --precision bf16") from None
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)

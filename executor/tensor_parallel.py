@@ -1,0 +1,150 @@
+"""Tensor and sequence parallelism: the plan's `tp_plan` applied to every block with DTensor.
+
+`tp_plan` maps a module FQN relative to one block to a style, PyTorch's shape:
+    colwise  -> ColwiseParallel      (weight Shard(0); output stays sharded on the last dim)
+    rowwise  -> RowwiseParallel      (weight Shard(1); output all-reduced, or reduce-scattered to
+                                      Shard(1) on the sequence with sequence parallelism)
+    sequence -> SequenceParallel     (norm on a sequence shard; replicated norm without SP)
+    replicate-> nothing (the module stays replicated)
+A `FusedQKV` named colwise is split as its three Linears. The blocks are the entries of the model's
+layer list; embeddings, the final norm and the LM head stay replicated.
+
+Attention modules then get their head counts divided by tp (`num_heads`, `num_attention_heads`,
+`num_key_value_heads`, `all_head_size`, `embed_dim`, `split_size`), so HF's reshapes see local heads.
+
+Sequence parallelism (Megatron-SP). Between TP regions the activations are sharded on the sequence
+(dim 1). The parent of each colwise group (the attention or MLP module) all-gathers its input to a
+replicated DTensor in a forward pre-hook (backward: reduce-scatter); the rowwise projections
+reduce-scatter. The first block of the model slices the replicated embedding output to the local
+sequence shard and the last block all-gathers its output, so the final norm and LM head run replicated.
+Per block and step that is 2 all-gathers + 2 reduce-scatters forward and the same backward, plus the
+all-reduce of the sequence-parallel norm weights' gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from executor.model import FusedQKV
+from tracer.errors import SoapError
+
+TP_STYLES = ("colwise", "rowwise", "sequence", "replicate")
+LOCAL_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "all_head_size", "embed_dim",
+                    "split_size")
+
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's repeated layer list (`model.layers`, `transformer.h`, `bert.encoder.layer`, ...)."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and (best is None or len(module) > len(best[1])):
+            best = (fqn, module)
+    if best is None:
+        raise SoapError(f"{type(model).__name__} has no layer list to parallelize; soap executes transformer stacks")
+    return best
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, sequence_parallel: bool,
+             first_block: nn.Module | None, last_block: nn.Module | None) -> None:
+    """Shard every block in `model`'s layer list as `tp_plan` says (see the module docstring).
+
+    `first_block` / `last_block` are the model's first and last blocks when this pipeline stage holds
+    them (they enter and leave the sequence-parallel region).
+    """
+    if not tp_plan:
+        raise SoapError("the plan has tp > 1 but an empty tp_plan; regenerate it with `soap plan`")
+    for fqn, style in tp_plan.items():
+        if style not in TP_STYLES:
+            raise SoapError(f"tp_plan[{fqn!r}] = {style!r} is not a TP style; use one of {', '.join(TP_STYLES)}")
+    tp = tp_mesh.size()
+    _, blocks = find_block_list(model)
+    for block in blocks:
+        styles = _expand_styles(block, tp_plan)
+        parallelize_module(block, tp_mesh, {fqn: _style(kind, sequence_parallel) for fqn, kind in styles.items()
+                                            if kind != "replicate" and (kind != "sequence" or sequence_parallel)})
+        for parent_fqn in {fqn.rpartition(".")[0] for fqn, kind in tp_plan.items() if kind == "colwise"}:
+            parent = block.get_submodule(parent_fqn)
+            _divide_heads(parent, tp)
+            if sequence_parallel:
+                if parent is block:
+                    raise SoapError("sequence parallelism needs the colwise projections inside a submodule "
+                                    "(attention / MLP) of the block")
+                parent.register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
+    if sequence_parallel:
+        if first_block is not None:
+            first_block.register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
+        if last_block is not None:
+            last_block.register_forward_hook(_gather_output_hook(tp_mesh))
+
+
+def _expand_styles(block: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    styles: dict[str, str] = {}
+    for fqn, kind in tp_plan.items():
+        try:
+            module = block.get_submodule(fqn)
+        except AttributeError:
+            raise SoapError(f"tp_plan names {fqn!r}, which is not a module of {type(block).__name__}; "
+                            "regenerate the plan for this model") from None
+        if isinstance(module, FusedQKV):
+            if kind != "colwise":
+                raise SoapError(f"tp_plan[{fqn!r}]: a fused q/k/v projection can only be split colwise")
+            styles.update({f"{fqn}.{part}": kind for part in ("q", "k", "v")})
+        else:
+            styles[fqn] = kind
+    return styles
+
+
+def _style(kind: str, sequence_parallel: bool) -> Any:
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+    return SequenceParallel(use_local_output=True)
+
+
+def _divide_heads(module: nn.Module, tp: int) -> None:
+    for attr in LOCAL_HEAD_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % tp:
+                raise SoapError(f"tp={tp} does not divide {type(module).__name__}.{attr}={value}; pick a tp that divides it")
+            setattr(module, attr, value // tp)
+
+
+def _replace_hidden(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+
+def _gather_sequence_hook(mesh: DeviceMesh) -> Any:
+    def gather(x: Any) -> Any:
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+
+    return lambda module, args, kwargs: _replace_hidden(args, kwargs, gather)
+
+
+def _shard_sequence_hook(mesh: DeviceMesh) -> Any:
+    def shard(x: Any) -> Any:
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+    return lambda module, args, kwargs: _replace_hidden(args, kwargs, shard)
+
+
+def _gather_output_hook(mesh: DeviceMesh) -> Any:
+    def gather(module: nn.Module, args: Any, output: Any) -> Any:
+        hidden = output[0] if isinstance(output, tuple) else output
+        full = DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        return (full, *output[1:]) if isinstance(output, tuple) else full
+
+    return gather

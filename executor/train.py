@@ -1,0 +1,207 @@
+"""The training loop of `soap execute`, run on every rank of an initialized process group.
+
+Per step: the global batch of the step (`executor.data`), this rank's slice of it, forward/backward
+over the plan's micro-batches (a loop with pp == 1, the pipeline schedule `grad_accum` times with
+pp > 1), the optimizer step, then the loss (all-reduced), the step time (wall clock, synchronized on
+CUDA), tokens/s and peak memory (CUDA max allocated, or the process's peak RSS on the CPU; max over
+ranks). Rank 0 shows a progress bar on stderr and, at the end, measured against predicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from executor.api import ParallelModel, check_world_size, parallelize
+from executor.checkpoint import load_checkpoint, save_checkpoint
+from executor.data import ScaledTokenLoss, Slicer, TokenSource
+from executor.data_parallel import build_optimizer
+from executor.mesh import device_for_rank
+from executor.model import build_meta_model
+from planner.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """How to run a plan (everything the plan itself does not say)."""
+
+    steps: int = 10
+    """Optimizer steps to run (in total, counting those before a resumed checkpoint)."""
+    seed: int = 0
+    """Seeds the initial weights (per FQN), the synthetic data and dropout."""
+    lr: float = 1e-3
+    """Learning rate of the planned optimizer (constant)."""
+    data: str | None = None
+    """A .npy / .bin file of token ids; None trains on synthetic tokens."""
+    weights: str | None = None
+    """A local HF checkpoint directory (safetensors) to start from; None: random weights."""
+    checkpoint_dir: str | None = None
+    """Where DCP checkpoints go; None: no checkpoints."""
+    checkpoint_every: int = 0
+    """Save every N steps (and after the last one); 0: only after the last step."""
+    resume: bool = False
+    """Continue from the newest checkpoint in `checkpoint_dir`."""
+    progress: bool = True
+    """Show the progress bar (rank 0, stderr)."""
+
+
+@dataclass
+class RunResult:
+    """What rank 0 reports: the `--json` object of `soap execute`."""
+
+    losses: list[float]
+    step_times_s: list[float]
+    tokens_per_step: int
+    peak_memory_gib: float
+    memory_source: str
+    predicted_step_time_s: float | None
+    predicted_peak_memory_gib: float | None
+    parallelism: dict[str, Any]
+    first_step: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_time_s(self) -> float:
+        return statistics.median(self.step_times_s) if self.step_times_s else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "losses": self.losses,
+            "step_time_s": self.step_time_s,
+            "step_times_s": self.step_times_s,
+            "tokens_per_s": self.tokens_per_step / self.step_time_s if self.step_time_s else 0.0,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "peak_memory_gib": self.peak_memory_gib,
+            "peak_memory_source": self.memory_source,
+            "predicted_peak_memory_gib": self.predicted_peak_memory_gib,
+            "first_step": self.first_step,
+            "parallelism": self.parallelism,
+        }
+
+
+def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
+    """Run `config.steps` steps of `plan` on this rank; every rank returns the same result."""
+    check_world_size(plan, dist.get_world_size())
+    p = plan.parallelism
+    device = device_for_rank(local_rank)
+    torch.manual_seed(config.seed)
+    loss_fn = ScaledTokenLoss()
+    model = build_meta_model(plan.model.config, plan.model.task)
+    vocab = model.config.vocab_size
+    parallel = parallelize(model, plan, seed=config.seed, weights=config.weights, loss_fn=loss_fn, device=device)
+    optimizers = [build_optimizer(plan, list(part.parameters()), lr=config.lr, mesh=parallel.mesh)
+                  for part in parallel.parts]
+    source = TokenSource(vocab_size=vocab, global_batch=plan.global_batch, seq_len=plan.seq_len,
+                         task=plan.model.task, seed=config.seed, data_file=config.data)
+    slicer = Slicer(dp_rank=parallel.mesh.dp_rank, per_rank=p.micro_batch * p.num_microbatches,
+                    cp_rank=parallel.mesh.cp_rank, cp=p.cp)
+    start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers) if config.resume else 0
+    losses: list[float] = []
+    times: list[float] = []
+    with _progress(config.progress and dist.get_rank() == 0, config.steps, start) as advance:
+        for step in range(start, config.steps):
+            begin = _now(device)
+            loss = train_step(parallel, optimizers, loss_fn, source.batch_for_step(step), slicer, device)
+            times.append(_now(device) - begin)
+            losses.append(loss)
+            advance(step, loss, times[-1])
+            done = step + 1
+            if config.checkpoint_dir and (done == config.steps or
+                                          (config.checkpoint_every and done % config.checkpoint_every == 0)):
+                save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers)
+    memory, memory_source = _peak_memory_gib(device)
+    return RunResult(
+        losses=losses, step_times_s=times, tokens_per_step=plan.global_batch * plan.seq_len,
+        peak_memory_gib=memory, memory_source=memory_source,
+        predicted_step_time_s=plan.predicted.get("step_time_s"),
+        predicted_peak_memory_gib=plan.predicted.get("peak_memory_gib"),
+        parallelism=p.model_dump(), first_step=start,
+    )
+
+
+def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLoss, batch: Any, slicer: Slicer,
+               device: torch.device) -> float:
+    """One optimizer step on this rank; returns the global mean loss of the step."""
+    plan = parallel.plan
+    p = plan.parallelism
+    loss_fn.set_step(num_labels=batch.num_labels, ranks_averaging=p.dp * p.cp)
+    ids = slicer.local(batch.input_ids).to(device)
+    labels = slicer.local(batch.labels).to(device)
+    runtime = parallel.precision
+    if p.pp == 1:
+        model = parallel.model
+        positions = slicer.position_ids(plan.seq_len, device)
+        m = p.micro_batch
+        for k in range(p.num_microbatches):
+            last = k == p.num_microbatches - 1
+            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+            with sync:
+                with runtime.autocast():
+                    logits = model(input_ids=ids[k * m:(k + 1) * m], position_ids=positions, use_cache=False).logits
+                    loss = loss_fn(logits, labels[k * m:(k + 1) * m])
+                (runtime.scaler.scale(loss) if runtime.scaler else loss).backward()
+    else:
+        rows = p.micro_batch * (p.num_microbatches // p.grad_accum)
+        losses: list[torch.Tensor] = []
+        for run in range(p.grad_accum):
+            chunk = slice(run * rows, (run + 1) * rows)
+            args = (ids[chunk],) if parallel.has_first_stage else ()
+            target = labels[chunk] if parallel.has_last_stage else None
+            run_losses: list[torch.Tensor] = []
+            with runtime.autocast():
+                parallel.schedule.step(*args, target=target, losses=run_losses if target is not None else None)
+            losses.extend(run_losses)
+        # the schedule's own losses: the loss function may also run during the stages' shape inference
+        loss_fn.unscaled_sum = sum((l.detach().cpu() for l in losses), torch.zeros(())) / loss_fn.factor
+    for optimizer in optimizers:
+        if runtime.scaler:
+            runtime.scaler.step(optimizer)
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if runtime.scaler:
+        runtime.scaler.update()
+    total = loss_fn.unscaled_sum.to(device, torch.float64)
+    dist.all_reduce(total)
+    return float(total) / (batch.num_labels * p.tp)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _peak_memory_gib(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        value, source = torch.cuda.max_memory_allocated(device) / 2**30, "cuda max_memory_allocated"
+    else:
+        value, source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process peak RSS"
+    peak = torch.tensor(value, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak), source
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, steps: int, start: int) -> Any:
+    if not enabled:
+        yield lambda *args: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                  TimeRemainingColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("train", total=steps, completed=start, status="")
+
+        def advance(step: int, loss: float, seconds: float) -> None:
+            bar.update(task, advance=1, status=f"loss {loss:.4f}  {seconds * 1e3:.0f} ms/step")
+
+        yield advance

@@ -1,0 +1,130 @@
+"""Tiny models and hand-built plans for the executor tests (the planner is not needed to run a plan)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from planner.plan import SCHEMA_VERSION, Plan, config_hash, plan_from_dict
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
+                  tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=4, n_head=4, vocab_size=96, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=0,
+                 eos_token_id=0),
+    "bert": dict(model_type="bert", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, vocab_size=96, max_position_embeddings=64,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+}
+TASKS = {"llama": "causal-lm", "gpt2": "causal-lm", "bert": "masked-lm"}
+
+TP_PLANS: dict[str, dict[str, str]] = {
+    "llama": {"input_layernorm": "sequence", "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+              "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise", "post_attention_layernorm": "sequence",
+              "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
+    "gpt2": {"ln_1": "sequence", "attn.c_attn": "colwise", "attn.c_proj": "rowwise", "ln_2": "sequence",
+             "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"},
+    "bert": {"attention.self.query": "colwise", "attention.self.key": "colwise",
+             "attention.self.value": "colwise", "attention.output.dense": "rowwise",
+             "intermediate.dense": "colwise", "output.dense": "rowwise"},
+}
+PROLOGUE = {"llama": ["model.embed_tokens"], "gpt2": ["transformer.wte", "transformer.wpe", "transformer.drop"]}
+EPILOGUE = {"llama": ["model.norm", "lm_head"], "gpt2": ["transformer.ln_f", "lm_head"]}
+LAYERS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "bert.encoder.layer"}
+
+
+def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
+    """The full HF config dict of a tiny model of `family`, as plan.json stores it."""
+    from transformers import AutoConfig
+
+    fields = {**TINY_CONFIGS[family], **overrides}
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields).to_dict()
+
+
+def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+              zero: int = 0, sequence_parallel: bool = False, micro_batch: int = 2, num_microbatches: int = 1,
+              grad_accum: int | None = None, schedule: str = "1F1B", virtual_stages: int = 1,
+              recompute: str = "none", precision: str = "fp32", optimizer: str = "adamw", seq_len: int = 16,
+              config: dict[str, Any] | None = None, predicted: dict[str, Any] | None = None) -> Plan:
+    """A valid Plan for a tiny model, built directly (no search)."""
+    config = config or tiny_config(family)
+    dp = dp_replicate * dp_shard
+    world = pp * dp * cp * tp
+    if grad_accum is None:
+        grad_accum = num_microbatches if pp == 1 else 1
+    data = {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": f"tiny-{family}", "source": "file", "task": TASKS[family], "config": config,
+                  "config_hash": config_hash(config)},
+        "cluster": {"name": "local-cpu", "gpus": world, "gpus_per_node": world, "profile": {}},
+        "global_batch": dp * micro_batch * num_microbatches,
+        "seq_len": seq_len,
+        "mesh": {"names": ["pp", "dp_replicate", "dp_shard", "cp", "tp"],
+                 "degrees": [pp, dp_replicate, dp_shard, cp, tp]},
+        "parallelism": {
+            "dp": dp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "zero": zero, "tp": tp, "pp": pp,
+            "cp": cp, "sequence_parallel": sequence_parallel, "micro_batch": micro_batch,
+            "grad_accum": grad_accum, "num_microbatches": num_microbatches, "schedule": schedule,
+            "virtual_stages": virtual_stages, "recompute": recompute, "precision": precision,
+            "optimizer": optimizer,
+        },
+        "tp_plan": TP_PLANS[family] if tp > 1 else {},
+        "stages": _stages(family, config, pp * virtual_stages, pp) if pp > 1 else [],
+        "predicted": predicted or {},
+    }
+    return plan_from_dict(data)
+
+
+def _stages(family: str, config: dict[str, Any], num_stages: int, pp: int) -> list[dict[str, Any]]:
+    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    per = layers // num_stages
+    stages = []
+    for s in range(num_stages):
+        modules = [f"{LAYERS[family]}.{i}" for i in range(s * per, (s + 1) * per)]
+        if s == 0:
+            modules = PROLOGUE[family] + modules
+        if s == num_stages - 1:
+            modules += EPILOGUE[family]
+        stages.append({"index": s, "rank": s % pp, "modules": modules})
+    return stages
+
+
+def init_single_process_group() -> str:
+    """A 1-rank gloo process group in this process (for single-process reference runs)."""
+    import torch.distributed as dist
+
+    store = tempfile.mktemp(prefix="soap-pg-")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return store
+
+
+def run_cases(rank: int, world: int, store: str, cases: list[dict[str, Any]], out: str) -> None:
+    """Spawned worker: run every case's plan on this rank; rank 0 writes `{name: losses or error}` to `out`."""
+    import datetime
+    import json
+    import traceback
+
+    import torch.distributed as dist
+
+    from executor.train import RunConfig, train
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            plan = make_plan(case["family"], **case["plan"])
+            result = train(plan, RunConfig(progress=False, **case.get("run", {})))
+            results[case["name"]] = result.losses
+        except Exception as exc:  # noqa: BLE001 - reported to the parent test, which fails on it
+            results[case["name"]] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
