@@ -78,7 +78,7 @@ def gantt_png(result: SimResult, path: str, *, title: str = "") -> None:
     from matplotlib.patches import Patch
 
     ranks = len(result.memory)
-    scale, unit = (1e3, "ms") if result.step_time_s < 10 else (1.0, "s")
+    scale, unit = (1e3, "ms") if result.step_time_s < 1 else (1.0, "s")
     fig, (ax, mem_ax) = plt.subplots(2, 1, figsize=(12, 2.0 + 0.9 * ranks + 2.2), sharex=True,
                                      gridspec_kw={"height_ratios": [0.9 * ranks + 0.6, 2.2]})
     lane = {"compute": (0.0, 0.5), "tp-comm": (0.52, 0.12), "dp-comm": (0.66, 0.12), "pp-p2p": (0.80, 0.12)}
