@@ -194,3 +194,16 @@ def test_cli_check_names_an_unknown_profile(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: no device or cluster profile named 'dgx-z'") and "dgx-h100" in err
     assert main(["profiles", "--check", "h100-sxm"]) == 0
+
+
+def test_cli_show_prints_every_number_with_its_source(capsys):
+    from soap.commands.profiles import provenance_rows
+
+    assert main(["profiles", "--show", "dgx-h100", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["device"]["name"] == "h100-sxm"
+    rows = provenance_rows(document)
+    fields = {field for field, _, _ in rows}
+    assert {"device.peak_tflops.bf16", "links.intra_node.bandwidth_gbps", "links.inter_node.efficiency"} <= fields
+    assert all(source for _, _, source in rows)
+    assert main(["profiles", "--show", "nope"]) == 2

@@ -11,6 +11,8 @@ from costmodel.profiles import (
     ClusterSpec,
     DeviceProfile,
     check_profile,
+    cluster_to_dict,
+    device_to_dict,
     list_clusters,
     list_devices,
     load_cluster,
@@ -22,6 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("profiles", help="list device and cluster profiles")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--check", metavar="NAME|FILE", help="validate one device or cluster profile (a JSON file or a shipped name)")
+    parser.add_argument("--show", metavar="NAME|FILE", help="print every number of one profile with its source")
     return parser
 
 
@@ -85,7 +88,40 @@ def _print_tables(devices: list[dict], clusters: list[dict]) -> None:
     console.print(clu)
 
 
+def provenance_rows(document: dict, path: str = "") -> list[tuple[str, str, str]]:
+    """(field, value, source) for every number and curve of a profile document."""
+    rows: list[tuple[str, str, str]] = []
+    for key, value in document.items():
+        field = f"{path}.{key}" if path else key
+        if isinstance(value, dict) and "source" in value and ("value" in value or "points" in value):
+            shown = value["value"] if "value" in value else " ".join(f"{x:g}:{e:g}" for x, e in value["points"])
+            rows.append((field, _fmt(shown), value["source"]))
+        elif isinstance(value, dict) and key not in ("fit", "notes"):
+            rows.extend(provenance_rows(value, field))
+    return rows
+
+
+def _show(name_or_path: str, as_json: bool) -> None:
+    profile = check_profile(name_or_path)
+    document = cluster_to_dict(profile) if isinstance(profile, ClusterSpec) else device_to_dict(profile)
+    if as_json:
+        print(json.dumps(document))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{document['name']}: {document['description']}", show_lines=True)
+    for col in ("field", "value", "source"):
+        table.add_column(col, overflow="fold")
+    for row in provenance_rows(document):
+        table.add_row(*row)
+    Console().print(table)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.show:
+        _show(args.show, args.json)
+        return 0
     if args.check:
         profile = check_profile(args.check)
         kind = "cluster" if isinstance(profile, ClusterSpec) else "device"
