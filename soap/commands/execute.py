@@ -1,0 +1,98 @@
+"""`soap execute PLAN`: train with a plan on torch.distributed (one node or many, like torchrun).
+
+    soap execute plan.json --steps 20                    # launches the plan's world size locally
+    soap execute plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint host:29400 --rdzv-backend c10d
+    torchrun --nproc-per-node 4 -m soap execute plan.json # under an external torchrun: one rank each
+    soap execute plan.json --checkpoint-dir ckpt --checkpoint-every 5 [--resume]
+
+Progress and the measured-vs-predicted summary go to stderr; the run report is written as JSON
+(`--report`, default `<plan>.run.json`); `--json` prints one object on stdout: losses, step_time_s,
+predicted_step_time_s, peak_memory_gib, parallelism (and more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tracer.errors import SoapError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("execute", help="train with a plan on torch.distributed",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", help="plan.json written by `soap plan`")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and synthetic data")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--data", default=None, help="token ids: a .npy, or a .bin of uint16 (default: synthetic)")
+    p.add_argument("--weights", default=None, help="start from a local HF checkpoint directory (safetensors)")
+    p.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--report", default=None, help="run-report JSON path (default <plan>.run.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    t = p.add_argument_group("launch (torchrun's flags)")
+    t.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default: plan ranks / nodes)")
+    t.add_argument("--nnodes", default="1", help="N or MIN:MAX (default 1)")
+    t.add_argument("--node-rank", type=int, default=0)
+    t.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT")
+    t.add_argument("--rdzv-backend", default="static", help="static (default) or c10d")
+    t.add_argument("--rdzv-id", default=None)
+    t.add_argument("--max-restarts", type=int, default=0)
+    t.add_argument("--master-addr", default="127.0.0.1")
+    t.add_argument("--master-port", type=int, default=29500)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from executor.launch import LaunchOptions, run_plan
+    from executor.train import RunConfig
+    from planner.plan import load_plan, write_atomic
+
+    plan = load_plan(args.plan)
+    if args.steps < 1:
+        raise SoapError(f"--steps {args.steps}: need at least 1 step")
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        raise SoapError("--resume and --checkpoint-every need --checkpoint-dir D")
+    if args.resume:
+        from executor.checkpoint import latest_checkpoint
+
+        latest_checkpoint(args.checkpoint_dir)
+    for path, flag in ((args.data, "--data"), (args.weights, "--weights")):
+        if path and not os.path.exists(path):
+            raise SoapError(f"{flag} {path}: no such file or directory")
+    config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=args.data, weights=args.weights,
+                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                       resume=args.resume, progress=True)
+    launch = LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
+                           max_restarts=args.max_restarts, master_addr=args.master_addr,
+                           master_port=args.master_port)
+    result = run_plan(plan, config, launch)
+    if result is None:  # not global rank 0
+        return 0
+    report = Path(args.report) if args.report else Path(args.plan).with_suffix(".run.json")
+    write_atomic(report, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    _summary(result, report)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def _summary(result: dict, report: Path) -> None:
+    def fmt(value: float | None, unit: str) -> str:
+        return "n/a" if value is None else f"{value:.4g} {unit}"
+
+    lines = [
+        f"final loss {result['losses'][-1]:.4f} after {len(result['losses'])} steps",
+        f"step time  measured {fmt(result['step_time_s'], 's')} (median)   predicted {fmt(result['predicted_step_time_s'], 's')}",
+        f"memory     measured {fmt(result['peak_memory_gib'], 'GiB')} ({result['peak_memory_source']}, max over ranks)"
+        f"   predicted {fmt(result['predicted_peak_memory_gib'], 'GiB')}",
+        f"tokens/s   {result['tokens_per_s']:.4g}",
+        f"report     {report}",
+    ]
+    print("\n".join(lines), file=sys.stderr)
