@@ -13,11 +13,13 @@ actions run `grad_accum` times (micro-batch indices offset per pass). Each actio
     RECV_F/B:  nothing to run: the dependency is the transfer
 
 Activation collectives (tp-comm) are synchronous, as in Megatron/DTensor TP: the next compute task
-of the rank waits for the last one issued. FSDP all-gathers are prefetched one chunk ahead: the gather for chunk c waits only for the compute
-of chunk c-2 (two chunks' parameters alive at once). Gradient buckets are synchronized after the
-stage's last backward of the step, or after every backward with `grad_sync_every_microbatch` (zero 3).
-After its last action a rank steps the optimizer on the compute stream once its dp-comm stream is
-drained, then all-gathers the updated shards (zero 1/2).
+of the rank waits for the last one issued. FSDP all-gathers are prefetched one chunk ahead: the
+gather for chunk c waits only for the compute of chunk c-2 (two chunks' parameters alive at once).
+Gradient buckets are one per chunk (a block instance's gradients; DDP's 25 MB buckets are finer, so
+this slightly delays the first bucket and exposes the last one the same way). They are
+synchronized after the stage's last backward of the step, or after every backward with
+`grad_sync_every_microbatch` (zero 3). After its last action a rank steps the optimizer on the
+compute stream once its dp-comm stream is drained, then all-gathers the updated shards (zero 1/2).
 
 Memory events ride along (`MemoryEvent`): activations are saved at a chunk's forward end and freed
 at its backward end (at W's end when the backward is split, since W still reads them); recomputed
