@@ -385,13 +385,14 @@ def plan_from_simulation(
     model: ModelSpecRecord,
     graph: OpGraph,
     cluster: ClusterSpec,
-    gpus: int,
     strategy: Strategy,
     result: SimResult,
     stages: Sequence[int] | None = None,
+    gpus: int | None = None,
     launch: str = "",
 ) -> Plan:
-    """A complete Plan from a simulated strategy (`stages`: the bounds given to `simulate`)."""
+    """A complete Plan from a simulated strategy (`stages`: the bounds given to `simulate`; `gpus`:
+    the world size, by default the product of the strategy's degrees)."""
     from costmodel.placement import tp_plan
     from costmodel.profiles import cluster_to_dict
 
@@ -399,7 +400,7 @@ def plan_from_simulation(
     return Plan(
         schema_version=SCHEMA_VERSION,
         model=model,
-        cluster=ClusterRecord(name=cluster.name, gpus=gpus, gpus_per_node=cluster.gpus_per_node,
+        cluster=ClusterRecord(name=cluster.name, gpus=gpus or d.world_size, gpus_per_node=cluster.gpus_per_node,
                               profile=cluster_to_dict(cluster)),
         global_batch=t.global_batch,
         seq_len=t.seq_len,
