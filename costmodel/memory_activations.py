@@ -22,16 +22,17 @@ embeddings, final norm, LM head and loss, are never checkpointed):
   saves except its logsumexp (q, k, v, out: the inputs and output of the recomputed region, and for
   eager the s x s probabilities are dropped); drop what softmax, norms, element-wise, reduction and
   copy ops save: backward recomputes those memory-bound ops (and the attention core) from the kept
-  tensors. It is an estimate: a real selective policy also keeps the few tensors the recomputation
+  tensors, one block at a time, so the dropped tensors of one block are live again during its
+  backward. It is an estimate: a real selective policy also keeps the few tensors the recomputation
   starts from (the residual stream before a norm).
 - full: each block instance keeps only its input (the first input of its first op that has a sample
   dimension); backward recomputes one block at a time, so one block's "none" set, less the input it
   already holds, is live at once.
 
-Peak (`activation_bytes`; its terms from `activation_parts`): with none/selective, the end of the
-forward pass, when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With
-full, the same at the end of forward with block inputs only, or later, once the epilogue's backward has freed its tensors, the block inputs plus
-one recomputed block: prologue + inputs + max(epilogue, largest block's none set - its input).
+Peak (`activation_bytes`; its terms from `activation_parts`): with none, the end of the forward pass,
+when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With recomputation,
+the same at the end of forward, or later, once the epilogue's backward has freed its tensors and one
+block is recomputed: prologue + kept + max(epilogue, largest block's none set - what it kept).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class ActivationParts:
     epilogue: float
     """Saved by non-block ops after the blocks (final norm, head, loss)."""
     recompute_window: float
-    """Live while one fully recomputed block runs its backward (its none set less its input)."""
+    """Live while one recomputed block runs its backward: its none set less what it kept."""
 
     @property
     def peak(self) -> int:
@@ -181,10 +182,10 @@ def activation_parts(
             blocks.setdefault(op.block_id, []).append(op)
     for block_id, block_ops in blocks.items():
         policy = policies.get(block_id, recompute)
-        kept += counts.get(block_id, 1) * size(block_saved(block_ops, policy, attention))
-        if policy == "full":
-            recomputed = size(block_saved(block_ops, "none", attention)) - size(block_saved(block_ops, "full", attention))
-            window = max(window, recomputed)
+        instance = size(block_saved(block_ops, policy, attention))
+        kept += counts.get(block_id, 1) * instance
+        if policy != "none":
+            window = max(window, size(block_saved(block_ops, "none", attention)) - instance)
     return ActivationParts(prologue, kept, epilogue, window)
 
 

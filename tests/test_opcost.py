@@ -166,3 +166,17 @@ def test_a_weight_listed_as_input_and_parameter_counts_once():
                 (ParamMeta("up.weight", (F, H), "float32"),), flops, 2 * flops, x.nbytes + w.nbytes + y.nbytes, (x,))
     cost = op_time(op, device=flat_device(), precision="fp32", micro_batch=2 * B, batch_traced=B)
     assert cost.bytes_moved == pytest.approx(2 * x.nbytes + w.nbytes + 2 * y.nbytes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    device=st.sampled_from(["h100-sxm", "a100-sxm-80g", "l40s", "v100-sxm2-16g"]),
+    degree=st.sampled_from([2, 4, 8]), role=st.sampled_from(["sample", "attribute", "parameter"]),
+    batch=st.integers(1, 32), which=st.sampled_from(["linear", "gelu"]),
+)
+def test_splitting_an_op_never_makes_its_local_shard_slower(device, degree, role, batch, which):
+    dev = load_device(device)
+    op = linear_op(batch) if which == "linear" else gelu_op(batch)
+    whole = op_time(op, device=dev, precision="fp16", micro_batch=batch, batch_traced=batch)
+    shard = op_time(op, device=dev, precision="fp16", micro_batch=batch, batch_traced=batch, split={role: degree})
+    assert shard.fwd_s <= whole.fwd_s and shard.bwd_s <= whole.bwd_s
