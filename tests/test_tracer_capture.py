@@ -104,3 +104,40 @@ def test_roles_label_batch_sequence_and_hidden():
 def test_repeated_trace_is_cached():
     a = tracer.trace("gpt2", seq_len=32)
     assert tracer.trace("gpt2", seq_len=32) is a
+
+
+def test_graph_survives_a_json_round_trip():
+    from tracer.serialize import graph_from_dict, graph_to_dict
+
+    graph = tracer.trace(tiny_config("t5", d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=3, vocab_size=64),
+                         seq_len=16)
+    again = graph_from_dict(graph_to_dict(graph))
+    assert again == graph
+
+
+def test_disk_cache_returns_the_same_graph_without_retracing(tmp_path, monkeypatch):
+    import tracer.api as api
+
+    monkeypatch.setenv("SOAP_CACHE_DIR", str(tmp_path))
+    first = tracer.trace("gpt2", seq_len=24, persistent_cache=True)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    api._CACHE.clear()
+    monkeypatch.setattr(api, "_trace_uncached", lambda *a: pytest.fail("traced again despite the disk cache"))
+    assert tracer.trace("gpt2", seq_len=24, persistent_cache=True) == first
+
+
+def test_importing_tracer_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, tracer, tracer.ir, tracer.serialize; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+def test_vision_model_traces_its_patch_tokens():
+    config = tiny_config("vit", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         image_size=32, patch_size=8, num_labels=10)
+    graph = tracer.trace(config, batch=2)
+    assert graph.task == "image-cls" and graph.seq_len == 17  # (32/8)^2 patches + [CLS]
+    with pytest.raises(SoapError, match="does not apply"):
+        tracer.trace(config, seq_len=100)

@@ -13,6 +13,11 @@ from soap.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def private_trace_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOAP_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def test_json_has_the_contract_keys(capsys):
     assert main(["trace", "gpt2", "--seq-len", "64", "--batch", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -24,6 +29,16 @@ def test_json_has_the_contract_keys(capsys):
     assert {"matmul", "attention", "norm", "loss"} <= set(out["by_kind"])
     assert out["activation_bytes_per_sample"] > 0 and out["trace_time_s"] > 0
     assert out["batch"] == 2 and out["seq_len"] == 64
+
+
+def test_second_cli_trace_comes_from_the_disk_cache(capsys):
+    assert main(["trace", "gpt2", "--seq-len", "48", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(["trace", "gpt2", "--seq-len", "48", "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["params"] == first["params"] and second["flops_per_token"] == first["flops_per_token"]
+    assert main(["trace", "gpt2", "--seq-len", "48", "--json", "--no-cache"]) == 0
+    assert json.loads(capsys.readouterr().out)["by_kind"] == first["by_kind"]
 
 
 def test_table_names_front_end_and_blocks(capsys):

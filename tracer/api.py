@@ -22,19 +22,61 @@ _CACHE: dict[tuple, OpGraph] = {}
 
 
 def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int | None = None,
-          frontend: str = "auto", trust_remote_code: bool = False) -> OpGraph:
+          frontend: str = "auto", trust_remote_code: bool = False, persistent_cache: bool = False) -> OpGraph:
     """Trace MODEL (preset name, config.json path or directory, Hub id, PretrainedConfig, nn.Module or
-    module factory) for one training step of `task` on `batch` samples of `seq_len` tokens."""
+    module factory) for one training step of `task` on `batch` samples of `seq_len` tokens.
+
+    `persistent_cache` also keeps graphs on disk across processes (serialize.py), keyed on the
+    config.json text, the arguments, the torch/transformers versions and the tracer's source; a hit
+    imports neither torch nor transformers."""
     from tracer.spec import resolve_spec
 
     if not isinstance(batch, int) or batch < 1:
         raise SoapError(f"batch must be a positive integer, got {batch}")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise SoapError(f"seq-len must be a positive integer, got {seq_len}")
-    spec = resolve_spec(model, task=task, trust_remote_code=trust_remote_code)
+    disk_key = _disk_key(model, task=task, batch=batch, seq_len=seq_len, frontend=frontend,
+                         trust_remote_code=trust_remote_code) if persistent_cache else None
+    if disk_key is not None:
+        from tracer.serialize import load_cached, store_cached
+
+        cached = load_cached(disk_key)
+        if cached is not None:
+            return cached
+    graph = _trace_resolved(resolve_spec(model, task=task, trust_remote_code=trust_remote_code), batch, seq_len,
+                            frontend)
+    if disk_key is not None:
+        store_cached(disk_key, graph)
+    return graph
+
+
+def _disk_key(model: Any, **trace_args: Any) -> str | None:
+    """A key for the on-disk cache when MODEL is a preset or a local config; None otherwise."""
+    from pathlib import Path
+
+    from tracer.serialize import cache_dir, cache_key
+    from tracer.spec import PRESET_DIR
+
+    if not isinstance(model, (str, Path)) or cache_dir() is None:
+        return None
+    name = str(model)
+    candidates = [PRESET_DIR / f"{name}.json", Path(name).expanduser() / "config.json", Path(name).expanduser()]
+    for path in candidates:
+        try:
+            if path.is_file():
+                return cache_key(path.read_text(), model=name, **trace_args)
+        except OSError:
+            return None
+    return None
+
+
+def _trace_resolved(spec: Any, batch: int, seq_len: int | None, frontend: str) -> OpGraph:
     from tracer.inputs import default_seq_len
 
     seq = seq_len if seq_len is not None else default_seq_len(spec.config, spec.task)
+    if spec.task == "image-cls" and seq != default_seq_len(spec.config, spec.task):
+        raise SoapError(f"{spec.name} classifies images of {default_seq_len(spec.config, spec.task)} patch tokens; "
+                        "--seq-len does not apply to image models")
     key = (_spec_key(spec), spec.task, batch, seq, frontend)
     if key not in _CACHE:
         _CACHE[key] = _trace_uncached(spec, batch, seq, frontend)

@@ -19,6 +19,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--frontend", default="auto", choices=("auto", "export", "hf-fx", "dispatch"),
                         help="capture front-end (default: export, falling back to dispatch)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow configs that ship model code")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="trace afresh, ignoring the on-disk trace cache ($SOAP_CACHE_DIR, ~/.cache/soap/traces)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return parser
 
@@ -30,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     graph = tracer.trace(args.model, task=args.task, batch=args.batch, seq_len=args.seq_len,
-                         frontend=args.frontend, trust_remote_code=args.trust_remote_code)
+                         frontend=args.frontend, trust_remote_code=args.trust_remote_code,
+                         persistent_cache=not args.no_cache)
     summary = summarize(graph, time.perf_counter() - start)
     if args.json:
         json.dump(summary, sys.stdout)
