@@ -215,3 +215,19 @@ def test_expert_parallel_adds_all_to_all_and_keeps_local_work():
     a2a = [c for p in placed for c in p.collectives if c.kind == "all_to_all"]
     assert len(a2a) == 4 and {c.phase for c in a2a} == {"fwd", "bwd"}
     assert a2a[0].nbytes == SHAPE.hidden_bytes(1) * 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    chunks=st.lists(chunk_costs, min_size=4, max_size=4),
+    send=st.floats(0.0, 2.0),
+    schedule=st.sampled_from([("GPipe", 2, 1), ("1F1B", 2, 1), ("InterleavedZeroBubble", 2, 2), ("ZBVZeroBubble", 2, 2)]),
+)
+def test_breakdown_is_non_negative_and_sums_to_the_step(chunks, send, schedule):
+    name, pp, v = schedule
+    stages = tuple(StageCost(chunks=(c,), send_activation_s=send, send_gradient_s=send, optimizer_s=0.1) for c in chunks[: pp * v])
+    result = simulate_costs(StepCosts(stages=stages, schedule=build_schedule(name, pp, 4, v)))
+    for b in result.rank_breakdowns:
+        parts = (b.compute, b.exposed_comm, b.bubble, b.optimizer, b.other)
+        assert min(parts) >= -1e-12
+        assert sum(parts) == pytest.approx(result.step_time_s, rel=1e-9, abs=1e-12)
