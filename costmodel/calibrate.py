@@ -33,7 +33,7 @@ from costmodel.calibrate_device import residual_factor as device_residual
 from costmodel.calibrate_fit import held_out
 from costmodel.calibrate_predict import PointError, predict_comm, predict_kernel
 from costmodel.calibrate_suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
-from costmodel.microbench import KernelSample, TimingConfig, measure_case
+from costmodel.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
 from costmodel.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
 from costmodel.profiles import PROFILES_DIR, ClusterSpec, cluster_from_dict
 from tracer.errors import SoapError
@@ -86,6 +86,8 @@ class Measurements:
     """Device memory (CPU: physical RAM)."""
     rank_rss_bytes: int
     """Resident memory of a rank process after torch and the process group are up (context overhead)."""
+    host_bandwidth: float | None = None
+    """Bytes/s of a pinned host-to-device copy (CUDA only)."""
 
     @property
     def source(self) -> str:
@@ -142,6 +144,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
 
     try:
         overhead = measure_case(OVERHEAD_CASE, dev, timing).seconds
+        host_bandwidth = host_link_bandwidth(dev, timing)
         progress("kernel overhead")
         for _ in range(config.rounds):
             for sweep in kernel_sweeps(config.device, quick=config.quick):
@@ -174,6 +177,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         overhead_s=overhead,
         memory_bytes=_device_memory(config.device),
         rank_rss_bytes=rss,
+        host_bandwidth=host_bandwidth,
     )
 
 
@@ -247,6 +251,7 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
         overhead_s=meas.overhead_s,
         memory_bytes=meas.memory_bytes,
         context_bytes=meas.rank_rss_bytes,
+        host_bandwidth=meas.host_bandwidth,
     )
     device_json = refine_device(device_json, fit_kernels, reference=config.reference_precision)
     cluster: dict | None = None

@@ -9,7 +9,9 @@ From the fit set (held-out points excluded):
   precision's matmuls. One curve serves every precision, each with its own peak, so the curve follows
   the precision the device trains in (the caller's `reference`): at other precisions small matmuls
   may run at a different share of their peak, recorded as their residual;
-- `kernel_overhead_us`: the time of a 12-byte add.
+- `kernel_overhead_us`: the time of a 12-byte add;
+- `host_link_gbps`: a pinned host-to-device copy on a GPU; the memory bandwidth on a CPU, whose host
+  memory is its device memory.
 Knots start from `calibrate_fit.efficiency_points` and are refined with `calibrate_fit.refine_knots`.
 
 Kernels the roofline cannot express on a device (on a CPU: transcendental activations, norms and
@@ -60,7 +62,7 @@ def _curve(points: Sequence[tuple[float, float]], source: str, fit: dict | None 
 
 
 def closed_form_device(samples: Sequence[KernelSample], *, reference: str, name: str, description: str, source: str,
-                       overhead_s: float, memory_bytes: int, context_bytes: int) -> dict:
+                       overhead_s: float, memory_bytes: int, context_bytes: int, host_bandwidth: float | None) -> dict:
     """The device JSON from the closed-form estimates alone (before refinement)."""
     compute, memory = _fit_sets(samples, reference)
     peaks: dict[str, float] = {}
@@ -88,7 +90,7 @@ def closed_form_device(samples: Sequence[KernelSample], *, reference: str, name:
         "memory_efficiency": _curve(mem_points, source),
         "kernel_overhead_us": _num(overhead_s * 1e6, source),
         "context_overhead_gib": _num(context_bytes / GIB, source),
-        "host_link_gbps": _num(bandwidth / 1e9, source),
+        "host_link_gbps": _num((host_bandwidth or bandwidth) / 1e9, source),
     }
 
 

@@ -164,6 +164,8 @@ def build_kernel(case: KernelCase, device: str) -> Callable[[], object]:
         t = torch.randn(*shape, generator=gen, dtype=torch.float32)
         return t.to(device=device, dtype=dt)
 
+    if case.op in ("mm", "bmm"):
+        torch.backends.cuda.matmul.allow_tf32 = case.precision_key == "tf32"  # stays so while this case is timed
     if case.op == "mm":
         m, k, n = case.shape
         a, b = rand(m, k), rand(n, k).t() if dt == torch.float8_e4m3fn else rand(k, n)
@@ -229,6 +231,15 @@ def time_kernel(call: Callable[[], object], device: str, timing: TimingConfig) -
         sync()
         times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
+
+
+def host_link_bandwidth(device: str, timing: TimingConfig, nbytes: int = 256 << 20) -> float | None:
+    """Bytes/s of a pinned host-to-device copy on CUDA; None on CPU, where host memory is device memory."""
+    if not device.startswith("cuda"):
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / time_kernel(lambda: dev.copy_(host, non_blocking=True), device, timing)
 
 
 @dataclass(frozen=True)

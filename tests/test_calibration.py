@@ -159,3 +159,30 @@ def test_bad_calibrate_arguments_are_one_line_errors(argv, capsys):
     assert main(["calibrate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_each_case_keeps_its_fastest_round_and_nproc_1_writes_a_device_only_profile(monkeypatch, tmp_path):
+    import costmodel.calibrate as calibrate
+    from costmodel.calibrate import CalibrationConfig, measure
+    from costmodel.profiles import load_device
+
+    calls, order = {}, {}
+
+    def fake_measure(case, device, timing):  # one round of each case is 3x slower: the first or the second, alternately
+        base = 1e-6 * (1 + case.flops / 1e8 + case.bytes_moved / 1e9)
+        order.setdefault(case, len(order))
+        calls[case] = calls.get(case, 0) + 1
+        slow = calls[case] == 1 + order[case] % 2
+        return KernelSample(case, base * (3.0 if slow else 1.0))
+
+    monkeypatch.setattr(calibrate, "measure_case", fake_measure)
+    config = CalibrationConfig(quick=True, nproc=1, rounds=2)
+    meas = measure(config)
+    assert not meas.comms and all(n == 2 for case, n in calls.items() if case != calibrate.OVERHEAD_CASE)
+    for p in meas.kernels:
+        c = p.sample.case
+        assert p.sample.seconds == pytest.approx(1e-6 * (1 + c.flops / 1e8 + c.bytes_moved / 1e9))
+    result = fit(meas, config)
+    assert result.cluster_json is None and result.comm_errors == ()
+    (path,) = write_profiles(result, tmp_path / "device.json")
+    assert load_device(str(path)).name == "local-cpu"
