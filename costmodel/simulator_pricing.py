@@ -94,7 +94,9 @@ class ProfilePricer:
 
 
 @dataclass(frozen=True)
-class _Groups:
+class MeshGroups:
+    """The communication group of each mesh dimension, with how many of its ranks share a node."""
+
     tp: CommGroup
     cp: CommGroup
     ep: CommGroup
@@ -109,10 +111,10 @@ def _group(size: int, stride: int, gpus_per_node: int) -> CommGroup:
     return CommGroup(size=size, ranks_per_node=per_node)
 
 
-def mesh_groups(strategy: Strategy, gpus_per_node: int) -> _Groups:
+def mesh_groups(strategy: Strategy, gpus_per_node: int) -> MeshGroups:
     d = strategy.dims
     g = gpus_per_node
-    return _Groups(
+    return MeshGroups(
         tp=_group(d.tp, 1, g), cp=_group(d.cp, d.tp, g), ep=_group(d.ep, d.tp, g),
         dp=_group(d.dp, d.cp * d.tp, g), dp_shard=_group(d.dp_shard, d.cp * d.tp, g),
         dp_replicate=_group(d.dp_replicate, d.dp_shard * d.cp * d.tp, g),
@@ -167,7 +169,7 @@ def price_step(
 class _UnitPricer:
     """Prices each segment of the graph once (`chunk(layer)`)."""
 
-    def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: _Groups, shape: ActivationShape) -> None:
+    def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape) -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
         self._chunks: dict[int, ChunkCost] = {}
         self._params: dict[int, int] = {}
@@ -248,7 +250,7 @@ class _UnitPricer:
 
 
 def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy, pricer: Pricer,
-                 groups: _Groups, shape: ActivationShape) -> StageCost:
+                 groups: MeshGroups, shape: ActivationShape) -> StageCost:
     d, t = strategy.dims, strategy.train
     chunks = tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers)
     counts: dict[str, int] = {}

@@ -231,3 +231,14 @@ def test_breakdown_is_non_negative_and_sums_to_the_step(chunks, send, schedule):
         parts = (b.compute, b.exposed_comm, b.bubble, b.optimizer, b.other)
         assert min(parts) >= -1e-12
         assert sum(parts) == pytest.approx(result.step_time_s, rel=1e-9, abs=1e-12)
+
+
+def test_op_costs_explain_where_the_time_goes():
+    from costmodel.simulator_explain import op_costs
+
+    rows = op_costs(GRAPH, _strategy(tp=2, sequence_parallel=True), CLUSTER)
+    by_name = {r.op.split(".")[-1]: r for r in rows}
+    assert by_name["q_proj:linear"].placement == "Parameter x2" and by_name["q_proj:linear"].count == 4
+    assert by_name["o_proj:linear"].comm_s > 0 and by_name["up_proj:linear"].comm_s > 0
+    replicated = op_costs(GRAPH, _strategy(), CLUSTER)
+    assert sum(r.count * r.fwd_s for r in rows) < sum(r.count * r.fwd_s for r in replicated)
