@@ -13,6 +13,7 @@ Defaults:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -58,6 +59,9 @@ class PlanRequest:
     space: SpaceRequest
     memory_limit: float
     """Usable bytes per GPU."""
+    config: dict[str, Any]
+    """The model's config as JSON, taken before tracing (building a model mutates an HF config, e.g.
+    its dtype, so plan.json records the config as the user gave it)."""
 
 
 def resolve_cluster(cluster: str | ClusterSpec, gpus_per_node: int | None) -> ClusterSpec:
@@ -106,7 +110,14 @@ def make_request(
         pins=Pins(**{k: v for k, v in pins.items() if v is not None}),
     )
     validate_pins(space)
-    return PlanRequest(model_name=spec.name, spec=spec, cluster=cluster_spec, space=space, memory_limit=limit)
+    return PlanRequest(model_name=spec.name, spec=spec, cluster=cluster_spec, space=space, memory_limit=limit,
+                       config=config_json(spec.config))
+
+
+def config_json(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
 
 
 def plan_report(

@@ -72,7 +72,7 @@ def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit:
              "activations": floor.activations * req.gpus}
     term = max(parts, key=lambda k: (parts[k], k))
     size = f"{_human(floor.activations)} per GPU" if term == "activations" else _human(parts[term])
-    need = f"{floor.total / GIB:.0f} GiB per GPU"
+    need = f"{floor.total / GIB:.1f} GiB per GPU"
     more = minimum_gpus(req, estimator, limit)
     gpus = f"at least {more} GPUs or {need}" if more else need
     hint = "add GPUs or use a larger --mem-limit"

@@ -31,12 +31,6 @@ from tracer.ir import OpGraph
 SOURCES = {"preset": "preset", "file": "file", "hub": "hub", "module": "module", "config": "module"}
 
 
-def _config_dict(config: Any) -> dict[str, Any]:
-    if config is None:
-        return {}
-    return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
-
-
 def stage_records(graph: OpGraph, bounds: Sequence[int] | None, pp: int, schedule: str) -> tuple[StageRecord, ...]:
     if pp == 1 or bounds is None:
         return ()
@@ -65,7 +59,7 @@ def build_plan(
     spec, cluster = request.spec, request.cluster
     strategy = chosen.candidate.strategy
     d, t = strategy.dims, strategy.train
-    config = _config_dict(spec.config)
+    config = request.config
     predicted = chosen.result.to_contract()
     return Plan(
         schema_version=SCHEMA_VERSION,
