@@ -186,3 +186,15 @@ def test_each_case_keeps_its_fastest_round_and_nproc_1_writes_a_device_only_prof
     assert result.cluster_json is None and result.comm_errors == ()
     (path,) = write_profiles(result, tmp_path / "device.json")
     assert load_device(str(path)).name == "local-cpu"
+
+
+@pytest.mark.gpu
+def test_quick_cuda_calibration_writes_a_device_profile_with_tensor_core_rates(tmp_path):
+    from costmodel.profiles import load_device
+
+    out = tmp_path / "gpu.json"
+    assert main(["calibrate", "--device", "cuda", "--quick", "--nproc", "1", "-o", str(out)]) == 0
+    device = load_device(str(out))
+    assert {"fp32", "tf32", "fp16", "bf16"} <= set(device.peak_flops)
+    assert device.peak_flops["bf16"] > device.peak_flops["fp32"]
+    assert device.host_bandwidth < device.memory_bandwidth
