@@ -57,10 +57,10 @@ from costmodel.strategy import ParallelDims, Strategy
 from tracer.ir import DimRole, OpKind, OpNode, TensorMeta
 
 COLWISE = frozenset({
-    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_attn", "c_fc", "query", "key",
+    "q", "k", "v", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_attn", "c_fc", "query", "key",
     "value", "wi", "wi_0", "wi_1", "fc1", "query_key_value", "dense_h_to_4h", "qkv_proj", "gate_up_proj",
 })
-ROWWISE = frozenset({"o_proj", "down_proj", "w2", "c_proj", "wo", "fc2", "dense_4h_to_h", "out_proj"})
+ROWWISE = frozenset({"o", "o_proj", "down_proj", "w2", "c_proj", "wo", "fc2", "dense_4h_to_h", "out_proj"})
 STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "vocab_parallel", "expert_parallel")
 
 
@@ -311,9 +311,15 @@ def tp_plan(ops: Sequence[OpNode], strategy: Strategy) -> dict[str, str]:
     return plan
 
 
+def block_container(block_id: str) -> str:
+    """The module list a block id names: `encoder.block#1` (the second layer type of a stack) ->
+    `encoder.block`."""
+    return block_id.split("#", 1)[0]
+
+
 def _relative(module_fqn: str, block_id: str) -> str:
     """`model.layers.0.self_attn.q_proj` -> `self_attn.q_proj` for block `model.layers`."""
-    prefix = block_id + "."
+    prefix = block_container(block_id) + "."
     if not module_fqn.startswith(prefix):
         return ""
     rest = module_fqn[len(prefix):]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from costmodel.placement import block_container
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpNode
 
@@ -28,29 +29,40 @@ class Layer:
     block_id: str | None
     instance: int
     ops: tuple[OpNode, ...]
-
-    @property
-    def name(self) -> str:
-        if self.block_id is None:
-            return "<prologue>" if self.segment == 0 else "<epilogue>"
-        return f"{self.block_id}.{self.instance}"
+    name: str
+    """The instance's module FQN (`model.layers.3`, `encoder.block.7`), or `<prologue>` / `<epilogue>` /
+    `<between-i>` for runs of non-block ops."""
 
     @property
     def modules(self) -> tuple[str, ...]:
         """Module FQNs this layer puts on its stage."""
         if self.block_id is not None:
-            return (f"{self.block_id}.{self.instance}",)
+            return (self.name,)
         return tuple(dict.fromkeys(op.module_fqn for op in self.ops if op.module_fqn and op.params))
 
 
 def layer_sequence(graph: OpGraph) -> tuple[Layer, ...]:
     layers: list[Layer] = []
-    for index, seg in enumerate(graph.segments()):
+    segments = list(graph.segments())
+    for index, seg in enumerate(segments):
         if seg.block_id is None:
-            layers.append(Layer(index, None, 0, seg.ops))
+            label = "<prologue>" if index == 0 else "<epilogue>" if index == len(segments) - 1 else f"<between-{index}>"
+            layers.append(Layer(index, None, 0, seg.ops, label))
         else:
-            layers.extend(Layer(index, seg.block_id, i, seg.ops) for i in range(seg.repeat))
+            container, first = block_container(seg.block_id), _first_index(seg.block_id, seg.ops)
+            layers.extend(Layer(index, seg.block_id, i, seg.ops, f"{container}.{first + i}") for i in range(seg.repeat))
     return tuple(layers)
+
+
+def _first_index(block_id: str, ops: Sequence[OpNode]) -> int:
+    """Index of the block's first instance in its module list (`encoder.block#1` starts at 1)."""
+    prefix = block_container(block_id) + "."
+    for op in ops:
+        if op.module_fqn.startswith(prefix):
+            head = op.module_fqn[len(prefix):].split(".", 1)[0]
+            if head.isdigit():
+                return int(head)
+    return 0
 
 
 def balanced_bounds(layers: Sequence[Layer], n_stages: int) -> tuple[int, ...]:

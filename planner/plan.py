@@ -334,9 +334,12 @@ def block_records(graph: OpGraph, strategy: Strategy) -> tuple[BlockPlacement, .
 
 
 def _relative_op_name(name: str, block_id: str | None) -> str:
-    if block_id is None or not name.startswith(block_id + "."):
+    from costmodel.placement import block_container
+
+    container = block_container(block_id) if block_id else ""
+    if not container or not name.startswith(container + "."):
         return name
-    rest = name[len(block_id) + 1:]  # "0.self_attn.q_proj:linear" or "0:add"
+    rest = name[len(container) + 1:]  # "0.self_attn.q_proj:linear" or "0:add"
     module, _, op = rest.partition(":")
     return f"{module.split('.', 1)[1]}:{op}" if "." in module else f":{op}"
 
