@@ -68,3 +68,19 @@ def test_tiny_decoder_is_prologue_block_epilogue():
     segments = list(graph.segments())
     assert [(s.block_id, s.repeat) for s in segments] == [(None, 1), ("model.layers", 3), (None, 1)]
     assert graph.fwd_flops > 0 and graph.bwd_flops > graph.fwd_flops
+
+
+def test_layer_names_are_real_module_paths_for_a_second_layer_type():
+    import dataclasses
+
+    from costmodel.simulator_stages import layer_sequence
+
+    graph = tiny_decoder(layers=3)
+    renamed = tuple(
+        dataclasses.replace(op, block_id="model.layers#1", module_fqn=op.module_fqn.replace("model.layers.0", "model.layers.1"))
+        if op.block_id else op
+        for op in graph.ops
+    )
+    graph = dataclasses.replace(graph, ops=renamed, blocks=(dataclasses.replace(graph.blocks[0], id="model.layers#1"),))
+    names = [layer.name for layer in layer_sequence(graph)]
+    assert names == ["<prologue>", "model.layers.1", "model.layers.2", "model.layers.3", "<epilogue>"]
