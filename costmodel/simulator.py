@@ -41,13 +41,14 @@ def simulate(
     strategy: Strategy,
     cluster: ClusterSpec,
     *,
-    stages: Sequence[int] | None = None,
+    stages: Sequence[int] | Sequence[tuple[int, int]] | None = None,
     pricer=None,
 ) -> SimResult:
     """Simulate one optimizer step of `strategy` for the model `graph` on `cluster`.
 
-    `stages`: pipeline stage bounds over the layer sequence (see `costmodel.simulator_stages`), as
-    `(0, b1, ..., L)` with pp * virtual_stages stages; default: a balanced split.
+    `stages`: pipeline stages over the layer sequence (see `costmodel.simulator_stages`), as bounds
+    `(0, b1, ..., L)` or as per-stage `(first, end)` ranges, pp * virtual_stages of them; default: a
+    balanced split.
     `pricer`: the cost functions (default `ProfilePricer(cluster, strategy)`); tests inject fakes.
     """
     from costmodel.simulator_pricing import price_step

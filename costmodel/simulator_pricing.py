@@ -46,7 +46,7 @@ from costmodel.profiles import ClusterSpec
 from costmodel.schedule import build_schedule
 from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
 from costmodel.simulator_result import StepFacts
-from costmodel.simulator_stages import Layer, balanced_bounds, layer_sequence, validate_bounds
+from costmodel.simulator_stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
 from costmodel.strategy import Strategy
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode
@@ -139,7 +139,7 @@ def price_step(
     groups = mesh_groups(strategy, cluster.gpus_per_node)
     n_stages = d.pp * t.virtual_stages
     layers = layer_sequence(graph)
-    bounds = tuple(stage_bounds) if stage_bounds is not None else balanced_bounds(layers, n_stages)
+    bounds = as_bounds(stage_bounds) if stage_bounds is not None else balanced_bounds(layers, n_stages)
     validate_bounds(bounds, layers, n_stages)
     width = activation_itemsize(t.precision)
     shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden, itemsize=width,

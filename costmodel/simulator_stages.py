@@ -6,7 +6,8 @@ head and loss, anything between two block stacks), and each block instance is on
 the same sequence as planner.units.layer_sequence, so the planner's partition bounds can be passed
 to `simulate(..., stages=bounds)` unchanged.
 
-Stage bounds are `(0, b1, ..., L)`: stage k holds layers bounds[k] .. bounds[k+1]-1. The default
+Stage bounds are `(0, b1, ..., L)`: stage k holds layers bounds[k] .. bounds[k+1]-1 (`as_bounds` also
+takes per-stage `(first, end)` ranges, as plan.json's `stages[k].layers` holds them). The default
 (`balanced_bounds`) spreads the block instances evenly over the stages (extra instances to the
 stages after the first, which carries the embeddings), keeps the prologue on the first stage and
 the epilogue on the last, and attaches a between-stacks run to the stage of the block after it.
@@ -83,6 +84,17 @@ def balanced_bounds(layers: Sequence[Layer], n_stages: int) -> tuple[int, ...]:
         bounds.append(block_positions[taken])  # a stage starts at its first block (runs before it join it)
     bounds.append(len(layers))
     return tuple(bounds)
+
+
+def as_bounds(stages: Sequence[int] | Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Bounds `(0, b1, ..., L)` from bounds, or from per-stage `(first, end)` layer ranges."""
+    items = list(stages)
+    if items and isinstance(items[0], (tuple, list)):
+        for (_, end), (start, _) in zip(items, items[1:]):
+            if end != start:
+                raise SoapError(f"stages: layer ranges {items} are not contiguous; stage k must start where stage k-1 ends")
+        return (items[0][0], *(end for _, end in items))
+    return tuple(int(b) for b in items)
 
 
 def validate_bounds(bounds: Sequence[int], layers: Sequence[Layer], n_stages: int) -> None:

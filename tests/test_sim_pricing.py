@@ -242,3 +242,11 @@ def test_op_costs_explain_where_the_time_goes():
     assert by_name["o_proj:linear"].comm_s > 0 and by_name["up_proj:linear"].comm_s > 0
     replicated = op_costs(GRAPH, _strategy(), CLUSTER)
     assert sum(r.count * r.fwd_s for r in rows) < sum(r.count * r.fwd_s for r in replicated)
+
+
+def test_stages_may_be_given_as_layer_ranges():
+    by_bounds = simulate(GRAPH, _strategy(pp=2), CLUSTER, stages=(0, 2, 6))
+    by_ranges = simulate(GRAPH, _strategy(pp=2), CLUSTER, stages=[(0, 2), (2, 6)])
+    assert by_ranges.step_time_s == by_bounds.step_time_s
+    with pytest.raises(SoapError, match="not contiguous"):
+        simulate(GRAPH, _strategy(pp=2), CLUSTER, stages=[(0, 2), (3, 6)])
