@@ -3,18 +3,21 @@
 Model. A task has a duration, runs on one in-order stream of one rank (`compute`, `tp-comm`,
 `dp-comm`, `pp-p2p`), depends on other tasks, and may occupy a link. It starts at
 
-    start = max(end of its stream predecessor, max end of its dependencies, link free time)
+    start = max(end of its stream predecessor, end of its link predecessor, max end of its dependencies)
 
 Streams are FIFO: a task never overtakes an earlier task of its stream (as on a CUDA stream or an
 NCCL communicator). Link contention: every communication task names the link level it crosses on its
-rank (`intra_node` for NVLink, `inter_node` for the NIC). Tasks of different streams that share a link
-of the same rank are *serialized* on it, first-ready first-served (a FIFO server per link): two
-collectives on one NIC take the sum of their times, which is what bandwidth sharing gives for the
-pair's total as well, while the first one finishes earlier, as NCCL's channel arbitration tends to
-do. Compute never contends with communication (NCCL's SM use is folded into its bandwidth numbers).
+rank (`intra_node` for NVLink, `inter_node` for the NIC). The tasks of all streams that cross one
+link of one rank are *serialized* on it in issue order (the order the rank's program issues them):
+two collectives on one NIC take the sum of their times, which is also what sharing the bandwidth
+gives for the pair's total, and the one issued first finishes first. Serving a link in issue order
+rather than first-ready-first-served keeps the simulation a max-plus system: making any task shorter
+(more bandwidth, faster compute, fewer bytes) never delays any other, so the predicted step is
+monotone in every cost, which the planner's ranking relies on. Compute never contends with
+communication (NCCL's SM use is folded into its bandwidth numbers).
 
-`run_tasks` is event driven: a heap of ready tasks ordered by their earliest start, so link
-arbitration follows time order. Cost: O(T log T) for T tasks.
+`run_tasks` is event driven (a heap of ready tasks ordered by their earliest start). Cost:
+O(T log T) for T tasks.
 """
 
 from __future__ import annotations
@@ -80,13 +83,15 @@ def run_tasks(graph: TaskGraph) -> list[Task]:
     n = len(tasks)
     succ: list[list[int]] = [[] for _ in range(n)]
     waiting = [0] * n
-    last_on_stream: dict[tuple[int, str], int] = {}
+    last_in_queue: dict[tuple[int, str], int] = {}
     for tid, t in enumerate(tasks):
-        prev = last_on_stream.get((t.rank, t.stream))
-        if prev is not None:
-            succ[prev].append(tid)
-            waiting[tid] += 1
-        last_on_stream[(t.rank, t.stream)] = tid
+        queues = ((t.rank, t.stream),) if t.link is None else ((t.rank, t.stream), (t.rank, "link:" + t.link))
+        for queue in queues:
+            prev = last_in_queue.get(queue)
+            if prev is not None:
+                succ[prev].append(tid)
+                waiting[tid] += 1
+            last_in_queue[queue] = tid
         t.deps = [key if isinstance(key, int) else graph.id_of(key) for key in t.deps]
         for dep in t.deps:
             succ[dep].append(tid)
@@ -94,16 +99,10 @@ def run_tasks(graph: TaskGraph) -> list[Task]:
     ready_at = [0.0] * n
     heap = [(0.0, tid) for tid in range(n) if waiting[tid] == 0]
     heapq.heapify(heap)
-    link_free: dict[tuple[int, str], float] = {}
     finished = 0
     while heap:
-        ready, tid = heapq.heappop(heap)
+        start, tid = heapq.heappop(heap)
         t = tasks[tid]
-        start = ready
-        if t.link is not None:
-            slot = (t.rank, t.link)
-            start = max(start, link_free.get(slot, 0.0))
-            link_free[slot] = start + t.duration
         t.start, t.end = start, start + t.duration
         finished += 1
         for s in succ[tid]:
