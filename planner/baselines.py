@@ -45,7 +45,7 @@ def _same_training(chosen: Candidate) -> Callable[[Candidate], bool]:
 
 def _data_parallel_only_mesh(mesh: MeshChoice) -> bool:
     d = mesh.dims
-    return d.tp == 1 and d.pp == 1 and d.cp == 1
+    return d.tp == 1 and d.pp == 1 and d.cp == 1 and d.ep == 1
 
 
 def _data_parallel_only(c: Candidate) -> bool:

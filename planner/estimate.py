@@ -13,6 +13,8 @@ stages:
     tp_u           2 x (TP regions) all-reduces of mb*s/cp*hidden activations in the tp group;
     cp_u           per attention core, all-gather K,V forward and reduce-scatter dK,dV backward in the
                    cp group, hidden behind the attention compute where it can be;
+    ep_u           per MoE layer, four all-to-alls (dispatch and combine, each way) of the routed
+                   tokens in the ep group; expert ops run at split parameter=ep instead of tp;
     p2p            one activation send and one gradient receive per stage boundary.
 Step time:
     pp = 1:  T = m * t_0 + dp_exposed + zero3_exposed + optimizer
@@ -50,7 +52,7 @@ from costmodel.profiles import ClusterSpec
 from costmodel.strategy import TrainingConfig
 from planner.space import MeshChoice
 from planner.stages import partition_stages
-from planner.units import Unit, layer_units
+from planner.units import Unit, is_expert, layer_units
 from tracer.ir import OpGraph, OpKind
 
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}
@@ -110,14 +112,16 @@ class Estimator:
         self.unit_costs = lru_cache(maxsize=None)(self._unit_costs_uncached)
 
     # --- cached per-unit costs ------------------------------------------------------------------
-    def _unit_time_uncached(self, u: int, tp: int, cp: int, mb: int, precision: str) -> tuple[float, float, float]:
+    def _unit_time_uncached(
+        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str
+    ) -> tuple[float, float, float]:
         """(forward, backward, attention-core forward) seconds of one instance of unit u."""
-        split = {"parameter": tp, "attribute": cp}
+        dense, experts = {"parameter": tp, "attribute": cp}, {"parameter": ep, "attribute": cp}
         fwd = bwd = attn = 0.0
         for op in self._costed_ops[u]:
             cost = op_time(
                 op, device=self.cluster.device, precision=precision, micro_batch=mb,
-                batch_traced=self.graph.batch, split=split,
+                batch_traced=self.graph.batch, split=experts if is_expert(op) else dense,
             )
             fwd += cost.fwd_s
             bwd += cost.bwd_s
@@ -157,7 +161,7 @@ class Estimator:
         if stages == 1:
             counts[0] = [u.repeat for u in self.units]
             return counts
-        times = [sum(self.unit_time(i, 1, 1, 1, "bf16")[:2]) for i in layers]
+        times = [sum(self.unit_time(i, 1, 1, 1, 1, "bf16")[:2]) for i in layers]
         zeros = [0.0] * len(layers)
         part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
         assert part is not None, "a partition without memory limits always exists when stages <= layers"
@@ -167,13 +171,13 @@ class Estimator:
         return counts
 
     def _unit_costs_uncached(
-        self, u: int, tp: int, cp: int, mb: int, precision: str, recompute: str
+        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, recompute: str
     ) -> tuple[float, float, float]:
         """(compute with recompute, critical path with TP/CP communication, backward) seconds of one
         instance of unit u for one micro-batch."""
         unit, gpn, seq = self.units[u], self.cluster.gpus_per_node, self.graph.seq_len
         act_b = ACTIVATION_BYTES[precision]
-        fwd, bwd, attn = self.unit_time(u, tp, cp, mb, precision)
+        fwd, bwd, attn = self.unit_time(u, tp, cp, ep, mb, precision)
         policy = "none" if unit.id.startswith("<") else recompute
         compute = fwd + bwd + (fwd if policy == "full" else attn if policy == "selective" else 0.0)
         regions = 1 if unit.id.startswith("<") else unit.tp_regions
@@ -184,7 +188,11 @@ class Estimator:
             kv_bytes = 2 * mb * seq * self.kv_width * act_b / tp
             cp_comm = unit.attention_ops * 3 * self._comm("all_gather", kv_bytes, cp, group_ranks_per_node(cp, tp, gpn))
             cp_exposed = max(0.0, cp_comm - 3 * attn)
-        return compute, compute + tp_comm + cp_exposed, bwd
+        ep_comm = 0.0
+        if ep > 1 and unit.expert_params:
+            routed = mb * seq / cp * self.hidden * act_b * max(1, self.graph.dims.experts_per_token)
+            ep_comm = 4 * self._comm("all_to_all", routed, ep, group_ranks_per_node(ep, tp, gpn))
+        return compute, compute + tp_comm + cp_exposed + ep_comm, bwd
 
     def _p2p(self, mesh: MeshChoice, mb: int, precision: str, v: int) -> float:
         d = mesh.dims
@@ -201,7 +209,8 @@ class Estimator:
         of the schedules allowed."""
         d = mesh.dims
         per_instance = sum(
-            unit.repeat * self.unit_costs(u, d.tp, d.cp, mb, precision, "none")[1] for u, unit in enumerate(self.units)
+            unit.repeat * self.unit_costs(u, d.tp, d.cp, d.ep, mb, precision, "none")[1]
+            for u, unit in enumerate(self.units)
         )
         average = per_instance / d.pp + self._p2p(mesh, mb, precision, 1)
         return num_microbatches * average + grad_accum * bubble_factor * (d.pp - 1) * average
@@ -212,18 +221,19 @@ class Estimator:
         counts = self._stage_counts(d.pp, t.virtual_stages)
         policies = [t.recompute_for(None if unit.id.startswith("<") else unit.id) for unit in self.units]
         costs = np.array([
-            (*self.unit_costs(u, d.tp, d.cp, t.micro_batch, t.precision, policy),
+            (*self.unit_costs(u, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policy),
              *self.unit_activation(u, d.tp, d.cp, t.micro_batch, policy, t.precision))
             for u, policy in enumerate(policies)
         ])
         compute_unit, per_unit, bwd_unit, act_unit, transient_unit = costs.T
 
-        params_unit = np.array([unit.params for unit in self.units], dtype=float)
+        # memory shards expert weights like every matmul weight, by tp, as `costmodel.memory.stage_params` does
+        params_unit = np.array([unit.params / d.tp for unit in self.units], dtype=float)
         p2p = self._p2p(mesh, t.micro_batch, t.precision, t.virtual_stages)
         rank_time = counts @ per_unit + p2p
         rank_compute = counts @ compute_unit
         rank_bwd = counts @ bwd_unit
-        rank_params = counts @ params_unit / d.tp
+        rank_params = counts @ params_unit
         rank_act = counts @ act_unit
         rank_transient = ((counts > 0) * transient_unit).max(axis=1)
         bottleneck = float(rank_time.max())

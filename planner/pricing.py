@@ -68,7 +68,7 @@ class Pricer:
         times, static, acts = [], [], []
         for index in self.layers:
             unit = units[index]
-            fwd, bwd, attn = est.unit_time(index, d.tp, d.cp, t.micro_batch, t.precision)
+            fwd, bwd, attn = est.unit_time(index, d.tp, d.cp, d.ep, t.micro_batch, t.precision)
             policy = t.recompute_for(None if unit.id.startswith("<") else unit.id)
             times.append(fwd + bwd + (fwd if policy == "full" else attn if policy == "selective" else 0.0))
             static.append(unit.params / d.tp * per_param)

@@ -46,7 +46,7 @@ def parallelism_of(p: Priced) -> dict[str, Any]:
     d, t = p.candidate.mesh.dims, p.candidate.train
     return {
         "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "zero": p.candidate.mesh.zero,
-        "tp": d.tp, "pp": d.pp, "cp": d.cp, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
+        "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "num_microbatches": t.num_microbatches, "schedule": t.schedule, "virtual_stages": t.virtual_stages,
         "recompute": t.recompute, "precision": t.precision, "optimizer": t.optimizer,
         "offload_optimizer": t.offload_optimizer, "sequence_parallel": t.sequence_parallel,
@@ -56,7 +56,7 @@ def parallelism_of(p: Priced) -> dict[str, Any]:
 def describe(p: Priced) -> str:
     """A one-line name for a plan, e.g. `tp8 pp4 dp16 zero1 mb1 1F1B rc=selective bf16`."""
     d, t = p.candidate.mesh.dims, p.candidate.train
-    parts = [f"{name}{degree}" for name, degree in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if degree > 1]
+    parts = [f"{name}{degree}" for name, degree in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp), ("ep", d.ep)) if degree > 1]
     parts.append(f"dp{d.dp}")
     zero = p.candidate.mesh.zero
     if d.dp > 1:

@@ -102,8 +102,9 @@ class SearchConfig:
     """Meshes whose best-estimated configuration is simulated."""
     simulate_top: int = 16
     """Best estimates overall that are simulated (often variants of the best meshes)."""
-    baseline_tries: int = 3
-    """Best estimates of each baseline family that are simulated (budget permitting; the first always)."""
+    baseline_tries: int = 6
+    """Most members of a baseline family simulated, best estimates first, until one fits in simulation
+    (budget permitting; the first is always simulated)."""
     simulation_budget: float = 100_000.0
     """Simulation work allowed (see `simulation_work`): about 5 s on a 2-core CI machine. Half goes to
     the best estimates, the rest to baselines; the best estimate and each family's best are always
@@ -300,13 +301,15 @@ def search(
     if baselines is not None and fitting_now:
         for family in baselines(fitting_now[0].candidate):
             members = [c for c in candidates if family.member(c)][: config.baseline_tries]
-            tried = []
+            tried: list[Priced] = []
             for i, c in enumerate(members):
                 if not cache.has(c):
                     if i and spent + work(c) > config.simulation_budget:
                         continue
                     spent += work(c)
                 tried.append(cache(c))
+                if tried[-1].fits:
+                    break
             fitting = sorted((p for p in tried if p.fits), key=lambda p: p.order)
             family_best.append((family.name, fitting[0] if fitting else None))
     priced = cache.priced

@@ -14,7 +14,8 @@ Mesh rules (`mesh_choices`):
 - dp divides the global batch;
 - the sample-parallel group either replicates (ZeRO 0, DDP), shards over all of dp (ZeRO 1/2/3),
   or shards inside a node and replicates across nodes (HSDP: ZeRO 3 with dp_shard = the data ranks
-  that fit in one node).
+  that fit in one node);
+- MoE models: expert parallelism ep divides the expert count and borrows ranks from dp_shard x cp.
 `ParallelDims.check_model` states the divisibility rules; the search filters on it instead of raising.
 
 Training rules (`training_choices`), per mesh:
@@ -128,9 +129,9 @@ class MeshChoice:
 
     @property
     def sort_key(self) -> tuple[int, ...]:
-        """A total order: (pp, dp_replicate, dp_shard, cp, tp, zero)."""
+        """A total order: (pp, dp_replicate, dp_shard, cp, tp, zero, ep)."""
         d = self.dims
-        return (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, self.zero)
+        return (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, self.zero, d.ep)
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -205,9 +206,18 @@ def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
                 for zero, shard in _sharding_choices(req, dp=dp, inner=tp * cp):
                     if p.zero is not None and zero != p.zero:
                         continue
-                    dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp)
-                    out.append(MeshChoice(dims=dims, zero=zero))
+                    for ep in _expert_choices(req, shard * cp):
+                        dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=ep)
+                        out.append(MeshChoice(dims=dims, zero=zero))
     return sorted(out, key=lambda m: m.sort_key)
+
+
+def _expert_choices(req: SpaceRequest, borrowable: int) -> list[int]:
+    """Expert-parallel degrees for MoE models: divisors of the expert count that divide dp_shard x cp."""
+    experts = req.dims.num_experts
+    if experts <= 1:
+        return [1]
+    return [e for e in divisors(experts) if borrowable % e == 0]
 
 
 def _sharding_choices(req: SpaceRequest, *, dp: int, inner: int) -> list[tuple[int, int]]:

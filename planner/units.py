@@ -30,6 +30,8 @@ class Unit:
     """Instances in the full model (1 outside blocks)."""
     params: int
     """Parameters of one instance (tied parameters counted once in the model)."""
+    expert_params: int
+    """The part of `params` in MoE experts (split by expert parallelism, not TP)."""
     fwd_flops: int
     """Forward FLOPs of one instance at the traced batch."""
     bwd_flops: int
@@ -46,11 +48,16 @@ class Unit:
         return self.attention_ops + int(self.has_mlp_down)
 
 
+def is_expert(op: OpNode) -> bool:
+    """An MoE expert op (`costmodel.placement` splits these by ep)."""
+    return "experts" in op.module_fqn.split(".")
+
+
 def _is_down_projection(op: OpNode) -> bool:
     if op.kind is not OpKind.MATMUL or not op.params or not op.inputs or not op.outputs:
         return False
     k, n = op.inputs[0].shape[-1], op.outputs[0].shape[-1]
-    return k > n
+    return k > n and not is_expert(op)
 
 
 def model_units(graph: OpGraph) -> tuple[Unit, ...]:
@@ -59,12 +66,13 @@ def model_units(graph: OpGraph) -> tuple[Unit, ...]:
     units: list[Unit] = []
     segments = list(graph.segments())
     for index, seg in enumerate(segments):
-        params = 0
+        params = experts = 0
         for op in seg.ops:
             for p in op.params:
                 if p.name not in seen:
                     seen.add(p.name)
                     params += p.numel
+                    experts += p.numel if is_expert(op) else 0
         if seg.block_id is None:
             uid = PROLOGUE if index == 0 else EPILOGUE if index == len(segments) - 1 else f"<between-{index}>"
             module_type = uid
@@ -75,7 +83,7 @@ def model_units(graph: OpGraph) -> tuple[Unit, ...]:
             modules = ()
         units.append(
             Unit(
-                id=uid, module_type=module_type, ops=seg.ops, repeat=seg.repeat, params=params,
+                id=uid, module_type=module_type, ops=seg.ops, repeat=seg.repeat, params=params, expert_params=experts,
                 fwd_flops=sum(op.fwd_flops for op in seg.ops), bwd_flops=sum(op.bwd_flops for op in seg.ops),
                 attention_ops=sum(op.kind is OpKind.ATTENTION for op in seg.ops),
                 has_mlp_down=any(_is_down_projection(op) for op in seg.ops), modules=modules,
