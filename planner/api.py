@@ -13,11 +13,11 @@ Defaults:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any
 
 from costmodel.profiles import ClusterSpec, load_cluster
+from planner.model_ref import ModelRef, model_ref
 from planner.plan import Plan
 from planner.report import PlanReport
 from planner.space import Pins, SpaceRequest, validate_pins
@@ -52,16 +52,15 @@ def default_global_batch(gpus: int, seq_len: int) -> int:
 class PlanRequest:
     """Everything a search depends on, after defaults are filled in."""
 
-    model_name: str
-    spec: Any
-    """The resolved `tracer.spec.ModelSpec`."""
+    model: ModelRef
     cluster: ClusterSpec
     space: SpaceRequest
     memory_limit: float
     """Usable bytes per GPU."""
-    config: dict[str, Any]
-    """The model's config as JSON, taken before tracing (building a model mutates an HF config, e.g.
-    its dtype, so plan.json records the config as the user gave it)."""
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name
 
 
 def resolve_cluster(cluster: str | ClusterSpec, gpus_per_node: int | None) -> ClusterSpec:
@@ -81,16 +80,15 @@ def make_request(
     """Resolve, default and validate a request. The model's dimensions come from its config, or from
     `graph` (a plain nn.Module has no config, so it is traced first)."""
     from tracer.api import model_dims
-    from tracer.spec import resolve_spec
 
     unknown = sorted(set(pins) - set(PIN_NAMES))
     if unknown:
         raise SoapError(f"unknown pin {unknown[0]!r}; pins are {', '.join(PIN_NAMES)}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise SoapError(f"--gpus={gpus!r} must be a positive integer")
-    spec = resolve_spec(model, task=task)
+    ref = model_ref(model, task=task)
     cluster_spec = resolve_cluster(cluster, gpus_per_node)
-    seq = seq_len if seq_len is not None else default_seq_len(spec.config, spec.task)
+    seq = seq_len if seq_len is not None else default_seq_len(ref.config, task or (ref.spec and ref.spec.task))
     batch = global_batch if global_batch is not None else default_global_batch(gpus, seq)
     for name, value in (("--seq-len", seq), ("--global-batch", batch)):
         if not isinstance(value, int) or value < 1:
@@ -100,8 +98,8 @@ def make_request(
     limit = mem_limit_gib * GIB if mem_limit_gib is not None else float(cluster_spec.device.memory_bytes)
     if graph is not None:
         dims = graph.dims
-    elif spec.config is not None:
-        dims = model_dims(spec.config, [])
+    elif ref.config is not None:
+        dims = model_dims(ref.config, [])
     else:
         raise SoapError("a module without a config must be traced before planning; pass graph=tracer.trace(module)")
     space = SpaceRequest(
@@ -110,14 +108,7 @@ def make_request(
         pins=Pins(**{k: v for k, v in pins.items() if v is not None}),
     )
     validate_pins(space)
-    return PlanRequest(model_name=spec.name, spec=spec, cluster=cluster_spec, space=space, memory_limit=limit,
-                       config=config_json(spec.config))
-
-
-def config_json(config: Any) -> dict[str, Any]:
-    if config is None:
-        return {}
-    return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
+    return PlanRequest(model=ref, cluster=cluster_spec, space=space, memory_limit=limit)
 
 
 def plan_report(
@@ -127,13 +118,13 @@ def plan_report(
     """Search and return the full report (chosen plan, alternatives, baselines, why)."""
     import tracer
     from planner.pricing import run_search
-    from tracer.spec import resolve_spec
 
-    if graph is None and resolve_spec(model, task=kwargs.get("task")).config is None:
+    if graph is None and model_ref(model, task=kwargs.get("task")).config is None:
         graph = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=kwargs.get("seq_len"))
     request = make_request(model, gpus=gpus, cluster=cluster, graph=graph, **kwargs)
     if graph is None:
-        graph = tracer.trace(request.spec, task=request.spec.task, batch=1, seq_len=request.space.seq_len)
+        graph = request.model.trace(task=kwargs.get("task"), seq_len=request.space.seq_len)
+        request = replace(request, space=replace(request.space, dims=graph.dims))
     elif graph.seq_len != request.space.seq_len:
         raise SoapError(f"the graph was traced at sequence length {graph.seq_len}, not {request.space.seq_len}; "
                         "trace it at the planned --seq-len")

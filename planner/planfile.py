@@ -28,9 +28,6 @@ from planner.plan import (
 from planner.search import Priced
 from tracer.ir import OpGraph
 
-SOURCES = {"preset": "preset", "file": "file", "hub": "hub", "module": "module", "config": "module"}
-
-
 def stage_records(graph: OpGraph, bounds: Sequence[int] | None, pp: int, schedule: str) -> tuple[StageRecord, ...]:
     if pp == 1 or bounds is None:
         return ()
@@ -56,15 +53,15 @@ def build_plan(
     request: Any, graph: OpGraph, chosen: Priced, bounds: Sequence[int] | None,
     *, blocks: tuple[BlockPlacement, ...] = (), tp_plan: dict[str, str] | None = None,
 ) -> Plan:
-    spec, cluster = request.spec, request.cluster
+    ref, cluster = request.model, request.cluster
     strategy = chosen.candidate.strategy
     d, t = strategy.dims, strategy.train
-    config = request.config
+    config = ref.config_json
     predicted = chosen.result.to_contract()
     return Plan(
         schema_version=SCHEMA_VERSION,
-        model=ModelSpecRecord(name=spec.name, source=SOURCES.get(spec.source, "module"), task=spec.task,
-                              config=config, config_hash=config_hash(config)),
+        model=ModelSpecRecord(name=ref.name, source=ref.source, task=graph.task, config=config,
+                              config_hash=config_hash(config)),
         cluster=ClusterRecord(name=cluster.name, gpus=request.space.gpus, gpus_per_node=cluster.gpus_per_node,
                               profile=cluster_to_dict(cluster)),
         global_batch=t.global_batch,
