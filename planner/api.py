@@ -75,7 +75,7 @@ def resolve_cluster(cluster: str | ClusterSpec, gpus_per_node: int | None) -> Cl
 def make_request(
     model: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", gpus_per_node: int | None = None,
     task: str | None = None, global_batch: int | None = None, seq_len: int | None = None,
-    mem_limit_gib: float | None = None, graph: OpGraph | None = None, **pins: Any,
+    mem_limit_gib: float | None = None, graph: OpGraph | None = None, trust_remote_code: bool = False, **pins: Any,
 ) -> PlanRequest:
     """Resolve, default and validate a request. The model's dimensions come from its config, or from
     `graph` (a plain nn.Module has no config, so it is traced first)."""
@@ -86,7 +86,7 @@ def make_request(
         raise SoapError(f"unknown pin {unknown[0]!r}; pins are {', '.join(PIN_NAMES)}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise SoapError(f"--gpus={gpus!r} must be a positive integer")
-    ref = model_ref(model, task=task)
+    ref = model_ref(model, task=task, trust_remote_code=trust_remote_code)
     cluster_spec = resolve_cluster(cluster, gpus_per_node)
     seq = seq_len if seq_len is not None else default_seq_len(ref.config, task or (ref.spec and ref.spec.task))
     batch = global_batch if global_batch is not None else default_global_batch(gpus, seq)
@@ -119,8 +119,10 @@ def plan_report(
     import tracer
     from planner.pricing import run_search
 
-    if graph is None and model_ref(model, task=kwargs.get("task")).config is None:
-        graph = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=kwargs.get("seq_len"))
+    trust = bool(kwargs.get("trust_remote_code", False))
+    if graph is None and model_ref(model, task=kwargs.get("task"), trust_remote_code=trust).config is None:
+        graph = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=kwargs.get("seq_len"),
+                             trust_remote_code=trust)
     request = make_request(model, gpus=gpus, cluster=cluster, graph=graph, **kwargs)
     if graph is None:
         graph = request.model.trace(task=kwargs.get("task"), seq_len=request.space.seq_len)

@@ -59,20 +59,20 @@ def _normalized(data: Any) -> dict[str, Any]:
     return json.loads(json.dumps(data, sort_keys=True, default=str))
 
 
-def model_ref(model: Any, *, task: str | None) -> ModelRef:
+def model_ref(model: Any, *, task: str | None, trust_remote_code: bool = False) -> ModelRef:
     found = _config_file(model)
     if found is not None:
         path, source = found
         try:
             raw = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SoapError(f"cannot read {path} as JSON ({exc}); point MODEL at a Hugging Face config.json") from None
+            raise SoapError(f"{path} is not valid JSON ({exc}); point MODEL at a Hugging Face config.json") from None
         if isinstance(raw, dict) and "model_type" in raw and "image_size" not in raw and not raw.get("auto_map"):
             return ModelRef(name=str(model), source=source, config=SimpleNamespace(**raw),
                             config_json=_normalized(raw), model=model)
     from tracer.spec import resolve_spec
 
-    spec = resolve_spec(model, task=task)
+    spec = resolve_spec(model, task=task, trust_remote_code=trust_remote_code)
     config_json = _normalized(spec.config.to_dict()) if spec.config is not None else {}
     source = spec.source if spec.source in ("preset", "file", "hub") else "module"
     return ModelRef(name=spec.name, source=source, config=spec.config, config_json=config_json, spec=spec, model=model)

@@ -194,7 +194,8 @@ def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
     p, n = req.pins, req.gpus
     out: list[MeshChoice] = []
     for tp in (p.tp,) if p.tp else divisors(n):
-        for cp in (p.cp,) if p.cp else [c for c in divisors(n // tp) if req.seq_len // c >= MIN_CP_SHARD_TOKENS]:
+        cps = [c for c in divisors(n // tp) if c == 1 or req.seq_len // c >= MIN_CP_SHARD_TOKENS]
+        for cp in (p.cp,) if p.cp else cps:
             for pp in (p.pp,) if p.pp else divisors(n // (tp * cp)):
                 if n % (tp * cp * pp):
                     continue

@@ -140,3 +140,9 @@ def test_optimizer_is_searched_only_when_allowed():
     optimizers = lambda req: {c.optimizer for m in mesh_choices(req) for c in training_choices(req, m)}  # noqa: E731
     assert optimizers(fixed) == {"adamw"}
     assert optimizers(auto) == {"adamw", "adamw8bit", "adafactor"}
+
+
+def test_short_sequences_still_get_meshes_without_context_parallelism():
+    req = _request(dims=GPT2, gpus=8, seq_len=64, global_batch=64)
+    meshes = mesh_choices(req)
+    assert meshes and {m.dims.cp for m in meshes} == {1}

@@ -38,6 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="spend this long refining the plan with simulator-guided MCMC")
     p.add_argument("--seed", type=int, default=0, help="seed of the MCMC refinement (default 0)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow configs that ship their own code (auto_map); runs that code")
     p.add_argument("-o", "--output", metavar="plan.json", help="write the plan here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     report = plan_report(
         args.model, gpus=args.gpus, cluster=args.cluster, gpus_per_node=args.gpus_per_node, task=args.task,
         global_batch=args.global_batch, seq_len=args.seq_len, mem_limit_gib=args.mem_limit,
-        time_budget_s=args.time_budget, seed=args.seed, **pins,
+        time_budget_s=args.time_budget, seed=args.seed, trust_remote_code=args.trust_remote_code, **pins,
     )
     if args.output:
         report.plan.save(args.output)
