@@ -7,8 +7,9 @@ tables `planner.intra_op.solve_block_splits` minimises (one micro-batch, forward
   an attention core whose sequence is split over tp gathers K/V over tp (all-gather forward,
   reduce-scatter backward); an op whose parameters are replicated while its tokens are split over tp
   all-reduces its weight gradients over tp once per step (amortised over the micro-batches).
-  A norm cannot split its hidden dimension (its statistics span it), and a linear does not replicate
-  its weights over tp (the memory TP exists to save): those choices are forbidden (inf).
+  A norm cannot split its hidden dimension (its statistics span it), and a linear or an embedding
+  does not replicate its weights over tp (the memory TP exists to save): those choices are
+  forbidden (inf).
 - edge cost r_(i,i+1)[a, b]: the dataflow follows execution order; op i's first output, laid out by
   split a (`placement.output_layout`), is resharded into the layout split b needs
   (`placement.input_layout`, `placement.reshard`), a collective over tp priced by
@@ -55,7 +56,7 @@ def block_tables(
         costs = []
         for split in splits:
             if (op.kind is OpKind.NORM and split.parameter > 1) or (
-                op.kind is OpKind.MATMUL and op.params and split.parameter == 1 and d.tp > 1
+                op.kind in (OpKind.MATMUL, OpKind.EMBEDDING) and op.params and split.parameter == 1 and d.tp > 1
             ):
                 costs.append(math.inf)
                 continue

@@ -7,7 +7,11 @@ import json
 import pytest
 
 from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 from planner.api import plan_report
+from planner.block_splits import block_placements
+from planner.intra_op import BlockSplitCache
+from planner.units import model_units
 
 GIB = 2**30
 
@@ -112,3 +116,24 @@ def test_chosen_plan_is_at_least_as_fast_as_every_baseline(models):
     for _, baseline in report.baselines:
         if baseline is not None:
             assert report.chosen.step_time_s <= baseline.step_time_s
+
+
+def test_per_op_split_search_finds_megatron_regions_with_sequence_parallel_norms(models):
+    import tracer
+
+    graph = tracer.trace(models["medium-llama"], batch=1, seq_len=4096)
+    strategy = Strategy(dims=ParallelDims(tp=4, dp_shard=2), train=TrainingConfig(
+        global_batch=16, seq_len=4096, micro_batch=1, num_microbatches=8, grad_accum=8, sequence_parallel=True))
+    cache = BlockSplitCache()
+    blocks = {b.id: b for b in block_placements(model_units(graph), graph, strategy, load_cluster("dgx-h100"), cache)}
+    layer = {op.op.split(":")[0].split(".", 3)[-1] + ":" + op.op.split(":")[1]: op for op in blocks["model.layers"].ops}
+    for name in ("self_attn.q_proj:linear", "self_attn.k_proj:linear", "mlp.gate_proj:linear", "mlp.up_proj:linear"):
+        assert (layer[name].soap.get("parameter"), layer[name].style) == (4, "colwise"), name
+    for name in ("self_attn.o_proj:linear", "mlp.down_proj:linear"):
+        assert (layer[name].soap.get("parameter"), layer[name].style) == (4, "rowwise"), name
+    assert layer["self_attn:scaled_dot_product_attention"].soap.get("parameter") == 4
+    assert layer["input_layernorm:pow"].soap.get("attribute") == 4  # sequence-parallel norm statistics
+    assert all(op.soap.get("sample") == 2 for op in blocks["model.layers"].ops)
+    solved = cache.solves
+    block_placements(model_units(graph), graph, strategy, load_cluster("dgx-h100"), cache)
+    assert cache.solves == solved  # each block type is solved once, then reused
