@@ -31,7 +31,7 @@ Step time:
 Memory of pipeline rank r (`_rank_memory`):
     state(params_r / tp; precision, optimizer, zero, dp_shard, offload)   costmodel.memory
     + in_flight_r x activations_r(mb, recompute)                          costmodel.memory
-    + one block's full activation set while it recomputes (full recompute only)
+    + one block's recompute window while it recomputes (selective and full recompute)
     + ZeRO-3 gathered parameters of the two largest units + context overhead.
 In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
 (v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
@@ -46,7 +46,8 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import activation_bytes, model_state_bytes
+from costmodel.memory import model_state_bytes
+from costmodel.memory_activations import activation_parts
 from costmodel.opcost import op_time
 from costmodel.profiles import ClusterSpec
 from costmodel.strategy import TrainingConfig
@@ -132,21 +133,13 @@ class Estimator:
     def _unit_activation_uncached(
         self, u: int, tp: int, cp: int, mb: int, recompute: str, precision: str
     ) -> tuple[float, float]:
-        """(kept per in-flight micro-batch, transient while recomputing) bytes of one instance of unit u.
-
-        Under full recompute an instance keeps only its input, and its backward briefly holds the
-        whole "none" set again: `costmodel.memory.activation_bytes` reports input + none set for one
-        instance, so the input is the difference."""
-        def saved(policy: str) -> float:
-            return float(activation_bytes(
-                self.units[u].ops, micro_batch=mb, batch_traced=self.graph.batch, recompute=policy,
-                attention="sdpa", split={"parameter": tp, "attribute": cp}, precision=precision,
-            ))
-
-        if recompute != "full" or self.units[u].id.startswith("<"):
-            return saved(recompute), 0.0
-        everything = saved("none")
-        return max(0.0, saved("full") - everything), everything
+        """(kept per in-flight micro-batch, transient while recomputing) bytes of one instance of unit u:
+        `costmodel.memory_activations.activation_parts` (a recomputed block's window is live once)."""
+        parts = activation_parts(
+            self.units[u].ops, micro_batch=mb, batch_traced=self.graph.batch, recompute=recompute,
+            attention="sdpa", split={"parameter": tp, "attribute": cp}, precision=precision,
+        )
+        return parts.prologue + parts.blocks + parts.epilogue, parts.recompute_window
 
     def _comm_uncached(self, kind: str, nbytes: float, size: int, per_node: int) -> float:
         if size <= 1 or nbytes <= 0:
