@@ -141,3 +141,14 @@ def test_vision_model_traces_its_patch_tokens():
     assert graph.task == "image-cls" and graph.seq_len == 17  # (32/8)^2 patches + [CLS]
     with pytest.raises(SoapError, match="does not apply"):
         tracer.trace(config, seq_len=100)
+
+
+def test_bf16_trace_halves_activation_bytes_of_bf16_ops():
+    fp32 = tracer.trace("llama-3-8b", seq_len=64)
+    bf16 = tracer.trace("llama-3-8b", seq_len=64, dtype="bfloat16")
+    q = next(op for op in bf16.ops if op.module_fqn.endswith("q_proj"))
+    assert q.outputs[0].dtype == "bfloat16" and q.params[0].dtype == "bfloat16"
+    assert bf16.params_total == fp32.params_total and bf16.fwd_flops == fp32.fwd_flops
+    assert bf16.activation_bytes < 0.75 * fp32.activation_bytes  # RMSNorm and the loss still upcast to fp32
+    with pytest.raises(SoapError, match="floating dtype"):
+        tracer.trace("gpt2", dtype="int8")

@@ -10,7 +10,6 @@ The default sequence length is min(the model's maximum positions, 2048) (inputs.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from typing import Any
@@ -22,21 +21,24 @@ _CACHE: dict[tuple, OpGraph] = {}
 
 
 def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int | None = None,
-          frontend: str = "auto", trust_remote_code: bool = False, persistent_cache: bool = False) -> OpGraph:
+          frontend: str = "auto", trust_remote_code: bool = False, persistent_cache: bool = False,
+          dtype: Any = None) -> OpGraph:
     """Trace MODEL (preset name, config.json path or directory, Hub id, PretrainedConfig, nn.Module or
     module factory) for one training step of `task` on `batch` samples of `seq_len` tokens.
 
     `persistent_cache` also keeps graphs on disk across processes (serialize.py), keyed on the
     config.json text, the arguments, the torch/transformers versions and the tracer's source; a hit
-    imports neither torch nor transformers."""
+    imports neither torch nor transformers. `dtype` is the parameter and activation dtype of the traced
+    model (`float32` by default; `bfloat16` gives the graph of a bf16 model, upcasts included)."""
     from tracer.spec import resolve_spec
 
     if not isinstance(batch, int) or batch < 1:
         raise SoapError(f"batch must be a positive integer, got {batch}")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise SoapError(f"seq-len must be a positive integer, got {seq_len}")
+    dtype_name = _dtype_name(dtype)
     disk_key = _disk_key(model, task=task, batch=batch, seq_len=seq_len, frontend=frontend,
-                         trust_remote_code=trust_remote_code) if persistent_cache else None
+                         trust_remote_code=trust_remote_code, dtype=dtype_name) if persistent_cache else None
     if disk_key is not None:
         from tracer.serialize import load_cached, store_cached
 
@@ -44,7 +46,7 @@ def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int |
         if cached is not None:
             return cached
     graph = _trace_resolved(resolve_spec(model, task=task, trust_remote_code=trust_remote_code), batch, seq_len,
-                            frontend)
+                            frontend, dtype=dtype_name)
     if disk_key is not None:
         store_cached(disk_key, graph)
     return graph
@@ -60,26 +62,37 @@ def _disk_key(model: Any, **trace_args: Any) -> str | None:
     if not isinstance(model, (str, Path)) or cache_dir() is None:
         return None
     name = str(model)
+    if "\x00" in name:
+        return None
     candidates = [PRESET_DIR / f"{name}.json", Path(name).expanduser() / "config.json", Path(name).expanduser()]
     for path in candidates:
         try:
             if path.is_file():
                 return cache_key(path.read_text(), model=name, **trace_args)
-        except OSError:
+        except (OSError, ValueError, UnicodeDecodeError):
             return None
     return None
 
 
-def _trace_resolved(spec: Any, batch: int, seq_len: int | None, frontend: str) -> OpGraph:
+def _dtype_name(dtype: Any) -> str:
+    from tracer.ir import DTYPE_BYTES
+
+    name = "float32" if dtype is None else str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES or not name.startswith(("float", "bfloat")):
+        raise SoapError(f"dtype {dtype!r} is not a floating dtype; use float32, bfloat16 or float16")
+    return name
+
+
+def _trace_resolved(spec: Any, batch: int, seq_len: int | None, frontend: str, dtype: str = "float32") -> OpGraph:
     from tracer.inputs import default_seq_len
 
     seq = seq_len if seq_len is not None else default_seq_len(spec.config, spec.task)
     if spec.task == "image-cls" and seq != default_seq_len(spec.config, spec.task):
         raise SoapError(f"{spec.name} classifies images of {default_seq_len(spec.config, spec.task)} patch tokens; "
                         "--seq-len does not apply to image models")
-    key = (_spec_key(spec), spec.task, batch, seq, frontend)
+    key = (_spec_key(spec), spec.task, batch, seq, frontend, dtype)
     if key not in _CACHE:
-        _CACHE[key] = _trace_uncached(spec, batch, seq, frontend)
+        _CACHE[key] = _trace_uncached(spec, batch, seq, frontend, dtype)
     return _CACHE[key]
 
 
@@ -90,7 +103,7 @@ def _spec_key(spec: Any) -> tuple:
     return (spec.name, hashlib.sha1(text.encode()).hexdigest(), spec.trust_remote_code)
 
 
-def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str) -> OpGraph:
+def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: str = "float32") -> OpGraph:
     import torch
 
     from tracer.blocks import block_types, layers_to_trace
@@ -99,15 +112,14 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str) -> OpGra
     from tracer.graph import build_graph
     from tracer.inputs import example_inputs
 
-    full = build_model(spec, device="meta")
+    torch_dtype = getattr(torch, dtype)
+    full = build_model(spec, device="meta", dtype=torch_dtype)
     params_total = sum(p.numel() for p in full.parameters())
     params_trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
     types = block_types(full)
     depth = layers_to_trace(types)
     truncatable = spec.module is None and types and depth < max(len(t.indices) for t in types)
-    model = build_model(spec, device="meta", num_layers=depth) if truncatable else full
-    if any(p.device.type != "meta" for p in model.parameters()):
-        model = copy.deepcopy(model).to("meta")  # a user's module with real weights: trace a meta copy
+    model = build_model(spec, device="meta", num_layers=depth, dtype=torch_dtype) if truncatable else full
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)

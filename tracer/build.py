@@ -50,7 +50,7 @@ def build_model(spec: ModelSpec, *, device: Any = "meta", num_layers: int | None
 
     `num_layers` truncates every layer stack to that many layers (for tracing a few and scaling);
     `dtype` is the parameter dtype (default float32). A user module is returned as given (or as its
-    factory builds it), moved to `device`; it cannot be truncated.
+    factory builds it) when already on `device` in `dtype`, else as a moved copy; it cannot be truncated.
     """
     import torch
 
@@ -58,7 +58,7 @@ def build_model(spec: ModelSpec, *, device: Any = "meta", num_layers: int | None
         module = spec.module if isinstance(spec.module, torch.nn.Module) else spec.module()
         if not isinstance(module, torch.nn.Module):
             raise SoapError(f"the module factory {spec.name} returned a {type(module).__name__}, not an nn.Module")
-        return module.to(device=device, dtype=dtype) if (dtype is not None or str(device) != "meta") else module
+        return _moved(module, device, dtype)
     config = spec.config if num_layers is None else truncated_config(spec.config, num_layers)
     kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "dtype": dtype or torch.float32}
     cls = auto_class_for(spec.task)
@@ -81,6 +81,19 @@ def build_model(spec: ModelSpec, *, device: Any = "meta", num_layers: int | None
         if "trust_remote_code" in str(exc):
             raise SoapError(f"{spec.name} needs remote code; pass --trust-remote-code if you trust it") from None
         raise SoapError(f"cannot build {spec.name} for {spec.task}: {_first_line(exc)}") from None
+
+
+def _moved(module: Any, device: Any, dtype: Any) -> Any:
+    """`module` on `device` with floating tensors of `dtype`: itself when already there, else a copy
+    (the user's module is never moved or cast in place)."""
+    import torch
+
+    tensors = [*module.parameters(), *module.buffers()]
+    on_device = all(t.device == torch.device(device) for t in tensors)
+    of_dtype = dtype is None or all(t.dtype == dtype for t in tensors if t.is_floating_point())
+    if on_device and of_dtype:
+        return module
+    return copy.deepcopy(module).to(device=device, dtype=dtype)
 
 
 def _is_moe(config: Any) -> bool:

@@ -70,20 +70,33 @@ def resolve_spec(model: Any, *, task: str | None = None, trust_remote_code: bool
                         "a PretrainedConfig or an nn.Module")
     if not model.strip():
         raise SoapError("empty MODEL; pass a preset name (e.g. llama-3-8b), a config.json path or a Hub id")
-    if (PRESET_DIR / f"{model}.json").is_file():
+    if _is_file(PRESET_DIR / f"{model}.json") and "/" not in model:
         return _finish(model, "preset", _config_from_file(PRESET_DIR / f"{model}.json", trust_remote_code),
                        task, trust_remote_code)
-    path = Path(model).expanduser()
-    if path.is_dir():
+    try:
+        path = Path(model).expanduser()
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except (OSError, ValueError, RuntimeError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise SoapError(f"unknown model {model[:60]!r}: not a preset and not a usable path ({reason}); pass a "
+                        "preset name, a config.json path or a Hub id") from None
+    if is_dir:
         if not (path / "config.json").is_file():
             raise SoapError(f"directory {model} holds no config.json; point MODEL at an HF model directory")
         return _finish(model, "file", _config_from_file(path / "config.json", trust_remote_code), task,
                        trust_remote_code)
-    if path.is_file():
+    if is_file:
         return _finish(model, "file", _config_from_file(path, trust_remote_code), task, trust_remote_code)
     if _looks_like_path(model):
         raise SoapError(f"no such file or directory: {model}")
     return _finish(model, "hub", _config_from_hub(model, trust_remote_code), task, trust_remote_code)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _looks_like_path(model: str) -> bool:
