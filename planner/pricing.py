@@ -94,8 +94,11 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
     units = model_units(graph)
     estimator = Estimator(graph, request.cluster, units)
     widest_tp = max((m.dims.tp for m in mesh_choices(request.space)), default=1)
+    # refinement walks every mesh, so with a time budget nothing is pruned by the bound
+    keep = 1 << 30 if time_budget_s else SearchConfig.keep_meshes
     candidates, estimated = enumerate_candidates(
-        request.space, estimator, request.memory_limit, always=lambda m: baseline_mesh(m, widest_tp=widest_tp)
+        request.space, estimator, request.memory_limit, keep_meshes=keep, keep_top=max(keep, SearchConfig.simulate_top),
+        always=lambda m: baseline_mesh(m, widest_tp=widest_tp),
     )
     params = graph.params_trainable or total_params(units)
     if not candidates:

@@ -16,8 +16,8 @@ Pipeline (`search`):
    by simulated step time. Since each baseline's configuration is priced the same way, the chosen
    plan is never slower than a baseline.
 4. Refine (optional, `--time-budget`): FlexFlow-style MCMC over the estimated candidates. From the
-   current plan, propose a random neighbour (a candidate differing in at most two coordinates, so
-   moving a factor between two mesh dimensions is one move), simulate it, and accept it with
+   current plan, propose a random neighbour (a candidate differing in one or two independent choices,
+   `_move_key`: moving a factor between tp and dp is one move, tp to pp two), simulate it, and accept it with
    probability min(1, exp(-beta (t_new - t_cur) / t_cur)). Proposals come from `random.Random(seed)`,
    so a run is reproducible for a seed and a step count; the budget only decides how many steps run.
 
@@ -98,8 +98,10 @@ Price = Callable[[Candidate], Priced]
 class SearchConfig:
     top_k: int = 5
     """Alternatives kept besides the chosen plan."""
+    keep_meshes: int = 24
+    """Meshes whose best estimate must be exact after enumeration (the branch-and-bound's target)."""
     simulate_meshes: int = 24
-    """Meshes whose best-estimated configuration is simulated."""
+    """Meshes whose best-estimated configuration is simulated (at most keep_meshes)."""
     simulate_top: int = 16
     """Best estimates overall that are simulated (often variants of the best meshes)."""
     baseline_tries: int = 6
@@ -321,13 +323,21 @@ def search(
     )
 
 
+def _move_key(c: Candidate) -> tuple:
+    """The independent choices of a candidate (dp, micro-batch counts and accumulation follow from
+    them), so one MCMC move changes one or two of them."""
+    d, t = c.mesh.dims, c.train
+    return (d.pp, d.tp, d.cp, d.ep, (c.mesh.zero, d.dp_replicate > 1 and d.dp_shard > 1), t.micro_batch,
+            (t.schedule, t.virtual_stages), t.precision, t.optimizer, t.recompute, t.offload_optimizer)
+
+
 def _coordinates(candidates: Sequence[Candidate]) -> np.ndarray:
-    """Each candidate's fields as integer codes, for vectorised neighbour look-ups."""
-    keys = [c.key for c in candidates]
+    """Each candidate's choices as integer codes, for vectorised neighbour look-ups."""
+    keys = [_move_key(c) for c in candidates]
     columns = list(zip(*keys))
     codes = []
     for col in columns:
-        values = sorted(set(col), key=lambda v: (str(type(v)), v))
+        values = sorted(set(col), key=repr)
         index = {v: i for i, v in enumerate(values)}
         codes.append([index[v] for v in col])
     return np.array(codes, dtype=np.int64).T
