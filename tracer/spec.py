@@ -114,6 +114,14 @@ def _config_from_file(path: Path, trust_remote_code: bool) -> Any:
         raise SoapError(f"{path} has no `model_type`; it must be a Hugging Face config.json")
     _check_remote_code(data, str(path), trust_remote_code)
     from transformers import AutoConfig
+
+    if data.get("auto_map"):  # trusted remote code: let transformers import the config class beside the file
+        if path.name != "config.json":
+            raise SoapError(f"{path}: a remote-code config must be the config.json of its model directory")
+        try:
+            return AutoConfig.from_pretrained(str(path.parent), trust_remote_code=True, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - the shipped code is the user's
+            raise SoapError(f"{path}: cannot load its remote-code config ({_first_line(exc)})") from None
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = data["model_type"]
