@@ -4,8 +4,15 @@ Only a few layers per stack are traced (blocks.py decides how many); the graph k
 block type with its full count, so FLOPs scale exactly. Parameter counts come from the full model built
 on meta (`sum(p.numel())` over `model.parameters()`, shared weights once).
 
-Results are cached per process on (spec, task, batch, seq_len, frontend), so repeated traces are free.
-The default sequence length is min(the model's maximum positions, 2048) (inputs.py).
+Mixture-of-experts models are built with transformers' `batched_mm` experts implementation: each
+token's hidden state is paired with the weights of its top-k experts (a gather of the expert weights,
+which the graph treats as parameter-derived, not as activations) and multiplied in a batched matmul.
+Routing is thus static on meta (no data-dependent shapes), and the expert FLOPs are exactly those of
+top-k routing, tokens x k x expert FLOPs, whatever the actual load balance.
+
+Results are cached per process on (spec, task, batch, seq_len, frontend, dtype), so repeated traces are
+free; `persistent_cache=True` adds the on-disk cache. The default sequence length is min(the model's
+maximum positions, 2048) (inputs.py), and patches + 1 for image models.
 """
 
 from __future__ import annotations
