@@ -74,6 +74,8 @@ def test_repeated_blocks_are_found_and_counted(model_type, overrides, stacks):
     graph = tracer.trace(tiny_config(model_type, **overrides), seq_len=16)
     assert {b.id: b.count for b in graph.blocks} == stacks
     for block in graph.blocks:
+        assert len(block.indices) == block.count and block.id.startswith(block.stack)
+    for block in graph.blocks:
         instances = {op.module_fqn.split(block.id.split("#")[0] + ".")[1].split(".")[0]
                      for op in graph.ops if op.block_id == block.id}
         assert len(instances) == 1  # one representative instance per block type

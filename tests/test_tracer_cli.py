@@ -24,7 +24,8 @@ def test_json_has_the_contract_keys(capsys):
     assert out["params"] == 124_439_808
     assert out["params_trainable"] == out["params"]
     assert out["frontend"] == "export"
-    assert out["blocks"] == [{"id": "transformer.h", "module_type": "GPT2Block", "count": 12, "traced": 2}]
+    assert out["blocks"] == [{"id": "transformer.h", "module_type": "GPT2Block", "count": 12, "traced": 2,
+                              "stack": "transformer.h", "indices": list(range(12))}]
     assert out["flops_per_token"] > 6 * 85e6  # 6 x non-embedding params, plus attention
     assert {"matmul", "attention", "norm", "loss"} <= set(out["by_kind"])
     assert out["activation_bytes_per_sample"] > 0 and out["trace_time_s"] > 0

@@ -139,7 +139,8 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
             bwd_flops=bwd_flops(op, needs_grad), bytes_moved=bytes_moved(op, weight_bytes),
             saved=tuple(saved_per_op[i]), attrs=_attrs(op, kind, task, config),
         ))
-    blocks = tuple(Block(id=t.id, module_type=t.module_type, count=len(t.indices), traced=traced.get(t.id, 0))
+    blocks = tuple(Block(id=t.id, module_type=t.module_type, count=len(t.indices), traced=traced.get(t.id, 0),
+                         stack=t.stack, indices=t.indices)
                    for t in types if representative[t.id] is not None)
     return OpGraph(model=name, task=task, batch=batch, seq_len=seq_len, ops=tuple(nodes), blocks=blocks,
                    params_total=params_total, params_trainable=params_trainable, dims=dims,

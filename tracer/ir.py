@@ -154,6 +154,11 @@ class Block:
     """Instances in the full model."""
     traced: int
     """Instances actually traced before the graph was scaled to `count`."""
+    stack: str = ""
+    """The FQN of the layer container (`model.layers`); equals `id` unless the stack holds several block
+    types, whose ids are then `<stack>#<k>`."""
+    indices: tuple[int, ...] = ()
+    """Positions in `stack` of this type's instances (all of 0..count-1 for a uniform stack)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 from tracer.ir import Block, DimRole, ModelDims, OpGraph, OpKind, OpNode, ParamMeta, TensorMeta
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def graph_from_dict(data: dict[str, Any]) -> OpGraph:
         saved=tuple(tensor(t) for t in o["saved"]), attrs=o["attrs"],
     ) for o in data["ops"])
     return OpGraph(model=data["model"], task=data["task"], batch=data["batch"], seq_len=data["seq_len"], ops=ops,
-                   blocks=tuple(Block(**b) for b in data["blocks"]), params_total=data["params_total"],
+                   blocks=tuple(Block(**{**b, "indices": tuple(b.get("indices", ()))}) for b in data["blocks"]), params_total=data["params_total"],
                    params_trainable=data["params_trainable"], dims=ModelDims(**data["dims"]),
                    frontend=data["frontend"])
 
