@@ -41,6 +41,8 @@ class Value:
     """The forward keyword this tensor was passed as (input_ids, labels, ...)."""
     producer: int | None = None
     """Index of the RawOp that produced it; None for parameters, inputs and constants."""
+    requires_grad: bool | None = None
+    """Whether autograd tracked it, when the front-end observed that (dispatch); None to infer it."""
 
 
 @dataclass(eq=False)

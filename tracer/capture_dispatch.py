@@ -73,6 +73,7 @@ def capture_dispatch(model: Any, inputs: dict[str, Any]) -> Capture:
     finally:
         for h in handles:
             h.remove()
+    recorder.note_requires_grad()
     return Capture(ops=recorder.ops, frontend="dispatch", values=recorder.table.values)
 
 
@@ -106,6 +107,14 @@ class _Recorder:
         for name, t in inputs.items():
             if isinstance(t, torch.Tensor):
                 self._bind(t, input_name=name)
+
+    def note_requires_grad(self) -> None:
+        """Autograd marks an op's output after the op returns, so read the marks once the forward is done
+        (this sees through custom autograd.Functions, whose inner ops run without grad)."""
+        for tensor in self.keep:
+            value = self.by_id.get(id(tensor))
+            if value is not None and value.producer is not None:
+                value.requires_grad = bool(tensor.requires_grad)
 
     def _bind(self, tensor: Any, **kw: Any) -> Value:
         if id(tensor) in self.by_id:

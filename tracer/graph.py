@@ -3,7 +3,8 @@
 Passes, in program order:
 1. aliases: views and no-op casts share their input's base tensor;
 2. needs-grad: trainable parameters need grad; an op's floating output needs grad when grad mode was on
-   and any input needs grad;
+   and any input needs grad (or, where the front-end saw autograd's own mark, when autograd tracked it);
+   ops run without grad save nothing;
 3. parameter-derived ("weight-like") tensors: parameters, and outputs of ops whose floating inputs are
    all weight-like (transposed or gathered weights). They are not activations;
 4. dimension roles (roles.py) and per-op kind, FLOPs, bytes and saved tensors (oprules.py);
@@ -58,7 +59,7 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
             and KIND_BY_NAME.get(base_name(op.target)) is not OpKind.EMBEDDING
         for o in op.outputs:
             base[o.vid] = base[ins[0].vid] if alias and ins else o.vid
-            needs_grad[o.vid] = grad and o.dtype in FLOAT_DTYPES
+            needs_grad[o.vid] = o.requires_grad if o.requires_grad is not None else grad and o.dtype in FLOAT_DTYPES
             if weighty:
                 weight_bytes[o.vid] = sum(weight_bytes[t.vid] for t in {t.vid: t for t in float_ins}.values())
                 param_sources[o.vid] = frozenset().union(*(param_sources[t.vid] for t in float_ins))
@@ -85,7 +86,7 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
         traced[bid] = len(idx)
 
     # Saved tensors: who saves which base, then dedupe.
-    saved_raw = [saved_tensors(op, needs_grad) for op in ops]
+    saved_raw = [saved_tensors(op, needs_grad) if op.grad_enabled else [] for op in ops]
     savers: dict[int, set] = defaultdict(set)
     for i, entries in enumerate(saved_raw):
         for value, _, _ in entries:
