@@ -109,6 +109,16 @@ CASES = [
     # memory
     Case("memory limit below anything feasible", lambda t: ["plan", "gpt2", "--gpus", "2", "--mem-limit", "0.01"],
          ("does not fit", "--mem-limit")),
+    Case("zero sequence length", lambda t: ["plan", "gpt2", "--gpus", "2", "--seq-len", "0"], ("--seq-len",),
+         missing="planner.api.make_request computes default_global_batch(gpus, seq) (2^22 // seq) before it "
+                 "checks seq >= 1: `error: ZeroDivisionError: integer division or modulo by zero`"),
+    Case("model name longer than a file name may be", lambda t: ["plan", "x" * 300, "--gpus", "2"],
+         ("unknown model",),
+         missing="tracer.spec.resolve_spec calls Path.is_file() on PRESET_DIR/'<name>.json', which raises "
+                 "OSError(ENAMETOOLONG) for a 300-character name: `error: OSError: [Errno 36] File name too long`"),
+    Case("plan path longer than a file name may be", lambda t: ["simulate", "x" * 300], ("does not exist",),
+         missing="planner.plan.load_plan calls Path.is_file(), which raises OSError(ENAMETOOLONG): "
+                 "`error: OSError: [Errno 36] File name too long`"),
     Case("non-positive memory limit", lambda t: ["plan", "gpt2", "--gpus", "2", "--mem-limit", "0"], ("--mem-limit",)),
     # plan files
     Case("plan.json missing", lambda t: ["simulate", str(t / "nope.json")], ("nope.json", "soap plan")),
@@ -173,25 +183,41 @@ def _params():
 def test_bad_input_is_one_error_line_naming_the_problem(case, tmp_path, monkeypatch):
     monkeypatch.setenv("SOAP_CACHE_DIR", str(tmp_path / "cache"))
     code, out, err = cli(case.argv(tmp_path))
-    assert_one_error_line(code, err, *case.named)
+    line = assert_one_error_line(code, err, *case.named)
+    assert "(rerun with --debug" not in line, "an exception nobody validated (not a SoapError)"
     assert out == ""
 
 
-def test_trust_remote_code_lifts_the_refusal(tmp_path, monkeypatch):
-    """With --trust-remote-code the auto_map config is no longer refused for its remote code."""
+REMOTE_CODE = """from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class TinyConfig(LlamaConfig):
+    model_type = "llama"
+
+
+class TinyForCausalLM(LlamaForCausalLM):
+    config_class = TinyConfig
+"""
+
+
+def _remote_code_model(tmp: Path) -> str:
+    """A model directory whose config ships its own code (auto_map), like many Hub models."""
+    _write(tmp / "tinyconf.py", REMOTE_CODE)
+    return str(Path(_config(tmp, auto_map={"AutoConfig": "tinyconf.TinyConfig",
+                                           "AutoModelForCausalLM": "tinyconf.TinyForCausalLM"})).parent)
+
+
+@pytest.mark.parametrize("command", [["trace", "--seq-len", "16", "--json"],
+                                     ["plan", "--gpus", "1", "--cluster", "local-cpu", "--json"]],
+                         ids=["trace", "plan"])
+def test_trust_remote_code_lifts_the_refusal(command, tmp_path, monkeypatch):
     monkeypatch.setenv("SOAP_CACHE_DIR", str(tmp_path / "cache"))
-    code, _, err = cli(["trace", _config(tmp_path, auto_map={"AutoConfig": "x.Y"}), "--seq-len", "16",
-                        "--trust-remote-code", "--json"])
-    assert "remote code" not in err and "Traceback" not in err
+    model = _remote_code_model(tmp_path)
+    code, _, err = cli([command[0], model, *command[1:]])
+    assert_one_error_line(code, err, "auto_map", "--trust-remote-code")
+    code, out, err = cli([command[0], model, *command[1:], "--trust-remote-code"])
     assert code == 0, err
-
-
-@pytest.mark.xfail(strict=True, reason="soap plan has no --trust-remote-code flag, yet its refusal tells the user "
-                                       "to pass one")
-def test_plan_accepts_trust_remote_code(tmp_path):
-    code, _, err = cli(["plan", _config(tmp_path, auto_map={"AutoConfig": "x.Y"}), "--gpus", "1",
-                        "--trust-remote-code"])
-    assert code == 0, err
+    assert json.loads(out)
 
 
 def test_debug_shows_the_traceback_and_the_default_does_not(tmp_path):
