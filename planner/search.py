@@ -13,8 +13,9 @@ Pipeline (`search`):
 3. Price: the best estimate of each of the `simulate_meshes` best meshes, the `simulate_top` best
    estimates overall, and every baseline family's best estimates are simulated (`price`, the full
    simulator). Plans whose simulated peak memory exceeds the limit are dropped; the rest are ranked
-   by simulated step time. Since each baseline's configuration is priced the same way, the chosen
-   plan is never slower than a baseline.
+   by simulated step time (when none fits, the candidates with the least estimated memory are
+   simulated next, within the budget). Since each baseline's configuration is priced the same way,
+   the chosen plan is never slower than a baseline.
 4. Refine (optional, `--time-budget`): FlexFlow-style MCMC over the estimated candidates. From the
    current plan, propose a random neighbour (a candidate differing in one or two independent choices,
    `_move_key`: moving a factor between tp and dp is one move, tp to pp two), simulate it, and accept it with
@@ -294,6 +295,16 @@ def search(
             continue
         spent += work(c)
         cache(c)
+    if not any(p.fits for p in cache.priced):
+        # the simulator found every estimate-best plan over the memory limit: try the most frugal ones
+        for c in sorted(candidates, key=lambda c: (c.estimate.memory_bytes, c.key)):
+            if cache.has(c):
+                continue
+            if spent + work(c) > config.simulation_budget:
+                break
+            spent += work(c)
+            if cache(c).fits:
+                break
     steps = 0
     fitting_now = [p for p in cache.priced if p.fits]
     if config.time_budget_s and fitting_now:

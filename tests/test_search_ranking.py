@@ -13,7 +13,7 @@ from planner.space import MeshChoice
 def _candidate(tp, dp, mb, estimated_s):
     mesh = MeshChoice(dims=ParallelDims(dp_replicate=dp, tp=tp), zero=0)
     train = TrainingConfig(global_batch=dp * 8, seq_len=128, micro_batch=mb, num_microbatches=8 // mb, grad_accum=8 // mb)
-    parts = MemoryParts(weights=0, grads=0, optimizer=0, activations=0, other=0)
+    parts = MemoryParts(weights=1e8 * tp, grads=0, optimizer=0, activations=0, other=0)
     est = Estimate(step_time_s=estimated_s, memory=parts, compute_s=0, comm_s=0, bubble_s=0, optimizer_s=0)
     return Candidate(mesh, train, est)
 
@@ -60,3 +60,12 @@ def test_ranking_breaks_time_ties_by_strategy_key():
     tie = lambda c: Priced(candidate=c, step_time_s=1.0, peak_memory_bytes=0, result=None, fits=True)  # noqa: E731
     ranked = search(sorted(flat, key=lambda c: c.key), tie, config=SearchConfig(simulate_top=8)).ranked
     assert [p.candidate.train.micro_batch for p in ranked] == [1, 2, 4, 8]
+
+
+def test_when_the_best_estimates_overflow_in_simulation_the_most_frugal_are_tried():
+    def simulate(c):
+        memory = 1e8 * c.mesh.dims.tp  # only tp=1 fits a 1.5e8 limit, but the estimate prefers tp=8
+        return Priced(candidate=c, step_time_s=1.0, peak_memory_bytes=memory, result=None, fits=memory <= 1.5e8)
+
+    outcome = search(_space(), simulate, config=SearchConfig(simulate_top=1, simulate_meshes=1))
+    assert outcome.ranked and outcome.ranked[0].candidate.mesh.dims.tp == 1
