@@ -65,6 +65,7 @@ def _bad_inputs(tmp_path):
         "zero seq-len": ["gpt2", "--seq-len", "0"],
         "negative seq-len": ["gpt2", "--seq-len", "-5"],
         "zero batch": ["gpt2", "--batch", "0"],
+        "seq-len beyond learned positions": ["gpt2", "--seq-len", "4096"],
         "remote code not trusted": [str(_remote_code_config(tmp_path))],
     }
 
@@ -79,7 +80,8 @@ def _remote_code_config(tmp_path):
 @pytest.mark.parametrize("case", ["unknown preset", "missing path", "directory without config",
                                   "malformed config.json", "config without model_type", "Hub id while offline",
                                   "unsupported task", "task the model has no head for", "zero seq-len",
-                                  "negative seq-len", "zero batch", "remote code not trusted"])
+                                  "negative seq-len", "zero batch", "seq-len beyond learned positions",
+                                  "remote code not trusted"])
 def test_bad_input_is_one_error_line_and_exit_2(case, tmp_path, capsys):
     args = _bad_inputs(tmp_path)[case]
     assert main(["trace", *args]) == 2

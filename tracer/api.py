@@ -121,6 +121,7 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
 
     torch_dtype = getattr(torch, dtype)
     full = build_model(spec, device="meta", dtype=torch_dtype)
+    _check_learned_positions(full, spec.name, seq_len)
     params_total = sum(p.numel() for p in full.parameters())
     params_trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
     types = block_types(full)
@@ -135,6 +136,16 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     return build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
                        seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
                        dims=model_dims(spec.config, types), config=spec.config)
+
+
+LEARNED_POSITION_TABLES = ("position_embeddings.weight", "wpe.weight", "embed_positions.weight")
+
+
+def _check_learned_positions(model: Any, name: str, seq_len: int) -> None:
+    """Learned absolute position tables cap the sequence length (RoPE and relative positions do not)."""
+    for fqn, p in model.named_parameters():
+        if fqn.endswith(LEARNED_POSITION_TABLES) and "relative" not in fqn and p.dim() == 2 and p.shape[0] < seq_len:
+            raise SoapError(f"{name} has {p.shape[0]} learned positions ({fqn}); --seq-len {seq_len} exceeds them")
 
 
 def model_dims(config: Any, types: list[Any]) -> ModelDims:
