@@ -89,10 +89,11 @@ def make_request(
     ref = model_ref(model, task=task, trust_remote_code=trust_remote_code)
     cluster_spec = resolve_cluster(cluster, gpus_per_node)
     seq = seq_len if seq_len is not None else default_seq_len(ref.config, task or (ref.spec and ref.spec.task))
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise SoapError(f"--seq-len={seq!r} must be a positive integer")
     batch = global_batch if global_batch is not None else default_global_batch(gpus, seq)
-    for name, value in (("--seq-len", seq), ("--global-batch", batch)):
-        if not isinstance(value, int) or value < 1:
-            raise SoapError(f"{name}={value!r} must be a positive integer")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise SoapError(f"--global-batch={batch!r} must be a positive integer")
     if mem_limit_gib is not None and not mem_limit_gib > 0:
         raise SoapError(f"--mem-limit={mem_limit_gib!r} must be a positive number of GiB")
     limit = mem_limit_gib * GIB if mem_limit_gib is not None else float(cluster_spec.device.memory_bytes)

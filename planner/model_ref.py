@@ -50,8 +50,11 @@ def _config_file(model: Any) -> tuple[Path, str] | None:
     name = str(model)
     for path, source in ((PRESET_DIR / f"{name}.json", "preset"), (Path(name).expanduser() / "config.json", "file"),
                          (Path(name).expanduser(), "file")):
-        if path.is_file():
-            return path, source
+        try:
+            if path.is_file():
+                return path, source
+        except OSError:  # a name too long for a file: not a file, so resolve_spec names the problem
+            return None
     return None
 
 
