@@ -100,10 +100,8 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
 
     stage_indices = stages_of_rank(plan, mesh.pp_rank) if p.pp > 1 else []
     parts = [split_stage(model, plan, s) for s in stage_indices] if p.pp > 1 else [model]
-    num_layers = len(find_block_list(model)[1]) if p.pp == 1 else None
-    for part, index in zip(parts, stage_indices or [0]):
-        _apply_intra_stage(part, plan, mesh, first=index == 0,
-                           last=(index == p.pp * p.virtual_stages - 1), num_layers=num_layers)
+    for part in parts:
+        _apply_intra_stage(part, plan, mesh)
     if on_meta:
         for part in parts:
             materialize(part, template, device, seed=seed, weights_dir=weights)
@@ -121,14 +119,15 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     return result
 
 
-def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView, *, first: bool, last: bool,
-                       num_layers: int | None) -> None:
+def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
     p = plan.parallelism
     if p.tp > 1:
         _, blocks = find_block_list(part)
         modules = list(blocks)
+        # every stage enters and leaves the sequence-parallel region itself, so HF's model-level code
+        # (masks, position embeddings) always sees whole sequences
         apply_tp(part, mesh.tp, plan.tp_plan, sequence_parallel=p.sequence_parallel,
-                 first_block=modules[0] if first else None, last_block=modules[-1] if last else None)
+                 first_block=modules[0], last_block=modules[-1])
     if p.cp > 1:
         apply_cp(part, mesh.cp)
     apply_recompute(part, _recompute_policy(plan))

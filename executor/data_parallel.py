@@ -4,9 +4,11 @@ Which engine runs the plan's `zero` stage:
     zero 3      FSDP2 `fully_shard` per block and on the root, reshard_after_forward=True
     zero 2      FSDP2 with reshard_after_forward=False (parameters stay gathered between forward and
                 backward, ZeRO-2-like memory)
-    zero 1      DDP + torch's ZeroRedundancyOptimizer (optimizer state sharded); with DTensor (TP)
-                parameters DDP cannot run, so it falls back to the zero-2 engine
-    zero 0      DDP; with TP, FSDP2 over a (dp, 1) HSDP mesh (pure replication with DTensor support)
+    zero 1      DDP + torch's ZeroRedundancyOptimizer (optimizer state sharded)
+    zero 0      DDP
+With TP (DTensor parameters) or PP (DDP's reducer breaks under the pipeline's many micro-batch
+backwards) DDP cannot run: zero 0/1 then use FSDP2 without resharding over the plan's
+(dp_replicate, dp_shard) mesh, which is pure replication when dp_shard is 1.
 FSDP shards over `dp_shard x cp` (HSDP adds `dp_replicate` as the replicate dimension); DDP reduces
 over `dp x cp`. bf16 under FSDP is its MixedPrecisionPolicy (bf16 params, fp32 reductions), and
 `offload_optimizer` is FSDP's CPUOffloadPolicy.
@@ -35,7 +37,7 @@ def uses_fsdp(plan: Plan) -> bool:
     p = plan.parallelism
     if p.dp * p.cp == 1:
         return False
-    return p.zero >= 2 or (p.tp > 1 and p.zero in (0, 1))
+    return p.zero >= 2 or p.tp > 1 or p.pp > 1
 
 
 def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:

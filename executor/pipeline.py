@@ -38,7 +38,9 @@ class ZeroEmbedding(nn.Module):
         self.dim = dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.dim, device=ids.device)
+        # broadcastable rather than ids-shaped: under sequence parallelism the hidden states it is added
+        # to hold only this rank's tokens
+        return torch.zeros((1,) * ids.dim() + (self.dim,), device=ids.device)
 
 
 def stages_of_rank(plan: Plan, pp_rank: int) -> list[int]:

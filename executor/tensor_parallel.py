@@ -4,7 +4,7 @@
     colwise  -> ColwiseParallel      (weight Shard(0); output stays sharded on the last dim)
     rowwise  -> RowwiseParallel      (weight Shard(1); output all-reduced, or reduce-scattered to
                                       Shard(1) on the sequence with sequence parallelism)
-    sequence -> SequenceParallel     (norm on a sequence shard; replicated norm without SP)
+    sequence / sequence_parallel -> SequenceParallel (norm on a sequence shard; replicated without SP)
     replicate-> nothing (the module stays replicated)
 A `FusedQKV` named colwise is split as its three Linears. The blocks are the entries of the model's
 layer list; embeddings, the final norm and the LM head stay replicated.
@@ -15,8 +15,9 @@ Attention modules then get their head counts divided by tp (`num_heads`, `num_at
 Sequence parallelism (Megatron-SP). Between TP regions the activations are sharded on the sequence
 (dim 1). The parent of each colwise group (the attention or MLP module) all-gathers its input to a
 replicated DTensor in a forward pre-hook (backward: reduce-scatter); the rowwise projections
-reduce-scatter. The first block of the model slices the replicated embedding output to the local
-sequence shard and the last block all-gathers its output, so the final norm and LM head run replicated.
+reduce-scatter. The first block (of the model, or of each pipeline stage) slices its replicated input
+to the local sequence shard and the last block all-gathers its output, so the embeddings, final norm
+and LM head run replicated and pipeline stages exchange whole sequences.
 Per block and step that is 2 all-gathers + 2 reduce-scatters forward and the same backward, plus the
 all-reduce of the sequence-parallel norm weights' gradients.
 """
@@ -38,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 from executor.model import FusedQKV
 from tracer.errors import SoapError
 
-TP_STYLES = ("colwise", "rowwise", "sequence", "replicate")
+TP_STYLES = ("colwise", "rowwise", "sequence", "sequence_parallel", "replicate")
 LOCAL_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "all_head_size", "embed_dim",
                     "split_size")
 
@@ -58,8 +59,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, 
              first_block: nn.Module | None, last_block: nn.Module | None) -> None:
     """Shard every block in `model`'s layer list as `tp_plan` says (see the module docstring).
 
-    `first_block` / `last_block` are the model's first and last blocks when this pipeline stage holds
-    them (they enter and leave the sequence-parallel region).
+    `first_block` / `last_block` enter and leave the sequence-parallel region (the first and last
+    blocks of the model or of its pipeline stage).
     """
     if not tp_plan:
         raise SoapError("the plan has tp > 1 but an empty tp_plan; regenerate it with `soap plan`")
@@ -71,7 +72,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, 
     for block in blocks:
         styles = _expand_styles(block, tp_plan)
         parallelize_module(block, tp_mesh, {fqn: _style(kind, sequence_parallel) for fqn, kind in styles.items()
-                                            if kind != "replicate" and (kind != "sequence" or sequence_parallel)})
+                                            if kind != "replicate" and (kind in ("colwise", "rowwise") or sequence_parallel)})
         for parent_fqn in {fqn.rpartition(".")[0] for fqn, kind in tp_plan.items() if kind == "colwise"}:
             parent = block.get_submodule(parent_fqn)
             _divide_heads(parent, tp)

@@ -118,13 +118,37 @@ def run_cases(rank: int, world: int, store: str, cases: list[dict[str, Any]], ou
                             timeout=datetime.timedelta(seconds=120))
     results: dict[str, Any] = {}
     for case in cases:
+        if os.environ.get("SOAP_TEST_VERBOSE"):
+            print(f"rank {rank}: {case['name']}", flush=True)
         try:
             plan = make_plan(case["family"], **case["plan"])
-            result = train(plan, RunConfig(progress=False, **case.get("run", {})))
-            results[case["name"]] = result.losses
+            if case.get("count_block_collectives"):
+                results[case["name"]] = _block_collectives(plan, RunConfig(progress=False, **case.get("run", {})))
+            else:
+                results[case["name"]] = train(plan, RunConfig(progress=False, **case.get("run", {}))).losses
         except Exception as exc:  # noqa: BLE001 - reported to the parent test, which fails on it
             results[case["name"]] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+            if os.environ.get("SOAP_TEST_VERBOSE"):
+                print(f"rank {rank}: {traceback.format_exc()}", flush=True)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+
+
+def _block_collectives(plan: Plan, run: Any) -> dict[str, dict[str, dict[str, int]]]:
+    """Collectives issued inside each block module during training, by phase, from CommDebugMode."""
+    import re
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from executor.train import train
+
+    with CommDebugMode() as mode:
+        train(plan, run)
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for module, phases in mode.comm_module_counts.items():
+        if re.search(r"\.(layers|h|layer)\.\d+$", module):
+            out[module] = {phase: {str(op).split(".")[-1]: n for op, n in counts.items()}
+                           for phase, counts in phases.items() if phase in ("forward", "backward")}
+    return out
