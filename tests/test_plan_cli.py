@@ -99,3 +99,11 @@ def test_infeasible_request_names_the_gpus_needed_and_the_dominating_term(medium
 def test_impossible_pins_are_clear_errors_before_tracing(kwargs, message):
     with pytest.raises(SoapError, match=message):
         make_request("gpt2", **kwargs)
+
+
+def test_python_api_returns_a_plan_with_the_pins(tiny):
+    import soap
+
+    plan = soap.plan(tiny, gpus=8, global_batch=64, tp=2, recompute="selective")
+    assert (plan.parallelism.tp, plan.parallelism.recompute) == (2, "selective")
+    assert plan.strategy().dims.world_size == 8
