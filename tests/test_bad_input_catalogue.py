@@ -114,8 +114,9 @@ CASES = [
                  "checks seq >= 1: `error: ZeroDivisionError: integer division or modulo by zero`"),
     Case("model name longer than a file name may be", lambda t: ["plan", "x" * 300, "--gpus", "2"],
          ("unknown model",),
-         missing="tracer.spec.resolve_spec calls Path.is_file() on PRESET_DIR/'<name>.json', which raises "
-                 "OSError(ENAMETOOLONG) for a 300-character name: `error: OSError: [Errno 36] File name too long`"),
+         missing="planner/model_ref.py _config_file calls Path.is_file() on tracer/presets/<name>.json, which "
+                 "raises OSError(ENAMETOOLONG) for a 300-character name: `error: OSError: [Errno 36] File name "
+                 "too long` (soap trace already answers `unknown model ...`)"),
     Case("plan path longer than a file name may be", lambda t: ["simulate", "x" * 300], ("does not exist",),
          missing="planner.plan.load_plan calls Path.is_file(), which raises OSError(ENAMETOOLONG): "
                  "`error: OSError: [Errno 36] File name too long`"),
