@@ -160,6 +160,7 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
             losses.extend(run_losses)
         # the schedule's own losses: the loss function may also run during the stages' shape inference
         loss_fn.unscaled_sum = sum((l.detach().cpu() for l in losses), torch.zeros(())) / loss_fn.factor
+    _reduce_partial_grads(parallel.parameters())
     for optimizer in optimizers:
         if runtime.scaler:
             runtime.scaler.step(optimizer)
@@ -171,6 +172,18 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
     total = loss_fn.unscaled_sum.to(device, torch.float64)
     dist.all_reduce(total)
     return float(total) / (batch.num_labels * p.tp)
+
+
+def _reduce_partial_grads(params: list) -> None:
+    """Sum partial DTensor gradients (sequence-parallel norm weights) once, before the optimizer.
+
+    Left partial, every foreach optimizer op on them would all-reduce again."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
 def _now(device: torch.device) -> float:

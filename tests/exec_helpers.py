@@ -49,7 +49,8 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
               zero: int = 0, sequence_parallel: bool = False, micro_batch: int = 2, num_microbatches: int = 1,
               grad_accum: int | None = None, schedule: str = "1F1B", virtual_stages: int = 1,
               recompute: str = "none", precision: str = "fp32", optimizer: str = "adamw", seq_len: int = 16,
-              config: dict[str, Any] | None = None, predicted: dict[str, Any] | None = None) -> Plan:
+              config: dict[str, Any] | None = None, predicted: dict[str, Any] | None = None,
+              tp_plan: dict[str, str] | None = None) -> Plan:
     """A valid Plan for a tiny model, built directly (no search)."""
     config = config or tiny_config(family)
     dp = dp_replicate * dp_shard
@@ -72,7 +73,7 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
             "virtual_stages": virtual_stages, "recompute": recompute, "precision": precision,
             "optimizer": optimizer,
         },
-        "tp_plan": TP_PLANS[family] if tp > 1 else {},
+        "tp_plan": (tp_plan or TP_PLANS[family]) if tp > 1 else {},
         "stages": _stages(family, config, pp * virtual_stages, pp) if pp > 1 else [],
         "predicted": predicted or {},
     }
@@ -146,7 +147,7 @@ def _block_collectives(plan: Plan, run: Any) -> dict[str, dict[str, dict[str, in
 
     with CommDebugMode() as mode:
         train(plan, run)
-    out: dict[str, dict[str, dict[str, int]]] = {}
+    out: dict[str, Any] = {"total": {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}}
     for module, phases in mode.comm_module_counts.items():
         if re.search(r"\.(layers|h|layer)\.\d+$", module):
             out[module] = {phase: {str(op).split(".")[-1]: n for op, n in counts.items()}
