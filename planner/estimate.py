@@ -139,7 +139,12 @@ class Estimator:
             self.units[u].ops, micro_batch=mb, batch_traced=self.graph.batch, recompute=recompute,
             attention="sdpa", split={"parameter": tp, "attribute": cp}, precision=precision,
         )
-        return parts.prologue + parts.blocks + parts.epilogue, parts.recompute_window
+        kept = parts.prologue + parts.blocks + parts.epilogue
+        if recompute == "selective":
+            # the simulator (simulator_pricing._price) keeps a selective block's activation_bytes, window
+            # included, per in-flight micro-batch; estimating less would only pick plans it rejects
+            return kept + parts.recompute_window, 0.0
+        return kept, parts.recompute_window
 
     def _comm_uncached(self, kind: str, nbytes: float, size: int, per_node: int) -> float:
         if size <= 1 or nbytes <= 0:
