@@ -122,7 +122,7 @@ def normalize_for_tp(model: nn.Module) -> None:
                     if has_bias:
                         new.bias.copy_(module.bias)
         setattr(parent, name, new)
-    model.soap_checkpoint_keys = renames
+    model.soap_checkpoint_keys = {**getattr(model, "soap_checkpoint_keys", {}), **renames}  # idempotent
 
 
 # --- materialization --------------------------------------------------------------------------------

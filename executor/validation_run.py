@@ -1,0 +1,159 @@
+"""Executing the validation suite: every plan, one after another, in one group of spawned ranks.
+
+All the suite's plans share a world size, so the ranks are spawned once (torch.multiprocessing, a
+file store) and each rank runs every plan with `executor.train.train`, as `soap execute` would.
+
+Measured step time: the median of the steps after the first (the first pays lazy initialization:
+allocator growth, gloo connections, autograd graph caches).
+
+Measured peak memory, per rank, max over ranks (the simulator's `peak_memory_gib` is a max over ranks):
+- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, i.e. what the caching
+  allocator handed out (the simulator's context overhead is excluded on both sides).
+- CPU: peak resident-set growth of the rank's process during the plan: VmHWM from /proc/self/status
+  after resetting it (`echo 5 > /proc/self/clear_refs`) at the plan's start, minus VmRSS at that
+  moment. The ranks run with `MALLOC_MMAP_THRESHOLD_=65536`, so every tensor storage above 64 KiB is
+  its own mmap and goes back to the OS when freed, and `malloc_trim(0)` runs between plans: the RSS
+  then follows the live tensors instead of glibc's retained heap. What this includes that tensors do
+  not: gloo's and autograd's own buffers and page granularity. The comparable prediction is the
+  simulator's peak bytes without the per-process context overhead (`overhead`), which on CPU is the
+  interpreter and libraries already resident before the plan starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+MEASURE_MMAP_THRESHOLD = "65536"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one plan's run measured (rank 0's report, memory as max over ranks)."""
+
+    step_time_s: float
+    """Median step time over the steps after the first."""
+    step_times_s: tuple[float, ...]
+    peak_memory_bytes: int
+    memory_source: str
+    losses: tuple[float, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "step_times_s": list(self.step_times_s),
+                "peak_memory_bytes": self.peak_memory_bytes, "peak_memory_source": self.memory_source,
+                "losses": list(self.losses)}
+
+
+def execute_plans(plan_jsons: list[str], *, world: int, steps: int, device: str) -> list[Measurement | str]:
+    """Run every plan (JSON text) on `world` spawned ranks; a failed plan gives its error text."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="soap-validate-") as tmp:
+        out = os.path.join(tmp, "results.json")
+        env = {"MALLOC_MMAP_THRESHOLD_": MEASURE_MMAP_THRESHOLD, "OMP_NUM_THREADS": "1"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            mp.spawn(_rank_main, args=(world, os.path.join(tmp, "store"), plan_jsons, steps, device, out),
+                     nprocs=world, join=True)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        with open(out) as f:
+            raw = json.load(f)
+    return [Measurement(step_time_s=r["step_time_s"], step_times_s=tuple(r["step_times_s"]),
+                        peak_memory_bytes=r["peak_memory_bytes"], memory_source=r["peak_memory_source"],
+                        losses=tuple(r["losses"])) if isinstance(r, dict) else r for r in raw]
+
+
+def _rank_main(rank: int, world: int, store: str, plan_jsons: list[str], steps: int, device: str, out: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    results: list[Any] = []
+    for text in plan_jsons:
+        try:
+            results.append(_run_one(text, steps, device))
+        except Exception as exc:  # noqa: BLE001 - one failed plan is reported, the suite goes on
+            results.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _run_one(plan_json: str, steps: int, device: str) -> dict[str, Any]:
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from executor.train import RunConfig, train
+    from planner.plan import plan_from_dict
+
+    plan = plan_from_dict(json.loads(plan_json))
+    base = _start_memory_window(device)
+    result = train(plan, RunConfig(steps=steps, progress=False))
+    grown = _memory_window_peak(device) - base
+    peak = torch.tensor(float(grown), dtype=torch.float64, device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    timed = result.step_times_s[1:] or result.step_times_s
+    return {"step_time_s": statistics.median(timed), "step_times_s": list(result.step_times_s),
+            "peak_memory_bytes": int(peak.item()),
+            "peak_memory_source": "cuda max_memory_allocated" if device == "cuda" else "peak RSS growth (VmHWM)",
+            "losses": list(result.losses)}
+
+
+def _start_memory_window(device: str) -> int:
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    _malloc_trim()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _memory_window_peak(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
