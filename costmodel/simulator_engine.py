@@ -7,14 +7,18 @@ Model. A task has a duration, runs on one in-order stream of one rank (`compute`
 
 Streams are FIFO: a task never overtakes an earlier task of its stream (as on a CUDA stream or an
 NCCL communicator). Link contention: every communication task names the link level it crosses on its
-rank (`intra_node` for NVLink, `inter_node` for the NIC). The tasks of all streams that cross one
-link of one rank are *serialized* on it in issue order (the order the rank's program issues them):
-two collectives on one NIC take the sum of their times, which is also what sharing the bandwidth
-gives for the pair's total, and the one issued first finishes first. Serving a link in issue order
-rather than first-ready-first-served keeps the simulation a max-plus system: making any task shorter
-(more bandwidth, faster compute, fewer bytes) never delays any other, so the predicted step is
-monotone in every cost, which the planner's ranking relies on. Compute never contends with
-communication (NCCL's SM use is folded into its bandwidth numbers).
+rank (`intra_node` for NVLink, `inter_node` for the NIC), and streams crossing one link of one rank
+contend for it by priority class:
+- latency-critical transfers (`tp-comm` activation collectives, `pp-p2p` pipeline sends) go first:
+  they are serialized among themselves in issue order and never wait for bulk traffic (NCCL
+  interleaves a small send with a running bucket rather than queueing it behind the whole sync);
+- bulk transfers (`dp-comm`: gradient buckets, FSDP gathers) wait for every critical transfer issued
+  before them on the link, and for each other through their own FIFO stream.
+Every wait is a fixed edge in issue order, so the simulation is a max-plus system: making any task
+shorter (more bandwidth, faster compute, fewer bytes) never delays another, and the predicted step is
+monotone in every cost, which the planner's ranking relies on. (A first-ready-first-served link is
+not: hypothesis found a case where shrinking every collective reordered a link and slowed the step.)
+Compute never contends with communication (NCCL's SM use is folded into its bandwidth numbers).
 
 `run_tasks` is event driven (a heap of ready tasks ordered by their earliest start). Cost:
 O(T log T) for T tasks.
@@ -27,6 +31,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 STREAMS: tuple[str, ...] = ("compute", "tp-comm", "dp-comm", "pp-p2p")
+CRITICAL_STREAMS = frozenset({"tp-comm", "pp-p2p"})
+"""Streams whose transfers take a shared link before bulk (`dp-comm`) traffic."""
 
 
 @dataclass(slots=True)
@@ -83,15 +89,19 @@ def run_tasks(graph: TaskGraph) -> list[Task]:
     n = len(tasks)
     succ: list[list[int]] = [[] for _ in range(n)]
     waiting = [0] * n
-    last_in_queue: dict[tuple[int, str], int] = {}
+    last_on_stream: dict[tuple[int, str], int] = {}
+    last_critical: dict[tuple[int, str], int] = {}
     for tid, t in enumerate(tasks):
-        queues = ((t.rank, t.stream),) if t.link is None else ((t.rank, t.stream), (t.rank, "link:" + t.link))
-        for queue in queues:
-            prev = last_in_queue.get(queue)
+        preds = [last_on_stream.get((t.rank, t.stream))]
+        last_on_stream[(t.rank, t.stream)] = tid
+        if t.link is not None:
+            preds.append(last_critical.get((t.rank, t.link)))
+            if t.stream in CRITICAL_STREAMS:
+                last_critical[(t.rank, t.link)] = tid
+        for prev in preds:
             if prev is not None:
                 succ[prev].append(tid)
                 waiting[tid] += 1
-            last_in_queue[queue] = tid
         t.deps = [key if isinstance(key, int) else graph.id_of(key) for key in t.deps]
         for dep in t.deps:
             succ[dep].append(tid)
