@@ -15,8 +15,9 @@ every instance and every stage (`_price_unit`):
   dp_replicate (HSDP);
 - zero 3: all-gather of the segment's parameters at compute width over dp_shard (before its forward
   and its backward);
-- activations: `memory.activation_bytes` per group of ops sharing a split; with full recomputation
-  only the block input is kept and one block's full set lives while its backward runs.
+- activations: what `memory.activation_parts` says one micro-batch keeps, per group of ops sharing a
+  split; the recompute window (the dropped tensors, re-materialized while the chunk's backward runs)
+  is the none set less the kept set. With full recomputation only the block input is kept.
 
 Per stage: model state from `memory.model_state_bytes` over `memory.stage_params` (TP-sharded
 matmul/embedding weights); the optimizer step is memory-bound: local elements updated (the dp_shard
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, activation_bytes, buffer_bytes, model_state_bytes, stage_params
+from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, activation_parts, buffer_bytes, model_state_bytes, stage_params
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements
 from costmodel.profiles import ClusterSpec
@@ -223,15 +224,17 @@ class _UnitPricer:
         return self.strategy.train.zero == 3 and self.strategy.dims.dp_shard > 1
 
     def _activations(self, placements: Sequence[OpPlacement], policy: str) -> int:
+        """Bytes one micro-batch keeps for backward (no recompute window: the schedule adds it)."""
         t = self.strategy.train
         by_split: dict[tuple, list[OpNode]] = {}
         for p in placements:
             by_split.setdefault(tuple(sorted(p.split.local().items())), []).append(p.op)
-        return int(sum(
-            activation_bytes(ops, micro_batch=t.micro_batch, batch_traced=self.graph.batch, recompute=policy,
-                             attention=t.attention, split=dict(split), precision=t.precision)
-            for split, ops in by_split.items()
-        ))
+        total = 0.0
+        for split, ops in by_split.items():
+            parts = activation_parts(ops, micro_batch=t.micro_batch, batch_traced=self.graph.batch, recompute=policy,
+                                     attention=t.attention, split=dict(split), precision=t.precision)
+            total += parts.prologue + parts.blocks + parts.epilogue
+        return int(total)
 
     def _grad_sync(self, params: int) -> float:
         d, t = self.strategy.dims, self.strategy.train

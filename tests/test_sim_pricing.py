@@ -250,3 +250,9 @@ def test_stages_may_be_given_as_layer_ranges():
     assert by_ranges.step_time_s == by_bounds.step_time_s
     with pytest.raises(SoapError, match="not contiguous"):
         simulate(GRAPH, _strategy(pp=2), CLUSTER, stages=[(0, 2), (3, 6)])
+
+
+def test_selective_recompute_keeps_less_than_none_and_more_than_full():
+    peaks = {policy: simulate(GRAPH, _strategy(mb=1, recompute=policy), CLUSTER).memory[0].at_peak.activations
+             for policy in ("none", "selective", "full")}
+    assert peaks["full"] < peaks["selective"] < peaks["none"]
