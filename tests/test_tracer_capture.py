@@ -154,3 +154,15 @@ def test_bf16_trace_halves_activation_bytes_of_bf16_ops():
     assert bf16.activation_bytes < 0.75 * fp32.activation_bytes  # RMSNorm and the loss still upcast to fp32
     with pytest.raises(SoapError, match="floating dtype"):
         tracer.trace("gpt2", dtype="int8")
+
+
+def test_moe_expert_matmuls_keep_the_token_dim_as_sample():
+    graph = tracer.trace("mixtral-8x7b", batch=2, seq_len=16)
+    bmms = [op for op in graph.ops if op.module_fqn.endswith("experts") and op.target.startswith("aten.bmm")]
+    assert len(bmms) == 2
+    for op in bmms:
+        assert op.outputs[0].shape[0] == 2 * 16 * 2  # tokens x experts per token
+        assert op.outputs[0].roles[0] is DimRole.SAMPLE
+        assert op.saved_bytes < op.inputs[0].nbytes  # the gathered expert weights are not activations
+    labels_pad = next(op for op in graph.ops if op.target.startswith("aten.pad"))
+    assert labels_pad.outputs[0].roles == (DimRole.SAMPLE, DimRole.ATTRIBUTE)

@@ -10,8 +10,11 @@ Rules, per op (the first that applies):
   part and the remaining parts get attribute when it was sample, its own role otherwise;
 - transpose/permute/movedim permute roles; unsqueeze inserts none; squeeze/select/reductions drop the
   dim (or make it none with keepdim); slice/narrow keep roles;
-- contractions: batch dims and rows from the first operand, columns from the second operand's last dim;
+- contractions: rows from the first operand, columns from the second operand's last dim, batch dims the
+  stronger of the two operands' (a token-batched bmm against gathered expert weights stays sample);
+- weights gathered by token indices (MoE experts) take the indices' roles on their leading dims;
 - embedding: the index roles plus parameter for the embedding dim;
+- copies that keep the rank (cat, pad, repeat, gather) keep their first input's roles;
 - attention: the query's roles (the last dim from the value);
 - anything else aligns dims from the right with the inputs (broadcasting) and takes the strongest role
   among same-sized input dims.
@@ -44,7 +47,7 @@ class RoleInference:
     def guess(self, shape: tuple[int, ...]) -> Roles:
         out = []
         for i, s in enumerate(shape):
-            if i == 0 and s == self.batch and len(shape) > 1:
+            if i == 0 and s == self.batch and (len(shape) > 1 or s > 1):
                 out.append(S)
             elif s == 1:
                 out.append(N)
@@ -74,7 +77,11 @@ class RoleInference:
     def infer(self, op: RawOp, weight_like: set[int]) -> None:
         for o in op.outputs:
             if o.vid in weight_like:
-                self.seed(o, True)
+                gathered = self._gathered(op, o)
+                if gathered is not None:
+                    self.roles[o.vid] = gathered
+                else:
+                    self.seed(o, True)
         pending = [o for o in op.outputs if o.vid not in self.roles]
         if not pending:
             return
@@ -84,6 +91,16 @@ class RoleInference:
         self.roles[first.vid] = _clean(first.shape, roles if roles is not None else self._broadcast(ins, first.shape))
         for o in pending[1:]:
             self.roles[o.vid] = _clean(o.shape, self._broadcast(ins, o.shape))
+
+    def _gathered(self, op: RawOp, out: Value) -> Roles | None:
+        """Weights gathered by token-dependent indices (MoE experts): leading dims follow the indices."""
+        if base_name(op.target) not in ("index", "index_select", "gather"):
+            return None
+        idx = next((t for t in tensor_args(op) if t.dtype in ("int64", "int32") and t.param is None), None)
+        if idx is None or len(idx.shape) >= len(out.shape):
+            return None
+        rest = out.shape[len(idx.shape):]
+        return _clean(out.shape, self.of(idx) + tuple(N if s == 1 else P for s in rest))
 
     def _rule(self, op: RawOp, ins: list[Value], shape: tuple[int, ...]) -> Roles | None:
         name = base_name(op.target)
@@ -123,7 +140,11 @@ class RoleInference:
                 return None
             ar, br = self.of(a), self.of(b)
             col = br[0] if name == "linear" else (br[-1] if len(br) >= 2 else N)
-            rows = ar[:-1] if len(ar) >= 2 else ()
+            rows = list(ar[:-1]) if len(ar) >= 2 else []
+            if name != "linear":  # batched operands: each batch dim takes the stronger of the two roles
+                b_batch = br[:-2]
+                for k in range(1, min(len(rows) - 1, len(b_batch)) + 1):
+                    rows[-1 - k] = _strongest([rows[-1 - k], b_batch[-k]])
             r = tuple(rows) + (col,)
             return r if len(r) == len(shape) else None
         if kind is OpKind.EMBEDDING:
@@ -135,6 +156,8 @@ class RoleInference:
             return qr[:-1] + (self.of(v)[-1],) if len(qr) == len(shape) else None
         if kind in (OpKind.REDUCTION, OpKind.LOSS) and len(shape) < len(xr):
             return _reduced(op, x.shape, xr, shape)
+        if kind is OpKind.COPY and len(shape) == len(xr):  # cat, pad, repeat, gather: dims keep their meaning
+            return xr
         return None
 
     def _broadcast(self, ins: list[Value], shape: tuple[int, ...]) -> Roles:
