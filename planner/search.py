@@ -108,10 +108,11 @@ class SearchConfig:
     baseline_tries: int = 6
     """Most members of a baseline family simulated, best estimates first, until one fits in simulation
     (budget permitting; the first is always simulated)."""
-    simulation_budget: float = 100_000.0
-    """Simulation work allowed (see `simulation_work`): about 5 s on a 2-core CI machine. Half goes to
-    the best estimates, the rest to baselines; the best estimate and each family's best are always
-    simulated, so a huge job still gets its plan and its baselines."""
+    simulation_budget: float = 300_000.0
+    """Simulation work allowed (see `simulation_work`): about 25 s on a quiet 2-core machine (a
+    405B-on-16k-GPU candidate costs ~65k). Two thirds go to the best estimates, the rest to baselines;
+    the best estimate and each family's best are always simulated, so a huge job still gets its plan
+    and its baselines."""
     time_budget_s: float | None = None
     """Wall-clock seconds for MCMC refinement after ranking; None skips it."""
     max_refine_steps: int | None = None
@@ -291,7 +292,7 @@ def search(
     cache = _PriceCache(price)
     spent = 0.0
     for c in select_for_simulation(candidates, config):
-        if cache.calls and spent + work(c) > config.simulation_budget / 2:
+        if cache.calls and spent + work(c) > config.simulation_budget * 2 / 3:
             continue
         spent += work(c)
         cache(c)
