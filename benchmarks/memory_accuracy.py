@@ -9,8 +9,8 @@ each storage once while any wrapper holds it, and records the peak over forward 
 hooks and the recomputation in backward is seen too. The eager rows predict eager attention from the
 SDPA trace (`attention="eager"`) and measure the model built with `attn_implementation="eager"`. The
 bfloat16 rows run the model with bf16 parameters (as FSDP's mixed-precision policy computes) and predict
-from a graph traced with bf16 parameters (`tracing_in`), whose tensors carry the real dtypes, fp32
-upcasts included.
+from a graph traced with bf16 parameters (`tracer.trace(..., dtype=torch.bfloat16)`), whose tensors
+carry the real dtypes, fp32 upcasts included.
 
 Model state: `model_state_bytes` for the trainable parameters the traced graph names
 (`stage_params`), against bytes counted on real tensors: fp32 parameters, their fp32
@@ -22,7 +22,6 @@ Run: `flock -x /tmp/soap-cpu.lock python -m benchmarks.memory_accuracy`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import sys
@@ -119,27 +118,8 @@ def measured_saved_peak(config, *, attention: str, checkpoint: bool, dtype=torch
     return meter.peak
 
 
-@contextlib.contextmanager
-def tracing_in(dtype):
-    """Trace with parameters of `dtype`: a stand-in until `tracer.trace` takes a dtype itself (it builds
-    its meta model through `tracer.build.build_model`, which does); the per-process trace cache is cleared
-    on both sides so fp32 and bf16 graphs do not mix."""
-    import tracer.api
-    import tracer.build
-
-    original = tracer.build.build_model
-    tracer.build.build_model = lambda spec, **kw: original(spec, **{**kw, "dtype": kw.get("dtype") or dtype})
-    tracer.api._CACHE.clear()
-    try:
-        yield
-    finally:
-        tracer.build.build_model = original
-        tracer.api._CACHE.clear()
-
-
 def predicted_saved_peak(config, *, attention: str, checkpoint: bool, dtype=torch.float32) -> int:
-    with tracing_in(dtype):
-        graph = tracer.trace(config, batch=BATCH, seq_len=SEQ)
+    graph = tracer.trace(config, batch=BATCH, seq_len=SEQ, dtype=dtype)
     return activation_bytes(
         graph.ops, micro_batch=BATCH, batch_traced=graph.batch, recompute="full" if checkpoint else "none",
         attention=attention, block_counts={b.id: b.count for b in graph.blocks},
