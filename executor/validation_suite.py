@@ -58,7 +58,7 @@ def suite_cases() -> list[SuiteCase]:
         SuiteCase(name="gpt2 tp+sp", family="gpt2", dims=dict(tp=2), train=dict(micro_batch=4, sequence_parallel=True)),
         SuiteCase(name="llama pp 1f1b", family="llama", dims=dict(pp=2),
                   train=dict(micro_batch=2, num_microbatches=4, schedule="1F1B")),
-        SuiteCase(name="gpt2 pp gpipe", family="gpt2", dims=dict(pp=2),
+        SuiteCase(name="llama pp gpipe", family="llama", dims=dict(pp=2),
                   train=dict(micro_batch=2, num_microbatches=4, schedule="GPipe")),
         SuiteCase(name="bert ddp full-ckpt", family="bert", dims=dict(dp_replicate=2),
                   train=dict(micro_batch=4, recompute="full")),

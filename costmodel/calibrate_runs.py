@@ -1,0 +1,127 @@
+"""Calibration from runs: refit a profile's efficiency terms from measured training steps.
+
+Model. The simulated step time of run i splits (approximately linearly) into three parts:
+
+    T_i = C_i + K_i + M_i
+
+- C_i: compute (FLOP- and memory-bound kernel time, bubbles and the optimizer step included),
+- K_i: kernel launch overhead (number of kernels x `kernel_overhead_us`),
+- M_i: exposed communication (collective and pipeline-transfer time on the critical path).
+The parts are measured on the simulator itself (`executor.validation_refit.step_parts`: the step with
+the overhead zeroed, and with communication made free). A measured step m_i is modelled as
+
+    m_i ~= a C_i + b K_i + c M_i,    a, b, c > 0,
+
+and the multipliers minimize the squared log ratios plus a weak pull toward 1 (so a term that no run
+exercises stays where it was):
+
+    min_theta  sum_i (log(sum_j e^theta_j F_ij) - log m_i)^2 + lambda sum_j theta_j^2,   theta = log(a, b, c)
+
+solved by damped Gauss-Newton (`fit_multipliers`, pure numpy).
+
+Applying them (`apply_multipliers`) is exact for each term: every device rate (peak FLOP/s at every
+precision, memory bandwidth) is divided by a, `kernel_overhead_us` multiplied by b, and every link's
+bandwidth divided and latency multiplied by c (each collective's time is latency plus bytes over
+bandwidth). Each changed number gets a source naming the runs log and the date.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tracer.errors import SoapError
+
+TERMS = ("compute", "kernel_overhead", "communication")
+PRIOR_WEIGHT = 1e-3
+MULTIPLIER_RANGE = (1e-2, 1e2)
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """One run: its simulated step split into the three terms, and what was measured."""
+
+    compute_s: float
+    kernel_overhead_s: float
+    communication_s: float
+    measured_s: float
+
+    @property
+    def features(self) -> tuple[float, float, float]:
+        return (self.compute_s, self.kernel_overhead_s, self.communication_s)
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """Measured/predicted factors per term (1.0: the profile was right)."""
+
+    compute: float = 1.0
+    kernel_overhead: float = 1.0
+    communication: float = 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"compute": self.compute, "kernel_overhead": self.kernel_overhead, "communication": self.communication}
+
+    def predict(self, parts: StepParts) -> float:
+        return self.compute * parts.compute_s + self.kernel_overhead * parts.kernel_overhead_s + \
+            self.communication * parts.communication_s
+
+
+def fit_multipliers(runs: Sequence[StepParts], *, iterations: int = 100) -> Multipliers:
+    """Least squares on log ratios (see the module docstring)."""
+    if not runs:
+        raise SoapError("no runs to fit; run `soap validate` or `soap execute` first to fill the runs log")
+    if any(r.measured_s <= 0 for r in runs):
+        raise SoapError("a run has a non-positive measured step time; remove it from the runs log")
+    features = np.array([r.features for r in runs], dtype=float)
+    target = np.log(np.array([r.measured_s for r in runs], dtype=float))
+    theta = np.zeros(len(TERMS))
+    damping = 1e-3
+    prior = np.sqrt(PRIOR_WEIGHT)
+
+    def residuals(t: np.ndarray) -> np.ndarray:
+        predicted = features @ np.exp(t)
+        return np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * t])
+
+    cost = float(residuals(theta) @ residuals(theta))
+    for _ in range(iterations):
+        weights = features * np.exp(theta)
+        share = weights / np.maximum(weights.sum(axis=1, keepdims=True), 1e-300)
+        jac = np.vstack([share, prior * np.eye(len(TERMS))])
+        r = residuals(theta)
+        step = np.linalg.solve(jac.T @ jac + damping * np.eye(len(TERMS)), -jac.T @ r)
+        trial = np.clip(theta + step, np.log(MULTIPLIER_RANGE[0]), np.log(MULTIPLIER_RANGE[1]))
+        trial_cost = float(residuals(trial) @ residuals(trial))
+        if trial_cost < cost:
+            theta, cost, damping = trial, trial_cost, damping / 3
+            if np.abs(step).max() < 1e-9:
+                break
+        else:
+            damping *= 10
+    a, b, c = np.exp(theta)
+    return Multipliers(compute=float(a), kernel_overhead=float(b), communication=float(c))
+
+
+def apply_multipliers(cluster_inline: dict, m: Multipliers, *, source: str) -> dict:
+    """A copy of an inline cluster profile (cluster JSON with its device under "device") refitted by `m`."""
+    out = copy.deepcopy(cluster_inline)
+    stamp = f"{source}, {datetime.date.today().isoformat()}"
+    device = out["device"]
+    for entry in device["peak_tflops"].values():
+        _scale(entry, 1 / m.compute, stamp)
+    _scale(device["memory_bandwidth_gbps"], 1 / m.compute, stamp)
+    _scale(device["kernel_overhead_us"], m.kernel_overhead, stamp)
+    for link in out["links"].values():
+        _scale(link["bandwidth_gbps"], 1 / m.communication, stamp)
+        _scale(link["latency_us"], m.communication, stamp)
+    return out
+
+
+def _scale(entry: dict, factor: float, source: str) -> None:
+    entry["value"] = float(f"{entry['value'] * factor:.4g}")
+    entry["source"] = f"{entry['source']}; x{factor:.3g} {source}" if "refit" not in entry["source"] else \
+        f"{entry['source'].split('; x')[0]}; x{factor:.3g} {source}"

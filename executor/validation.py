@@ -1,0 +1,158 @@
+"""`soap validate`: simulate and execute a suite of plans on this machine, and compare.
+
+Steps (`run_validation`):
+1. the cluster profile (`local-cpu` by default; `soap calibrate` runs first if it is missing);
+2. every suite case (`executor.validation_suite`) traced, simulated and turned into a Plan;
+3. all plans executed on `nproc` spawned ranks (`executor.validation_run`: gloo on CPU, NCCL on CUDA),
+   after one unmeasured warm-up run of the first plan (it pays one-time costs: lazy imports, gloo
+   pairs, allocator arenas);
+4. each run appended to the runs log (`executor.runs_log`, with its plan, for `soap calibrate --from-runs`);
+5. predicted against measured (`executor.validation_metrics`): per-plan errors, step-time and memory
+   MAPE, Kendall's tau of the step-time ranking.
+
+Memory is compared like with like: the simulator's peak without its per-process context overhead
+against the measured peak growth during the plan (see `executor.validation_run`).
+
+`compare_runs(built, measurements)` is the comparison alone: tests feed it recorded measurements and
+plans simulated on a deliberately wrong profile, without executing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from executor.validation_metrics import Comparison, Summary, summarize
+from executor.validation_run import Measurement, execute_plans
+from executor.validation_suite import BuiltCase, SuiteCase, build_case, quick_cases, suite_cases
+from tracer.errors import SoapError
+
+SUITE_WORLD = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationConfig:
+    """What `soap validate` runs."""
+
+    device: str = "cpu"
+    """cpu (gloo) or cuda (NCCL)."""
+    nproc: int = SUITE_WORLD
+    """Ranks per plan (the suite's degree-2 dimension becomes this degree)."""
+    steps: int = 6
+    """Optimizer steps per plan; the first is not timed."""
+    quick: bool = False
+    """Run the 4-plan subset."""
+    cluster: str = "local-cpu"
+    """Cluster profile name or JSON file the predictions use."""
+    runs_log: str | None = None
+    """Runs log to append to (None: $SOAP_RUNS_LOG or ~/.cache/soap/runs.jsonl)."""
+    cases: tuple[SuiteCase, ...] | None = None
+    """Explicit cases (tests, benchmarks); None: the suite or its quick subset."""
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    rows: tuple[Comparison, ...]
+    summary: Summary
+    failed: tuple[tuple[str, str], ...]
+    """(plan, error) of plans that did not run."""
+    built: tuple[BuiltCase, ...]
+    measurements: tuple[Measurement, ...]
+    """Of the plans that ran, in the order of `rows`."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plans": [r.to_json() for r in self.rows], **self.summary.to_json(),
+                "failed": [{"name": n, "error": e} for n, e in self.failed]}
+
+
+def check_config(config: ValidationConfig) -> None:
+    if config.device not in ("cpu", "cuda"):
+        raise SoapError(f"--device {config.device!r}: choose cpu or cuda")
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SoapError("--device cuda: CUDA is not available on this machine; run on a GPU machine or use --device cpu")
+        if torch.cuda.device_count() < config.nproc:
+            raise SoapError(f"--nproc {config.nproc}: only {torch.cuda.device_count()} GPUs; pass --nproc "
+                            f"{torch.cuda.device_count()}")
+    if config.nproc not in (2, 4):
+        raise SoapError(f"--nproc {config.nproc}: the suite runs at 2 or 4 ranks")
+    if config.steps < 2:
+        raise SoapError(f"--steps {config.steps}: need at least 2 (the first step is not timed)")
+
+
+def load_or_calibrate(cluster: str, device: str, log: Callable[[str], None]) -> Any:
+    """The cluster profile; a missing local profile is measured first with `soap calibrate`'s defaults."""
+    from costmodel.profiles import load_cluster, PROFILES_DIR
+
+    local = f"local-{device}"
+    if cluster == local and not (PROFILES_DIR / "clusters" / f"{local}.json").is_file():
+        from costmodel.calibrate import CalibrationConfig, calibrate, write_profiles
+
+        log(f"no {local} profile yet: running soap calibrate (a few minutes)")
+        write_profiles(calibrate(CalibrationConfig(device=device, nproc=4 if device == "cpu" else SUITE_WORLD,
+                                                   name=local, reference_precision="fp32" if device == "cpu" else "bf16"),
+                                 lambda label: None), None)
+    return load_cluster(cluster)
+
+
+def scaled_case(case: SuiteCase, nproc: int) -> SuiteCase:
+    """The case with its degree-2 dimension at `nproc` ranks."""
+    return replace(case, dims={k: (nproc if v == SUITE_WORLD else v) for k, v in case.dims.items()})
+
+
+def run_validation(config: ValidationConfig, log: Callable[[str], None] = lambda message: None) -> ValidationReport:
+    check_config(config)
+    cluster = load_or_calibrate(config.cluster, config.device, log)
+    cases = config.cases or tuple(quick_cases() if config.quick else suite_cases())
+    cases = tuple(scaled_case(c, config.nproc) for c in cases)
+    graphs: dict = {}
+    built = []
+    for case in cases:
+        log(f"simulate {case.name}")
+        built.append(build_case(case, cluster, graphs))
+    log(f"execute {len(built)} plans on {config.nproc} ranks ({config.device}), {config.steps} steps each")
+    texts = [b.plan.to_json() for b in built]
+    results = execute_plans(texts[:1] + texts, world=config.nproc, steps=config.steps, device=config.device)[1:]
+    _log_runs(built, results, config.runs_log)
+    return compare_runs(built, results)
+
+
+def compare_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str]) -> ValidationReport:
+    """Predicted (each case's SimResult) against measured; a string result is a failed plan."""
+    rows, failed, ran, measured = [], [], [], []
+    for b, m in zip(built, results):
+        if isinstance(m, str):
+            failed.append((b.case.name, m))
+            continue
+        rows.append(Comparison(name=b.case.name, predicted_step_s=b.result.step_time_s, measured_step_s=m.step_time_s,
+                               predicted_memory_bytes=predicted_memory_bytes(b.result),
+                               measured_memory_bytes=m.peak_memory_bytes))
+        ran.append(b)
+        measured.append(m)
+    if not rows:
+        raise SoapError("no plan of the suite ran; see the errors above")
+    return ValidationReport(rows=tuple(rows), summary=summarize(rows), failed=tuple(failed), built=tuple(ran),
+                            measurements=tuple(measured))
+
+
+def predicted_memory_bytes(result: Any) -> int:
+    """The simulator's peak over ranks without the per-process context overhead (comparable to growth)."""
+    return max(m.at_peak.total - m.at_peak.overhead for m in result.memory)
+
+
+def _log_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str], path: str | None) -> None:
+    from executor.runs_log import append_run
+
+    for b, m in zip(built, results):
+        if isinstance(m, str):
+            continue
+        report = {"step_time_s": m.step_time_s, "step_times_s": list(m.step_times_s), "losses": list(m.losses),
+                  "peak_memory_gib": m.peak_memory_bytes / 2**30, "peak_memory_source": m.memory_source,
+                  "predicted_step_time_s": b.result.step_time_s,
+                  "predicted_peak_memory_gib": predicted_memory_bytes(b.result) / 2**30,
+                  "parallelism": b.plan.parallelism.model_dump()}
+        append_run(report, path, plan=b.plan, name=b.case.name,
+                   extra={"source": "soap validate", "timed_steps": "median of steps after the first"})
