@@ -10,11 +10,14 @@ split follows overlap and the pipeline schedule the way the simulator does.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from costmodel.calibrate_runs import StepParts
+from costmodel.calibrate_runs import Multipliers, StepParts
 from costmodel.profiles import ClusterSpec
+from tracer.errors import SoapError
 
 FREE_LINK_SCALE = 1e9
 
@@ -53,3 +56,66 @@ def trace_plan_model(plan: Any) -> Any:
     fields = dict(plan.model.config)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     return tracer.trace(config, task=plan.model.task, seq_len=plan.seq_len)
+
+
+@dataclass(frozen=True)
+class Refit:
+    """`soap calibrate --from-runs`: what was fitted and written."""
+
+    multipliers: Multipliers
+    runs: int
+    before_mape_pct: float
+    """Step-time MAPE of the runs on the old profile (the fit set itself)."""
+    after_mape_pct: float
+    """The same with the fitted multipliers (linear model, before re-simulation)."""
+    written: tuple[Path, ...]
+
+
+def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
+                  graphs: dict[str, Any] | None = None) -> tuple[Multipliers, dict, list[StepParts]]:
+    """Fit the multipliers on `records` (runs-log records with their plan) and refit `cluster` by them."""
+    from costmodel.calibrate_runs import apply_multipliers, fit_multipliers
+    from costmodel.profiles import cluster_to_dict
+    from planner.plan import plan_from_dict
+
+    graphs = {} if graphs is None else graphs
+    usable = [r for r in records if isinstance(r.get("plan"), dict) and r.get("step_time_s", 0) > 0]
+    if not usable:
+        raise SoapError("the runs log has no run with its plan; run `soap validate` (or `soap execute`) to record some")
+    parts = []
+    for record in usable:
+        plan = plan_from_dict(record["plan"], origin="runs log")
+        key = f"{plan.model.config_hash}/{plan.model.task}/{plan.seq_len}"
+        if key not in graphs:
+            graphs[key] = trace_plan_model(plan)
+        parts.append(step_parts(plan, graphs[key], cluster, record["step_time_s"]))
+    multipliers = fit_multipliers(parts)
+    refitted = apply_multipliers(cluster_to_dict(cluster), multipliers,
+                                 source=f"refit by soap calibrate --from-runs on {len(parts)} runs")
+    return multipliers, refitted, parts
+
+
+def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Refit:
+    """Read the runs log, refit `cluster_name`'s profile and write it (to `output`, else profiles/)."""
+    import json
+
+    from costmodel.profiles import PROFILES_DIR, load_cluster
+    from executor.runs_log import read_runs
+    from executor.validation_metrics import mape
+    from planner.plan import write_atomic
+
+    cluster = load_cluster(cluster_name)
+    multipliers, refitted, parts = refit_cluster(read_runs(log), cluster)
+    measured = [p.measured_s for p in parts]
+    if output:
+        targets = {Path(output): refitted}
+    else:
+        device = refitted["device"]
+        targets = {PROFILES_DIR / "devices" / f"{device['name']}.json": device,
+                   PROFILES_DIR / "clusters" / f"{refitted['name']}.json": {**refitted, "device": device["name"]}}
+    for path, data in targets.items():
+        write_atomic(path, json.dumps(data, indent=2) + "\n")
+    return Refit(multipliers=multipliers, runs=len(parts),
+                 before_mape_pct=mape([sum(p.features) for p in parts], measured),
+                 after_mape_pct=mape([multipliers.predict(p) for p in parts], measured),
+                 written=tuple(targets))

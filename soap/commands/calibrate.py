@@ -35,6 +35,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU (default 1: a rank is a core)")
     p.add_argument("--quick", action="store_true", help="a reduced sweep that takes seconds (for tests)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--from-runs", nargs="?", const="", default=None, metavar="LOG",
+                   help="refit the profile's compute/launch/communication terms from a runs log instead of "
+                        "measuring (default log $SOAP_RUNS_LOG or ~/.cache/soap/runs.jsonl)")
     return p
 
 
@@ -52,6 +55,8 @@ def _config(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_runs is not None:
+        return _from_runs(args)
     config = _config(args)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -76,4 +81,23 @@ def run(args: argparse.Namespace) -> int:
         if overall:
             detail = ", ".join(f"{s.family} {s.median_abs_pct:.1f}%" for s in rows if s.family != "all")
             console.print(f"held-out {title}: median |error| {overall.median_abs_pct:.1f}% over {overall.points} points ({detail})")
+    return 0
+
+
+def _from_runs(args: argparse.Namespace) -> int:
+    from executor.validation_refit import refit_profile
+
+    refit = refit_profile(args.from_runs or None, args.name or f"local-{args.device}", args.output)
+    summary = {"written": [str(p) for p in refit.written], "runs": refit.runs,
+               "multipliers": refit.multipliers.as_dict(), "fit_mape_before_pct": round(refit.before_mape_pct, 2),
+               "fit_mape_after_pct": round(refit.after_mape_pct, 2)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        m = refit.multipliers
+        print(f"refit from {refit.runs} runs: compute x{m.compute:.3g}, kernel launch x{m.kernel_overhead:.3g}, "
+              f"communication x{m.communication:.3g}; step MAPE on those runs {refit.before_mape_pct:.1f}% -> "
+              f"{refit.after_mape_pct:.1f}%", file=sys.stderr)
+        for p in refit.written:
+            print(f"wrote {p}", file=sys.stderr)
     return 0
