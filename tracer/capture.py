@@ -14,7 +14,6 @@ both front-ends (`aten.linear`, `aten.scaled_dot_product_attention`, `aten.layer
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -116,9 +115,3 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""
     return line[:200]
-
-
-def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0

@@ -184,7 +184,3 @@ def _attrs(op: RawOp, kind: OpKind, task: str, config: Any) -> dict[str, Any]:
         kv_heads = configured  # K/V were repeated to all heads before SDPA (HF's repeat_kv)
     return {"heads": heads, "kv_heads": kv_heads, "head_dim": int(q.shape[-1]),
             "causal": is_causal or decoder_self or is_decoder_model}
-
-
-def is_loss(op: OpNode) -> bool:
-    return KIND_BY_NAME.get(base_name(op.target)) is OpKind.LOSS

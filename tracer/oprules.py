@@ -73,9 +73,6 @@ _register(OpKind.ELEMENTWISE, "add sub mul div neg pow rsqrt sqrt exp log log1p 
           "elu celu selu gelu_ hardswish hardsigmoid glu _assert_tensor_metadata relu6 square exp2 "
           "bernoulli rand_like randn_like quick_gelu fmod trunc isinf isnan nan_to_num")
 
-PRESERVES_AMOUNT = {"to", "_to_copy", "type_as", "contiguous", "clone"}
-
-
 def base_name(target: str) -> str:
     """`aten.add_.Tensor` -> `add` (in-place variants share the rule of the out-of-place op)."""
     parts = target.split(".")
