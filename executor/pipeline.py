@@ -79,6 +79,7 @@ def split_stage(model: nn.Module, plan: Plan, stage_index: int) -> nn.Module:
                 parent, _, name = fqn.rpartition(".")
                 setattr(module.get_submodule(parent), name, replacement)
     _add_stage_hooks(module, first=first, last=last)
+    module.soap_stage_index = stage_index
     return module
 
 

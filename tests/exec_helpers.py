@@ -123,7 +123,9 @@ def run_cases(rank: int, world: int, store: str, cases: list[dict[str, Any]], ou
             print(f"rank {rank}: {case['name']}", flush=True)
         try:
             plan = make_plan(case["family"], **case["plan"])
-            if case.get("count_block_collectives"):
+            if case.get("record_pipeline_order"):
+                results[case["name"]] = _pipeline_order(plan, RunConfig(progress=False, **case.get("run", {})))
+            elif case.get("count_block_collectives"):
                 results[case["name"]] = _block_collectives(plan, RunConfig(progress=False, **case.get("run", {})))
             else:
                 results[case["name"]] = train(plan, RunConfig(progress=False, **case.get("run", {}))).losses
@@ -153,3 +155,44 @@ def _block_collectives(plan: Plan, run: Any) -> dict[str, dict[str, dict[str, in
             out[module] = {phase: {str(op).split(".")[-1]: n for op, n in counts.items()}
                            for phase, counts in phases.items() if phase in ("forward", "backward")}
     return out
+
+
+def _pipeline_order(plan: Plan, run: Any) -> list[list[str]]:
+    """Per pipeline rank, the compute actions the stages ran (`1F0`, `0B2`, ...) in the last step."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from executor.train import train
+
+    order: list[str] = []
+    forwards: dict[int, int] = {}
+
+    def record(module: Any, args: Any, output: Any) -> None:
+        stage = getattr(module, "soap_stage_index", None)
+        out = output.logits if hasattr(output, "logits") else output
+        if stage is None or not isinstance(out, torch.Tensor) or out.device.type == "meta":
+            return  # not a stage, or the stage's shape inference
+        mb = forwards.get(stage, 0)
+        forwards[stage] = mb + 1
+        order.append(f"{stage}F{mb}")
+        if out.requires_grad:
+            out.register_hook(lambda grad: order.append(f"{stage}B{mb}"))
+
+    handle = register_module_forward_hook(record)
+    try:
+        train(plan, run)
+    finally:
+        handle.remove()
+    # the last step only: the first one also runs the stages' shape inference
+    p = plan.parallelism
+    actions_per_step = 2 * p.virtual_stages * p.num_microbatches
+    last, renumber = order[-actions_per_step:], {}
+    for action in last:  # micro-batches numbered within the step, in each stage's forward order
+        if "F" in action:
+            stage = action.split("F")[0]
+            renumber[action] = f"{stage}F{sum(1 for k in renumber if k.startswith(stage + 'F'))}"
+    last = [renumber.get(a) or renumber[a.replace("B", "F")].replace("F", "B") for a in last]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, last)
+    return gathered

@@ -114,6 +114,12 @@ def _simulated_tp_plan_and_block_collectives() -> tuple[dict[str, str], collecti
     return tp_plan(block, strategy), counts
 
 
+ORDER_PLANS = {
+    "GPipe": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="GPipe", **UNTIED["llama"]),
+    "1F1B": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="1F1B", **UNTIED["llama"]),
+    "Interleaved1F1B": dict(pp=2, virtual_stages=2, micro_batch=1, num_microbatches=4,
+                            schedule="Interleaved1F1B", **UNTIED["llama"]),
+}
 COMM_PLAN = dict(tp=2, micro_batch=4, sequence_parallel=True)
 RESUME_PLAN = dict(dp_shard=2, zero=3, micro_batch=2)
 
@@ -136,6 +142,8 @@ def two_rank_losses(resume_dirs, simulated) -> dict:
     extra = (
         {"name": "comm-tp-sp", "family": "llama", "plan": {**COMM_PLAN, "tp_plan": sim_tp_plan},
          "run": {"steps": 1}, "count_block_collectives": True},
+        *({"name": f"order-{name}", "family": "llama", "plan": kwargs, "run": {"steps": 2},
+           "record_pipeline_order": True} for name, kwargs in ORDER_PLANS.items()),
         {"name": "resume-straight", "family": "llama", "plan": RESUME_PLAN,
          "run": {**RUN, "steps": 6, "checkpoint_dir": straight, "checkpoint_every": 3}},
         {"name": "resume-first", "family": "llama", "plan": RESUME_PLAN,
@@ -224,3 +232,17 @@ def test_resume_continues_exactly(two_rank_losses, resume_dirs):
     assert len(model_keys) > 10
     for key in weights["straight"]:
         torch.testing.assert_close(weights["split"][key], weights["straight"][key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule", list(ORDER_PLANS))
+def test_pipeline_runs_the_schedule_ir_order(schedule, two_rank_losses):
+    """The forward/backward order each pipeline rank really ran equals costmodel.schedule's IR, which
+    the simulator prices."""
+    from costmodel.schedule import build_schedule
+
+    recorded = two_rank_losses[f"order-{schedule}"]
+    assert isinstance(recorded, list), recorded
+    kwargs = ORDER_PLANS[schedule]
+    ir = build_schedule(schedule, kwargs["pp"], kwargs["num_microbatches"], kwargs.get("virtual_stages", 1))
+    for rank, ran in enumerate(recorded):
+        assert ran == [str(a) for a in ir.actions[rank] if a.is_compute], f"rank {rank}"
