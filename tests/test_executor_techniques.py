@@ -1,0 +1,95 @@
+"""Single-process executor behaviour: precisions, optimizers, data and the loss normalization."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from exec_helpers import init_single_process_group, make_plan
+
+from executor.data import IGNORE, ScaledTokenLoss, Slicer, TokenSource
+from executor.train import RunConfig, train
+from tracer.errors import SoapError
+
+RUN = RunConfig(steps=3, lr=1e-2, progress=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group():
+    init_single_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+def test_bf16_autocast_trains_close_to_fp32():
+    fp32 = train(make_plan("llama", micro_batch=4), RUN).losses
+    bf16 = train(make_plan("llama", micro_batch=4, precision="bf16"), RUN).losses
+    assert bf16 != fp32
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+
+
+def test_fp16_trains_with_a_gradient_scaler():
+    losses = train(make_plan("gpt2", micro_batch=4, precision="fp16"), RUN).losses
+    assert all(np.isfinite(losses))
+
+
+def test_fp8_without_a_capable_gpu_is_refused():
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine can run fp8")
+    with pytest.raises(SoapError, match="fp8 needs a GPU"):
+        train(make_plan("llama", micro_batch=4, precision="fp8"), RUN)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
+def test_adamw8bit_without_bitsandbytes_is_refused():
+    with pytest.raises(SoapError, match="bitsandbytes"):
+        train(make_plan("llama", micro_batch=4, optimizer="adamw8bit"), RUN)
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "sgd"])
+def test_planned_optimizer_trains(optimizer):
+    losses = train(make_plan("llama", micro_batch=4, optimizer=optimizer), RUN).losses
+    assert len(set(losses)) == 3 and all(np.isfinite(losses))
+
+
+def test_token_file_batches_are_consecutive_windows(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    source = TokenSource(vocab_size=1000, global_batch=2, seq_len=8, task="causal-lm", seed=0, data_file=str(path))
+    step1 = source.batch_for_step(1)
+    assert step1.input_ids[0].tolist() == list(range(18, 26))
+    assert step1.labels[1].tolist() == list(range(28, 36))
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(100))
+    with pytest.raises(SoapError, match="vocab size 50"):
+        TokenSource(vocab_size=50, global_batch=1, seq_len=8, task="causal-lm", seed=0, data_file=str(path))
+
+
+def test_masked_lm_labels_only_the_masked_positions():
+    batch = TokenSource(vocab_size=96, global_batch=8, seq_len=64, task="masked-lm", seed=3).batch_for_step(0)
+    labelled = batch.labels != IGNORE
+    assert (batch.input_ids[labelled] == 95).all()  # min(103, vocab - 1) is the mask id
+    assert 0.05 < labelled.float().mean() < 0.3
+
+
+def test_scaled_losses_sum_to_the_global_mean_over_any_split():
+    """The loss normalization: micro-batch and rank shards of a batch give back its global mean."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 8, 10), torch.randint(0, 10, (4, 8))
+    labels[0, :3] = IGNORE
+    n = int((labels != IGNORE).sum())
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+    loss = ScaledTokenLoss()
+    loss.set_step(num_labels=n, ranks_averaging=2)
+    per_rank = []
+    for dp_rank in range(2):
+        shard = Slicer(dp_rank=dp_rank, per_rank=2, cp_rank=0, cp=1)
+        local_logits, local_labels = shard.local(logits), shard.local(labels)
+        per_rank.append(sum(loss(local_logits[i:i + 1], local_labels[i:i + 1]) for i in range(2)))
+    assert (sum(per_rank) / 2).item() == pytest.approx(expected.item(), rel=1e-6)
