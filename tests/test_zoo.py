@@ -46,6 +46,20 @@ def test_zoo_model_is_captured_exactly(model_type):
         assert graph.activation_bytes == pytest.approx(saved, rel=0.15)
 
 
+@pytest.mark.parametrize("model_type", sorted(ZOO))
+def test_dispatch_front_end_agrees_with_export(model_type):
+    config = without_dropout(zoo_config(model_type))
+    spec = resolve_spec(config)
+    seq = 32 if spec.task != "image-cls" else default_seq_len(config, spec.task)
+    exported = tracer.trace(config, batch=2, seq_len=seq, frontend="export")
+    dispatched = tracer.trace(config, batch=2, seq_len=seq, frontend="dispatch")
+    assert dispatched.frontend == "dispatch" and dispatched.params_total == exported.params_total
+    assert dispatched.fwd_flops == exported.fwd_flops and dispatched.bwd_flops == exported.bwd_flops
+    assert [b.id for b in dispatched.blocks] == [b.id for b in exported.blocks]
+    if model_type not in SAVED_KNOWN_DEVIATIONS:
+        assert dispatched.activation_bytes == pytest.approx(exported.activation_bytes, rel=0.10)
+
+
 def test_zoo_covers_the_required_architectures():
     required = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox",
                 "gptj", "bloom", "opt", "falcon", "bert", "roberta", "deberta-v2", "electra", "distilbert", "t5",
