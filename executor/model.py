@@ -1,7 +1,7 @@
 """Model building and materialization: the plan's config -> a meta model -> each rank's real shards.
 
-Building. The model is built on the meta device from the plan's inline HF config and task
-(`build_meta_model`), then *normalized* (`normalize_for_tp`): modules that DTensor's parallel styles
+Building. The model is built on the meta device from the plan's inline HF config and task by the
+tracer's builder (`build_meta_model`), then *normalized* (`normalize_for_tp`): modules that DTensor's parallel styles
 cannot shard are rewritten into `nn.Linear`s, in every layout alike so that parameter names and
 shapes never depend on the layout. Today that is GPT-2's `Conv1D` (weight stored transposed), and its
 fused `c_attn` projection, which becomes a `FusedQKV` of three Linears (`q`, `k`, `v`) whose outputs
@@ -33,18 +33,14 @@ from torch import nn
 
 from tracer.errors import SoapError
 
-TASK_AUTO_CLASSES = {
-    "causal-lm": "AutoModelForCausalLM",
-    "masked-lm": "AutoModelForMaskedLM",
-    "seq-cls": "AutoModelForSequenceClassification",
-    "seq2seq-lm": "AutoModelForSeq2SeqLM",
-}
 TRAINABLE_TASKS = ("causal-lm", "masked-lm")
 
 
 def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
-    """The plan's model on the meta device (no memory), normalized for tensor parallelism."""
+    """The plan's model on the meta device (no memory), through the tracer's builder, normalized for TP."""
     import transformers
+
+    import tracer
 
     if task not in TRAINABLE_TASKS:
         raise SoapError(f"soap execute trains causal-lm and masked-lm models, not {task}; re-plan with --task causal-lm")
@@ -57,9 +53,7 @@ def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
     except ValueError as exc:
         raise SoapError(f"cannot rebuild the {model_type} config from the plan: {exc}") from None
     hf_config.use_cache = False
-    auto = getattr(transformers, TASK_AUTO_CLASSES[task])
-    with torch.device("meta"):
-        model = auto.from_config(hf_config, dtype=torch.float32)
+    model = tracer.build_model(tracer.resolve_spec(hf_config, task=task), device="meta")
     normalize_for_tp(model)
     return model
 
