@@ -65,8 +65,8 @@ def real_step(config, task: str, batch: int, seq_len: int, *, seed: int = 0):
             saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
         return t
 
-    if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
-        model.set_experts_implementation("eager")  # real routing; batched_mm would save gathered weights
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")  # the reference loop over experts, with real routing
     counter = fc.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
     # The fused CPU kernel, whose backward flop_counter prices as the tracer does (the math fallback
     # decomposes into bmms whose backward costs 2x forward instead of SDPA's 2.5x).

@@ -120,14 +120,15 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     from tracer.inputs import example_inputs
 
     torch_dtype = getattr(torch, dtype)
-    full = build_model(spec, device="meta", dtype=torch_dtype)
+    full = build_model(spec, device="meta", dtype=torch_dtype, static_moe=True)
     _check_learned_positions(full, spec.name, seq_len)
     params_total = sum(p.numel() for p in full.parameters())
     params_trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
     types = block_types(full)
     depth = layers_to_trace(types)
     truncatable = spec.module is None and types and depth < max(len(t.indices) for t in types)
-    model = build_model(spec, device="meta", num_layers=depth, dtype=torch_dtype) if truncatable else full
+    model = build_model(spec, device="meta", num_layers=depth, dtype=torch_dtype, static_moe=True) \
+        if truncatable else full
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)

@@ -45,11 +45,14 @@ def _sub_configs(config: Any) -> list[Any]:
     return [v for v in vars(config).values() if isinstance(v, PretrainedConfig)]
 
 
-def build_model(spec: ModelSpec, *, device: Any = "meta", num_layers: int | None = None, dtype: Any = None) -> Any:
+def build_model(spec: ModelSpec, *, device: Any = "meta", num_layers: int | None = None, dtype: Any = None,
+                static_moe: bool = False) -> Any:
     """Build `spec`'s model for its task on `device` (meta by default: no memory is allocated).
 
     `num_layers` truncates every layer stack to that many layers (for tracing a few and scaling);
-    `dtype` is the parameter dtype (default float32). A user module is returned as given (or as its
+    `dtype` is the parameter dtype (default float32). `static_moe=True` (the tracer's choice) builds
+    mixture-of-experts layers with transformers' `batched_mm` experts, whose routing has no
+    data-dependent shapes; training keeps the model's default experts implementation. A user module is returned as given (or as its
     factory builds it) when already on `device` in `dtype`, else as a moved copy; it cannot be truncated.
     """
     import torch
@@ -62,7 +65,7 @@ def build_model(spec: ModelSpec, *, device: Any = "meta", num_layers: int | None
     config = spec.config if num_layers is None else truncated_config(spec.config, num_layers)
     kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "dtype": dtype or torch.float32}
     cls = auto_class_for(spec.task)
-    if _is_moe(config):
+    if static_moe and _is_moe(config):
         # Static routing: every token visits its top-k experts through batched matmuls, so capture on meta
         # needs no data-dependent control flow and the FLOPs are exactly those of top-k routing.
         kwargs["experts_implementation"] = "batched_mm"
