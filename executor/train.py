@@ -3,8 +3,8 @@
 Per step: the global batch of the step (`executor.data`), this rank's slice of it, forward/backward
 over the plan's micro-batches (a loop with pp == 1, the pipeline schedule `grad_accum` times with
 pp > 1), the optimizer step, then the loss (all-reduced), the step time (wall clock, synchronized on
-CUDA), tokens/s and peak memory (CUDA max allocated, or the process's peak RSS on the CPU; max over
-ranks). Rank 0 shows a progress bar on stderr and, at the end, measured against predicted.
+CUDA) and tokens/s; at the end each rank's peak memory (CUDA max allocated, or the process's peak RSS
+on the CPU), gathered; `peak_memory_gib` is their max. Rank 0 shows a progress bar on stderr and, at the end, measured against predicted.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class RunResult:
     losses: list[float]
     step_times_s: list[float]
     tokens_per_step: int
-    peak_memory_gib: float
+    peak_memory_per_rank_gib: list[float]
     memory_source: str
     predicted_step_time_s: float | None
     predicted_peak_memory_gib: float | None
@@ -78,7 +78,8 @@ class RunResult:
             "step_times_s": self.step_times_s,
             "tokens_per_s": self.tokens_per_step / self.step_time_s if self.step_time_s else 0.0,
             "predicted_step_time_s": self.predicted_step_time_s,
-            "peak_memory_gib": self.peak_memory_gib,
+            "peak_memory_gib": max(self.peak_memory_per_rank_gib),
+            "peak_memory_per_rank_gib": self.peak_memory_per_rank_gib,
             "peak_memory_source": self.memory_source,
             "predicted_peak_memory_gib": self.predicted_peak_memory_gib,
             "first_step": self.first_step,
@@ -105,7 +106,8 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
     start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers) if config.resume else 0
     losses: list[float] = []
     times: list[float] = []
-    with _progress(config.progress and dist.get_rank() == 0, config.steps, start) as advance:
+    tokens = plan.global_batch * plan.seq_len
+    with _progress(config.progress and dist.get_rank() == 0, config.steps, start, tokens) as advance:
         for step in range(start, config.steps):
             begin = _now(device)
             loss = train_step(parallel, optimizers, loss_fn, source.batch_for_step(step), slicer, device)
@@ -119,7 +121,7 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
     memory, memory_source = _peak_memory_gib(device)
     return RunResult(
         losses=losses, step_times_s=times, tokens_per_step=plan.global_batch * plan.seq_len,
-        peak_memory_gib=memory, memory_source=memory_source,
+        peak_memory_per_rank_gib=memory, memory_source=memory_source,
         predicted_step_time_s=plan.predicted.get("step_time_s"),
         predicted_peak_memory_gib=plan.predicted.get("peak_memory_gib"),
         parallelism=p.model_dump(), first_step=start,
@@ -192,18 +194,20 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _peak_memory_gib(device: torch.device) -> tuple[float, str]:
+def _peak_memory_gib(device: torch.device) -> tuple[list[float], str]:
+    """Every rank's peak memory (GiB), gathered on all ranks."""
     if device.type == "cuda":
         value, source = torch.cuda.max_memory_allocated(device) / 2**30, "cuda max_memory_allocated"
     else:
         value, source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process peak RSS"
-    peak = torch.tensor(value, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return float(peak), source
+    where = device if device.type == "cuda" else "cpu"
+    peaks = [torch.zeros((), dtype=torch.float64, device=where) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor(value, dtype=torch.float64, device=where))
+    return [float(p) for p in peaks], source
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool, steps: int, start: int) -> Any:
+def _progress(enabled: bool, steps: int, start: int, tokens_per_step: int) -> Any:
     if not enabled:
         yield lambda *args: None
         return
@@ -215,6 +219,7 @@ def _progress(enabled: bool, steps: int, start: int) -> Any:
         task = bar.add_task("train", total=steps, completed=start, status="")
 
         def advance(step: int, loss: float, seconds: float) -> None:
-            bar.update(task, advance=1, status=f"loss {loss:.4f}  {seconds * 1e3:.0f} ms/step")
+            bar.update(task, advance=1, status=f"loss {loss:.4f}  {seconds * 1e3:.0f} ms/step  "
+                                                f"{tokens_per_step / seconds:,.0f} tok/s")
 
         yield advance
