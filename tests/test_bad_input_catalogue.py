@@ -230,6 +230,12 @@ def test_debug_shows_the_traceback_and_the_default_does_not(tmp_path):
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+def _shown(arg: str, tmp: str) -> str:
+    if tmp in arg:
+        return "…/" + Path(arg).name
+    return arg if len(arg) <= 40 else f"{arg[:3]}…({len(arg)} characters)"
+
+
 def catalogue_markdown() -> str:
     """The catalogue with today's error line of every case (for docs/reliability.md)."""
     import tempfile
@@ -239,8 +245,9 @@ def catalogue_markdown() -> str:
         with tempfile.TemporaryDirectory() as tmp:
             argv = case.argv(Path(tmp))
             code, _, err = cli(argv)
-            shown = " ".join(a if tmp not in a else "…/" + Path(a).name for a in argv[:6])
+            shown = " ".join(_shown(a, tmp) for a in argv)
             line = " / ".join(x for x in err.strip().splitlines() if x.strip()).replace(tmp, "…").replace("|", "\\|")
+            line = line.replace("x" * 300, "x…x")
             status = f" **(open: {case.missing})**" if case.missing else ""
             rows.append(f"| {case.name}{status} | `soap {shown}` | `{line}` ({code}) |")
     return "\n".join(rows) + "\n"
