@@ -97,7 +97,7 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
         results = elastic_launch(config, _worker)(plan.to_json(), run)
     except ChildFailedError as exc:
         first = next(iter(exc.failures.values()))
-        raise SoapError(f"a worker failed (rank {first.rank}, exit code {first.exitcode}); its error is above. "
+        raise SoapError(f"a worker failed (rank {first.global_rank}, exit code {first.exitcode}); its error is above. "
                         "Fix it and rerun, or add --debug") from None
     result = results.get(0)
     if isinstance(result, dict) and "error" in result:
