@@ -96,8 +96,8 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
     try:
         results = elastic_launch(config, _worker)(plan.to_json(), run)
     except ChildFailedError as exc:
-        first = next(iter(exc.failures.values()))
-        raise SoapError(f"a worker failed (rank {first.global_rank}, exit code {first.exitcode}); its error is above. "
+        rank, first = next(iter(exc.failures.items()))  # keyed by global rank
+        raise SoapError(f"a worker failed (rank {rank}, exit code {first.exitcode}); its error is above. "
                         "Fix it and rerun, or add --debug") from None
     result = results.get(0)
     if isinstance(result, dict) and "error" in result:
