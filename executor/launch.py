@@ -71,6 +71,8 @@ def run_plan(plan: Plan, run: Any, launch: LaunchOptions) -> dict[str, Any] | No
     if min_nodes != max_nodes and plan.world_size % min_nodes:
         raise SoapError(f"elastic --nnodes {launch.nnodes}: the plan's {plan.world_size} ranks are fixed; "
                         "pass a fixed node count")
+    if launch.nproc_per_node is not None and launch.nproc_per_node < 1:
+        raise SoapError(f"--nproc-per-node {launch.nproc_per_node}: need at least 1 worker per node")
     nproc = launch.nproc_per_node or max(1, plan.world_size // max_nodes)
     check_world_size(plan, nproc * max_nodes)
     return _elastic(plan, run, launch, nproc, min_nodes, max_nodes)
