@@ -37,7 +37,7 @@ import numpy as np
 from tracer.errors import SoapError
 
 TERMS = ("compute", "kernel_overhead", "communication")
-PRIOR_WEIGHT = 1e-3
+PRIOR_WEIGHT = 1e-6
 MULTIPLIER_RANGE = (1e-2, 1e2)
 
 

@@ -1,0 +1,195 @@
+"""soap validate's harness: metrics, the wrong-profile check, the runs log and the refit from runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from costmodel.calibrate_runs import Multipliers, StepParts, fit_multipliers
+from executor.validation_metrics import Comparison, kendall_tau, mape, summarize
+
+
+def test_kendall_tau_counts_concordant_and_discordant_pairs():
+    # pairs of [1,2,3,4] vs [1,3,2,4]: 5 concordant, 1 discordant (2,3 swapped) -> 4/6
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_kendall_tau_b_discounts_ties():
+    # 4 concordant, 0 discordant, one tie in each ranking: 4 / sqrt((6-1)(6-1)) = 0.8
+    assert kendall_tau([1, 2, 2, 3], [1, 2, 3, 3]) == pytest.approx(0.8)
+    assert math.isnan(kendall_tau([1, 1, 1], [1, 2, 3]))
+
+
+def test_mape_is_the_mean_absolute_relative_error():
+    assert mape([110, 90, 200], [100, 100, 100]) == pytest.approx(40.0)
+    rows = [Comparison("a", 0.11, 0.10, 90, 100), Comparison("b", 0.30, 0.20, 100, 100)]
+    s = summarize(rows)
+    assert (s.step_mape_pct, s.memory_mape_pct, s.step_kendall_tau) == pytest.approx((30.0, 5.0, 1.0))
+    assert rows[0].step_error_pct == pytest.approx(10.0)
+
+
+def test_refit_recovers_known_multipliers_from_synthetic_runs():
+    rng = np.random.default_rng(0)
+    truth = Multipliers(compute=2.5, kernel_overhead=1.6, communication=0.4)
+    runs = []
+    for _ in range(12):
+        c, k, m = rng.uniform(0.05, 0.3), rng.uniform(0.005, 0.05), rng.uniform(0.0, 0.1)
+        parts = StepParts(compute_s=c, kernel_overhead_s=k, communication_s=m, measured_s=0.0)
+        runs.append(replace(parts, measured_s=truth.predict(parts)))
+    fitted = fit_multipliers(runs)
+    assert fitted.compute == pytest.approx(truth.compute, rel=0.02)
+    assert fitted.kernel_overhead == pytest.approx(truth.kernel_overhead, rel=0.05)
+    assert fitted.communication == pytest.approx(truth.communication, rel=0.05)
+
+
+def test_refit_keeps_an_unexercised_term_at_one():
+    runs = [StepParts(compute_s=c, kernel_overhead_s=0.0, communication_s=0.0, measured_s=3 * c) for c in (0.1, 0.2)]
+    fitted = fit_multipliers(runs)
+    assert fitted.compute == pytest.approx(3.0, rel=0.01)
+    assert fitted.communication == pytest.approx(1.0, abs=1e-6)
+
+
+def _append_many(path: str, worker: int) -> None:
+    from executor.runs_log import append_run
+
+    for i in range(40):
+        append_run({"step_time_s": 0.1 + i, "losses": [1.0] * 200}, path, name=f"w{worker}-{i}")
+
+
+def test_runs_log_appends_whole_lines_from_concurrent_writers(tmp_path, monkeypatch):
+    from executor.runs_log import read_runs, runs_log_path
+
+    log = tmp_path / "runs.jsonl"
+    procs = [mp.get_context("fork").Process(target=_append_many, args=(str(log), w)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    lines = log.read_text().splitlines()
+    assert len(lines) == 160 and all(json.loads(line)["step_time_s"] > 0 for line in lines)
+    monkeypatch.setenv("SOAP_RUNS_LOG", str(log))
+    assert runs_log_path() == log and len(read_runs()) == 160
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    """Two suite plans (data and tensor parallel) built on the shipped local-cpu profile."""
+    from costmodel.profiles import load_cluster
+    from executor.validation_suite import build_case, suite_cases
+
+    cluster = load_cluster("local-cpu")
+    graphs: dict = {}
+    cases = [c for c in suite_cases() if c.name in ("gpt2 ddp", "llama tp", "llama fsdp zero3")]
+    return cluster, graphs, [build_case(c, cluster, graphs) for c in cases]
+
+
+def _recorded(built):
+    """Measurements as the right profile predicts them (a machine the profile describes exactly)."""
+    from executor.validation import predicted_memory_bytes
+    from executor.validation_run import Measurement
+
+    return [Measurement(step_time_s=b.result.step_time_s, step_times_s=(b.result.step_time_s,) * 3,
+                        peak_memory_bytes=predicted_memory_bytes(b.result), memory_source="recorded",
+                        losses=()) for b in built]
+
+
+def test_harness_reports_a_large_error_for_a_profile_with_halved_bandwidth(simulated):
+    from executor.validation import compare_runs
+    from executor.validation_suite import build_case
+
+    cluster, graphs, built = simulated
+    measured = _recorded(built)
+    right = compare_runs(built, measured)
+    assert right.summary.step_mape_pct == pytest.approx(0.0, abs=1e-9)
+
+    def halve(link):
+        return replace(link, bandwidth=link.bandwidth / 2)
+
+    wrong = replace(cluster, intra_node=halve(cluster.intra_node), inter_node=halve(cluster.inter_node))
+    report = compare_runs([build_case(b.case, wrong, graphs) for b in built], measured)
+    errors = {r.name: r.step_error_pct for r in report.rows}
+    assert all(e > 0 for e in errors.values())  # slower links predict slower steps
+    assert errors["llama tp"] > 10.0  # tensor parallelism communicates every layer
+    assert report.summary.step_mape_pct > 5.0
+
+
+def test_harness_reports_a_large_error_for_a_profile_with_halved_compute(simulated):
+    from executor.validation import compare_runs
+    from executor.validation_suite import build_case
+
+    cluster, graphs, built = simulated
+    device = cluster.device
+    slow = replace(cluster, device=replace(device, peak_flops={k: v / 2 for k, v in device.peak_flops.items()},
+                                           memory_bandwidth=device.memory_bandwidth / 2))
+    report = compare_runs([build_case(b.case, slow, graphs) for b in built], _recorded(built))
+    assert report.summary.step_mape_pct > 40.0
+    assert report.summary.memory_mape_pct == pytest.approx(0.0, abs=1e-9)
+
+
+def test_calibrate_from_runs_writes_a_profile_that_predicts_the_logged_runs(simulated, tmp_path, capsys):
+    from costmodel.profiles import load_cluster
+    from executor.runs_log import append_run
+    from executor.validation_suite import build_case
+    from soap.cli import main
+
+    cluster, graphs, built = simulated
+    log = tmp_path / "runs.jsonl"
+    for b in built:  # this machine ran every plan 1.8x slower than predicted
+        append_run({"step_time_s": 1.8 * b.result.step_time_s}, log, plan=b.plan, name=b.case.name)
+    out = tmp_path / "refit.json"
+    assert main(["calibrate", "--from-runs", str(log), "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["runs"] == 3 and summary["fit_mape_after_pct"] < 2.0 < summary["fit_mape_before_pct"]
+    refit = load_cluster(str(out))
+    for b in built:
+        assert build_case(b.case, refit, graphs).result.step_time_s == pytest.approx(1.8 * b.result.step_time_s, rel=0.05)
+
+
+def test_validate_on_cuda_without_a_gpu_is_a_clear_error(capsys):
+    import torch
+
+    from soap.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["validate", "--device", "cuda"]) == 2
+    assert "error: --device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_one_real_run_is_measured_logged_and_compared(tmp_path):
+    from executor.runs_log import read_runs
+    from executor.validation import ValidationConfig, run_validation
+    from executor.validation_suite import suite_cases
+
+    case = next(c for c in suite_cases() if c.name == "llama tp")
+    case = replace(case, seq_len=64, train={"micro_batch": 1})
+    log = tmp_path / "runs.jsonl"
+    report = run_validation(ValidationConfig(steps=2, runs_log=str(log), cases=(case,)))
+    assert not report.failed, report.failed
+    row = report.rows[0]
+    assert row.measured_step_s > 0 and row.measured_memory_bytes > 0 and row.predicted_memory_bytes > 0
+    (record,) = read_runs(log)
+    assert record["name"] == "llama tp" and record["plan"]["parallelism"]["tp"] == 2
+    assert len(record["step_times_s"]) == 2 and all(math.isfinite(x) for x in record["losses"])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_validate_quick_on_cuda_with_nccl(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from executor.validation import ValidationConfig, run_validation
+
+    report = run_validation(ValidationConfig(device="cuda", quick=True, steps=3, runs_log=str(tmp_path / "r.jsonl"),
+                                             cluster="local-cpu"))
+    assert report.rows and not report.failed
+    assert all(r.measured_memory_bytes > 0 for r in report.rows)
