@@ -38,11 +38,11 @@ def main() -> None:
     from executor.validation_refit import refit_cluster
     from executor.validation_suite import build_case
 
-    with tempfile.TemporaryDirectory() as tmp:
-        log = os.path.join(tmp, "runs.jsonl")
-        config = ValidationConfig(steps=args.steps, quick=args.quick, runs_log=log)
-        report = run_validation(config, log=lambda m: print(m, file=sys.stderr))
-        records = {r["name"]: r for r in read_runs(log)}
+    log = os.path.join(tempfile.gettempdir(), "soap-validate-suite-runs.jsonl")
+    Path(log).unlink(missing_ok=True)
+    config = ValidationConfig(steps=args.steps, quick=args.quick, runs_log=log)
+    report = run_validation(config, log=lambda m: print(m, file=sys.stderr))
+    records = {r["name"]: r for r in read_runs(log)}
     scatter_png(report.rows, report.summary, DOCS / "validation.png",
                 title="soap validate: local-cpu profile as calibrated (2 gloo ranks)")
 

@@ -38,7 +38,7 @@ from tracer.errors import SoapError
 
 TERMS = ("compute", "kernel_overhead", "communication")
 PRIOR_WEIGHT = 1e-6
-MULTIPLIER_RANGE = (1e-2, 1e2)
+MULTIPLIER_RANGE = (1e-3, 1e3)
 
 
 @dataclass(frozen=True)
