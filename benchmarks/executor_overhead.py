@@ -4,10 +4,11 @@ Both run in one spawned group of 2 gloo ranks (one thread each), on the same mod
 hidden 256, 4 layers, vocab 4096), batch (4 sequences of 128 tokens per rank) and optimizer (AdamW,
 foreach), for DDP and FSDP2 (zero 3). The hand-written loop does what a careful user's does: random
 token batch, forward, cross-entropy, backward, optimizer step, and an all-reduce of the loss for
-logging. The two alternate round by round; each reports the median step time over its steps after
-warm-up, and the table gives soap / hand (target <= 1.05).
+logging. The two alternate, and which of them runs first alternates from round to round; each run
+reports the median step time over its steps after warm-up; the table gives the median over rounds
+and soap / hand (target <= 1.05).
 
-    flock -x /tmp/soap-cpu.lock python benchmarks/executor_overhead.py [--steps 12] [--rounds 3]
+    flock -x /tmp/soap-cpu.lock python benchmarks/executor_overhead.py [--steps 12] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def _worker(rank: int, store: str, steps: int, rounds: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     medians: dict[tuple[str, str], list[float]] = {}
-    for _ in range(rounds):
+    runners = [("hand", _hand_written), ("soap", _soap)]
+    for round_index in range(rounds):
         for layout in LAYOUTS:
-            for name, fn in (("hand", _hand_written), ("soap", _soap)):
+            for name, fn in runners[::-1] if round_index % 2 else runners:  # alternate who runs first
                 times = fn(layout, steps)[WARMUP:]
                 medians.setdefault((layout, name), []).append(statistics.median(times))
     if rank == 0:
@@ -100,17 +102,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     out, store = tempfile.mktemp(), tempfile.mktemp()
     mp.spawn(_worker, args=(store, args.steps, args.rounds, out), nprocs=2)
     medians = {tuple(k.split("|")): v for k, v in json.loads(Path(out).read_text()).items()}
-    rows = ["| layout | hand-written step (ms) | soap execute step (ms) | ratio soap / hand |",
-            "| --- | ---: | ---: | ---: |"]
+    rows = ["| layout | hand-written step (ms) | soap execute step (ms) | ratio soap / hand | ratio per round |",
+            "| --- | ---: | ---: | ---: | --- |"]
     for layout in LAYOUTS:
         hand = statistics.median(medians[(layout, "hand")])
         soap = statistics.median(medians[(layout, "soap")])
-        rows.append(f"| {layout} | {hand * 1e3:.1f} | {soap * 1e3:.1f} | {soap / hand:.3f} |")
+        per_round = ", ".join(f"{s / h:.2f}" for h, s in zip(medians[(layout, "hand")], medians[(layout, "soap")]))
+        rows.append(f"| {layout} | {hand * 1e3:.1f} | {soap * 1e3:.1f} | {soap / hand:.3f} | {per_round} |")
     body = (
         f"2 gloo ranks x 1 thread; Llama hidden 256, 4 layers, vocab 4096; {MICRO_BATCH} x {SEQ} tokens per rank; "
         f"AdamW (foreach); median step time after {WARMUP} warm-up steps, {args.steps} steps, median of "
