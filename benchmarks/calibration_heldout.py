@@ -18,27 +18,26 @@ def main() -> None:
     parts = []
     for title, errors in (("Kernels (op_time)", result.kernel_errors), ("Collectives (collective_time)", result.comm_errors)):
         lines = [f"**{title}**", "",
-                 "| family | held-out points | median abs err % | max abs err % | median with recorded residual % |",
-                 "|---|---:|---:|---:|---:|"]
-        for s, c in zip(summarize(errors), summarize(errors, corrected=True)):
+                 "| family | held-out points | median abs err % | max abs err % |",
+                 "|---|---:|---:|---:|"]
+        for s in summarize(errors):
             name = f"**{s.family}**" if s.family == "all" else s.family
-            lines.append(f"| {name} | {s.points} | {s.median_abs_pct:.1f} | {s.max_abs_pct:.1f} | {c.median_abs_pct:.1f} |")
+            lines.append(f"| {name} | {s.points} | {s.median_abs_pct:.1f} | {s.max_abs_pct:.1f} |")
         parts.append("\n".join(lines))
-    residual_mm = result.device_json["matmul_efficiency"]["fit"]["residual_by_family"]
-    residual_mem = result.device_json["memory_efficiency"]["fit"]["residual_by_family"]
-    residual_comm = result.cluster_json["links"]["intra_node"]["efficiency"]["fit"]["residual_by_collective"]
+    kernel_keys = sorted(result.device_json.get("kernel_factors", {}).get("factors", {}))
+    comm_keys = sorted(result.cluster_json["links"]["intra_node"].get("collective_factors", {}).get("factors", {}))
     body = (
         "Every third point of each sweep (shapes, message sizes) is held out; the profile is fitted on the rest "
         "(one torch thread per rank, each case the faster of two rounds; curves shaped by fp32 matmuls and fp32 "
         "add/mul; collectives on gloo, 2 and 4 ranks, one link level). Predictions go through the simulator's "
         "`op_time` and `collective_time`. Target: median ≤ 15%.\n\n"
-        "The last column multiplies each prediction by the median measured/predicted ratio of its family "
-        "(kernels: family/precision; collectives: kind/ranks) on the fit set, which the profile records under "
-        "`fit.residual_by_family` / `fit.residual_by_collective`; the cost model does not read them (yet), so "
-        "this column is what such a per-family factor would give, not what soap predicts today.\n\n"
+        "Besides the shared curves, the profile carries factor curves fitted on the fit split only and read by "
+        "the cost model: `kernel_factors` per kernel class and precision (device) and `collective_factors` per "
+        "collective and group size (link); each is a time multiplier against size (see `costmodel/opcost.py`, "
+        "`costmodel/collectives.py`).\n\n"
         + "\n\n".join(parts)
-        + f"\n\nRecorded residuals (measured/predicted): kernels {dict(**residual_mm, **residual_mem)}; "
-        f"collectives {residual_comm}."
+        + f"\n\nFitted factor curves: kernels {', '.join(f'`{k}`' for k in kernel_keys) or 'none'}; "
+        f"collectives {', '.join(f'`{k}`' for k in comm_keys) or 'none'}."
     )
     update_section("calibration_heldout", "Calibration: held-out microbenchmark error (local-cpu)", body)
     for s in summarize(result.kernel_errors) + summarize(result.comm_errors):

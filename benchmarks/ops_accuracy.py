@@ -10,7 +10,6 @@ The prediction is `costmodel.opcost.op_time` on the traced OpNode itself (forwar
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 
@@ -19,9 +18,8 @@ import torch.nn.functional as F
 
 from benchmarks.report import update_section
 from costmodel.microbench import TimingConfig, time_kernel
-from costmodel.opcost import op_time
-from costmodel.calibrate_device import residual_factor
-from costmodel.profiles import PROFILES_DIR, load_device
+from costmodel.opcost import kernel_class, op_time
+from costmodel.profiles import load_device
 from tracer.ir import OpGraph, OpKind, OpNode
 
 KINDS = {OpKind.MATMUL, OpKind.ATTENTION, OpKind.NORM, OpKind.SOFTMAX, OpKind.ELEMENTWISE}
@@ -82,7 +80,6 @@ def kernel_for(op: OpNode) -> Callable[[], object] | None:
 
 def measure(graphs: list[tuple[str, OpGraph]]) -> list[dict]:
     device = load_device("local-cpu")
-    device_json = json.loads((PROFILES_DIR / "devices" / "local-cpu.json").read_text())
     timing = TimingConfig()
     rows, seen = [], set()
     torch.set_num_threads(1)
@@ -97,40 +94,35 @@ def measure(graphs: list[tuple[str, OpGraph]]) -> list[dict]:
             seen.add(key)
             measured = time_kernel(call, "cpu", timing)
             predicted = op_time(op, device=device, precision="fp32", micro_batch=graph.batch, batch_traced=graph.batch).fwd_s
-            corrected = predicted * residual_factor(device_json, f"{op.kind.value}/fp32")
-            rows.append({"model": model, "op": op.name, "kind": op.kind.value, "target": op.target,
+            rows.append({"model": model, "op": op.name, "kind": op.kind.value, "class": kernel_class(op), "target": op.target,
                          "shapes": " ".join("x".join(map(str, t.shape)) for t in op.inputs),
                          "measured_us": measured * 1e6, "predicted_us": predicted * 1e6,
-                         "err": abs(predicted - measured) / measured * 100,
-                         "err_c": abs(corrected - measured) / measured * 100})
+                         "err": abs(predicted - measured) / measured * 100})
     return rows
 
 
 def main() -> None:
     rows = measure(tiny_graphs())
-    lines = ["| model | op | kind | input shapes | measured µs | predicted µs | abs err % | with residual % |",
-             "|---|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | op | kind | class | input shapes | measured µs | predicted µs | abs err % |",
+             "|---|---|---|---|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} | `{r['op']}` ({r['target']}) | {r['kind']} | {r['shapes']} | "
-                     f"{r['measured_us']:.1f} | {r['predicted_us']:.1f} | {r['err']:.1f} | {r['err_c']:.1f} |")
-    summary = ["| kind | ops | median abs err % | median with recorded residual % |", "|---|---:|---:|---:|"]
-    for kind in sorted({r["kind"] for r in rows}):
-        sel = [r for r in rows if r["kind"] == kind]
-        summary.append(f"| {kind} | {len(sel)} | {statistics.median(r['err'] for r in sel):.1f} | "
-                       f"{statistics.median(r['err_c'] for r in sel):.1f} |")
+        lines.append(f"| {r['model']} | `{r['op']}` ({r['target']}) | {r['kind']} | {r['class']} | {r['shapes']} | "
+                     f"{r['measured_us']:.1f} | {r['predicted_us']:.1f} | {r['err']:.1f} |")
+    summary = ["| kernel class | ops | median abs err % |", "|---|---:|---:|"]
+    for cls in sorted({r["class"] for r in rows}):
+        sel = [r for r in rows if r["class"] == cls]
+        summary.append(f"| {cls} | {len(sel)} | {statistics.median(r['err'] for r in sel):.1f} |")
     overall = statistics.median(r["err"] for r in rows)
-    overall_c = statistics.median(r["err_c"] for r in rows)
-    summary.append(f"| **all** | {len(rows)} | **{overall:.1f}** | {overall_c:.1f} |")
+    summary.append(f"| **all** | {len(rows)} | **{overall:.1f}** |")
     body = (
         "Distinct ops of tiny GPT-2 (hidden 256, 2 layers) and Llama (hidden 256, 2 layers) traced with "
         "`tracer.trace`, each run as its ATen kernel at the traced shapes (fp32, one thread) and compared with "
-        "`op_time` on the traced OpNode using `profiles/devices/local-cpu.json`. Target: median ≤ 15%. The last "
-        "column multiplies by the profile's recorded measured/predicted ratio for the op's kind at fp32 "
-        "(`fit.residual_by_family`), which `op_time` does not read (yet).\n\n"
+        "`op_time` on the traced OpNode using `profiles/devices/local-cpu.json`, whose `kernel_factors` (per "
+        "kernel class and precision, fitted by `soap calibrate`) `op_time` applies. Target: median ≤ 15%.\n\n"
         + "\n".join(summary) + "\n\n" + "\n".join(lines)
     )
     update_section("ops_accuracy", "Op cost: predicted vs measured on this CPU (local-cpu profile)", body)
-    print(f"ops: {len(rows)}, median abs err {overall:.1f}% (with residuals {overall_c:.1f}%)")
+    print(f"ops: {len(rows)}, median abs err {overall:.1f}%")
 
 
 if __name__ == "__main__":

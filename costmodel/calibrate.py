@@ -27,9 +27,7 @@ from pathlib import Path
 import torch
 
 from costmodel.calibrate_cluster import closed_form_link, cluster_json, refine_link
-from costmodel.calibrate_cluster import residual_factor as comm_residual
 from costmodel.calibrate_device import closed_form_device, family_key, refine_device
-from costmodel.calibrate_device import residual_factor as device_residual
 from costmodel.calibrate_fit import held_out
 from costmodel.calibrate_predict import PointError, predict_comm, predict_kernel
 from costmodel.calibrate_suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
@@ -187,23 +185,18 @@ def _device_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def validate(meas: Measurements, cluster: ClusterSpec, device_json: dict, cluster_json: dict | None
-             ) -> tuple[list[PointError], list[PointError]]:
-    """Held-out kernel and collective points against the profile's predictions (and residual-corrected)."""
+def validate(meas: Measurements, cluster: ClusterSpec, with_comms: bool) -> tuple[list[PointError], list[PointError]]:
+    """Held-out kernel and collective points against the profile's predictions."""
     kernels = []
     for p in meas.kernels:
         if p.is_held_out:
             case = p.sample.case
-            predicted = predict_kernel(case, cluster.device)
-            corrected = predicted * device_residual(device_json, family_key(case))
-            kernels.append(PointError(family_key(case), case.label, p.sample.seconds, predicted, corrected))
+            kernels.append(PointError(family_key(case), case.label, p.sample.seconds, predict_kernel(case, cluster.device)))
     comms = []
     for p in meas.comms:
-        if p.is_held_out and cluster_json is not None:
+        if p.is_held_out and with_comms:
             case = p.sample.case
-            predicted = predict_comm(case, cluster)
-            corrected = predicted * comm_residual(cluster_json, case)
-            comms.append(PointError(case.kind, case.label, p.sample.seconds, predicted, corrected))
+            comms.append(PointError(case.kind, case.label, p.sample.seconds, predict_comm(case, cluster)))
     return kernels, comms
 
 
@@ -269,7 +262,7 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
     spec = load_inline(cluster) if cluster else load_inline(cluster_json(
         name=config.name, description="device only", device_json=device_json, gpus_per_node=1,
         link=_placeholder_link()))
-    kernel_errors, comm_errors = validate(meas, spec, device_json, cluster)
+    kernel_errors, comm_errors = validate(meas, spec, cluster is not None)
     return CalibrationResult(meas, device_json, cluster, tuple(kernel_errors), tuple(comm_errors))
 
 

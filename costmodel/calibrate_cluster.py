@@ -11,20 +11,20 @@ refined through `costmodel.collectives.collective_time` on the fit set (`calibra
 
 A local machine has one link level: `inter_node` carries the same figures as `intra_node`, noted as
 such. What the shared curve cannot express (gloo's algorithms differ per collective and per group size
-on an oversubscribed CPU) is recorded as data: the median measured/predicted ratio per collective and
-group size (`fit.residual_by_collective`, key `kind/n`), which `residual_factor` applies.
+on an oversubscribed CPU) is fitted as data: a factor curve against message bytes per collective and
+group size (`collective_factors`, key `kind/n`, n the group `collective_time` sees: 2 for send/recv),
+on the fit set through `collective_time` (`calibrate_fit.fit_factor_curve`), which reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Sequence
 
-from costmodel.calibrate_fit import alpha_beta, efficiency_points, mean_abs_log_error, refine_knots
-from costmodel.calibrate_predict import predict_comm
+from costmodel.calibrate_fit import alpha_beta, efficiency_points, fit_factor_curve, mean_abs_log_error, refine_knots
+from costmodel.calibrate_predict import comm_group, predict_comm
 from costmodel.microbench_comm import CommSample
-from costmodel.profiles import ClusterSpec, EfficiencyCurve, cluster_from_dict
+from costmodel.profiles import ClusterSpec, EfficiencyCurve, FactorCurve, cluster_from_dict
 
 
 def ring_terms(kind: str, n: int) -> tuple[float, float]:
@@ -37,14 +37,31 @@ def ring_terms(kind: str, n: int) -> tuple[float, float]:
 
 
 def comm_key(case) -> str:
-    """`kind/group size`, the key of a collective's recorded residual."""
-    return f"{case.kind}/{case.group_size}"
+    """`kind/n`, the key of a collective's factor curve (n: the group `collective_time` prices)."""
+    return f"{case.kind}/{comm_group(case).size}"
 
 
-def residual_factor(cluster_json: dict, case) -> float:
-    """The profile's recorded measured/predicted ratio for `case`'s collective and group size (1 if none)."""
-    fit = cluster_json["links"]["intra_node"]["efficiency"].get("fit", {})
-    return fit.get("residual_by_collective", {}).get(comm_key(case), 1.0)
+def with_factors(spec: ClusterSpec, factors: dict[str, tuple[tuple[float, float], ...]]) -> ClusterSpec:
+    """`spec` with these collective factor curves on both link levels."""
+    table = {k: FactorCurve(v) for k, v in factors.items()}
+    return dataclasses.replace(spec, intra_node=dataclasses.replace(spec.intra_node, collective_factors=table),
+                               inter_node=dataclasses.replace(spec.inter_node, collective_factors=table))
+
+
+def fit_collective_factors(spec: ClusterSpec, samples: Sequence[CommSample]) -> dict[str, tuple[tuple[float, float], ...]]:
+    """A factor curve against message bytes per collective and group size, each fitted on its own points."""
+    table = {}
+    for key in sorted({comm_key(s.case) for s in samples}):
+        group = [s for s in samples if comm_key(s.case) == key]
+
+        def price(points, key=key, group=group) -> list[float]:
+            trial = with_factors(spec, {key: points})
+            return [predict_comm(s.case, trial) for s in group]
+
+        curve = fit_factor_curve([s.case.nbytes for s in group], [s.seconds for s in group], price)
+        if curve is not None:
+            table[key] = curve
+    return table
 
 
 def _group(s: CommSample) -> int:
@@ -92,7 +109,8 @@ def cluster_json(*, name: str, description: str, device_json: dict, gpus_per_nod
 
 
 def refine_link(cluster: dict, samples: Sequence[CommSample]) -> dict:
-    """Refine the intra-node latency and efficiency knots through `collective_time`; record residuals."""
+    """Refine the intra-node latency and efficiency knots through `collective_time`; then fit the
+    collective factor curves."""
     base: ClusterSpec = cluster_from_dict(cluster)
     knots = base.intra_node.efficiency.points
     measured = [s.seconds for s in samples]
@@ -110,18 +128,15 @@ def refine_link(cluster: dict, samples: Sequence[CommSample]) -> dict:
     latency = max(base.intra_node.latency_s, 1e-6)
     values = refine_knots([latency, *(e for _, e in knots)], objective,
                           bounds=[(0.0, 100 * latency)] + [(1e-4, 1.0)] * len(knots))
-    spec = spec_for(values)
-    residuals = {}
-    for key in sorted({comm_key(s.case) for s in samples}):
-        ratios = [s.seconds / predict_comm(s.case, spec) for s in samples if comm_key(s.case) == key]
-        residuals[key] = float(f"{statistics.median(ratios):.3g}")
+    factors = fit_collective_factors(spec_for(values), samples)
     link = dict(cluster["links"]["intra_node"])
     source = link["latency_us"]["source"]
     link["latency_us"] = _num(values[0] * 1e6, source)
     link["efficiency"] = {
         **link["efficiency"],
         "points": [[float(x), float(f"{v:.4g}")] for (x, _), v in zip(knots, values[1:])],
-        "fit": {**link["efficiency"]["fit"], "residual_by_collective": residuals},
     }
+    if factors:
+        link["collective_factors"] = {"source": source, "factors": {k: [list(p) for p in v] for k, v in factors.items()}}
     return cluster_json(name=cluster["name"], description=cluster["description"], device_json=cluster["device"],
                         gpus_per_node=cluster["gpus_per_node"], link=link)

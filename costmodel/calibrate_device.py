@@ -8,7 +8,7 @@ From the fit set (held-out points excluded):
 - `matmul_efficiency` (x = FLOPs): closed-form knots refined through `op_time` on the reference
   precision's matmuls. One curve serves every precision, each with its own peak, so the curve follows
   the precision the device trains in (the caller's `reference`): at other precisions small matmuls
-  may run at a different share of their peak, recorded as their residual;
+  may run at a different share of their peak, which their `matmul/<precision>` kernel factor absorbs;
 - `kernel_overhead_us`: the time of a 12-byte add;
 - `host_link_gbps`: a pinned host-to-device copy on a GPU; the memory bandwidth on a CPU, whose host
   memory is its device memory.
@@ -16,24 +16,23 @@ Knots start from `calibrate_fit.efficiency_points` and are refined with `calibra
 
 Kernels the roofline cannot express on a device (on a CPU: transcendental activations, norms and
 softmax are bound by vector arithmetic the tracer does not count as FLOPs; bf16 elementwise kernels by
-conversions) are still measured and validated. What one curve per resource misses is recorded as data:
-the median measured/predicted ratio per family and precision on the fit set, under each curve's
-`fit.residual_by_family` (key `family/precision`, e.g. `elementwise/bf16`). `with_residuals` applies
-them, which the held-out report shows as what a per-family factor in the cost model would give.
+conversions; small bf16 matmuls by a fixed cost) get a factor curve per kernel class and precision
+(`kernel_factors`, key `class/precision` with `opcost.kernel_class`, e.g. `softmax/bf16`), fitted on the
+fit set through `op_time` (`calibrate_fit.fit_factor_curve`) for every class except the two that shape the
+curves (matmul and arithmetic at the reference precision). `op_time` reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Sequence
 
-from costmodel.calibrate_fit import efficiency_points, mean_abs_log_error, refine_knots
+from costmodel.calibrate_fit import efficiency_points, fit_factor_curve, mean_abs_log_error, refine_knots
 from costmodel.calibrate_predict import predict_kernel
 from costmodel.microbench import KernelSample
-from costmodel.profiles import GIB, DeviceProfile, EfficiencyCurve, cluster_from_dict
+from costmodel.opcost import MATMUL_LIKE, kernel_class
+from costmodel.profiles import GIB, DeviceProfile, EfficiencyCurve, FactorCurve, cluster_from_dict
 
-COMPUTE_FAMILIES = ("matmul", "attention")
 MEMORY_REFERENCE_OPS = frozenset({"add", "mul"})
 """The kernels that define the device's memory-bound behaviour."""
 
@@ -103,10 +102,38 @@ def _as_profile(device_json: dict) -> DeviceProfile:
     return cluster_from_dict(cluster).device
 
 
+def factor_key(case) -> str:
+    """`class/precision`: the key of `case`'s kernel factor (`opcost.kernel_class`)."""
+    return f"{kernel_class(case.op_node())}/{case.precision_key}"
+
+
+def fit_kernel_factors(dev: DeviceProfile, samples: Sequence[KernelSample], *, reference: str
+                       ) -> dict[str, tuple[tuple[float, float], ...]]:
+    """A factor curve per kernel class and precision, except the classes that shaped the curves."""
+    groups: dict[str, list[KernelSample]] = {}
+    for s in samples:
+        key = factor_key(s.case)
+        if key not in (f"matmul/{reference}", f"arithmetic/{reference}"):
+            groups.setdefault(key, []).append(s)
+    table = {}
+    for key, group in sorted(groups.items()):
+        nodes = [s.case.op_node() for s in group]
+        xs = [n.fwd_flops if n.kind in MATMUL_LIKE else n.bytes_moved for n in nodes]
+
+        def price(points, key=key, group=group) -> list[float]:
+            trial = dataclasses.replace(dev, kernel_factors={key: FactorCurve(points)})
+            return [predict_kernel(s.case, trial) for s in group]
+
+        curve = fit_factor_curve(xs, [s.seconds for s in group], price)
+        if curve is not None:
+            table[key] = curve
+    return table
+
+
 def refine_device(device_json: dict, samples: Sequence[KernelSample], *, reference: str) -> dict:
     """Refine the curves' knots through `op_time`: the memory curve on the memory-bound reference
-    kernels, then the matmul curve on the matmuls (both at the reference precision); record per-family
-    residuals on every sample."""
+    kernels, then the matmul curve on the matmuls (both at the reference precision); then fit the kernel
+    factor curves of every other class and precision."""
     base = _as_profile(device_json)
     matmuls, memory = _fit_sets(samples, reference)
 
@@ -125,23 +152,12 @@ def refine_device(device_json: dict, samples: Sequence[KernelSample], *, referen
 
     dev = refine(refine(base, "memory_efficiency", memory), "matmul_efficiency", matmuls)
     source = device_json["matmul_efficiency"]["source"]
-    residuals = {}
-    for key in sorted({family_key(s.case) for s in samples}):
-        ratios = [s.seconds / predict_kernel(s.case, dev) for s in samples if family_key(s.case) == key]
-        residuals[key] = float(f"{statistics.median(ratios):.3g}")
-    mm_fit = {"residual_by_family": {k: v for k, v in residuals.items() if k.split("/")[0] in COMPUTE_FAMILIES}}
-    mem_fit = {"residual_by_family": {k: v for k, v in residuals.items() if k.split("/")[0] not in COMPUTE_FAMILIES}}
-    return {
+    factors = fit_kernel_factors(dev, samples, reference=reference)
+    out = {
         **device_json,
-        "matmul_efficiency": _curve(dev.matmul_efficiency.points, source, mm_fit),
-        "memory_efficiency": _curve(dev.memory_efficiency.points, source, mem_fit),
+        "matmul_efficiency": _curve(dev.matmul_efficiency.points, source),
+        "memory_efficiency": _curve(dev.memory_efficiency.points, source),
     }
-
-
-def residual_factor(device_json: dict, key: str) -> float:
-    """The profile's recorded measured/predicted ratio for a `family/precision` key (1 if none)."""
-    for curve in ("matmul_efficiency", "memory_efficiency"):
-        factors = device_json[curve].get("fit", {}).get("residual_by_family", {})
-        if key in factors:
-            return factors[key]
-    return 1.0
+    if factors:
+        out["kernel_factors"] = {"source": source, "factors": {k: [list(p) for p in v] for k, v in factors.items()}}
+    return out

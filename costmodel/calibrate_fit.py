@@ -18,6 +18,11 @@ Fitting, in two stages:
    from the very function the simulator calls. Whatever the cost model does beyond the closed form
    (a roofline max, per-kind treatment, latency steps), the knots absorb it, and the held-out points
    check that they generalise rather than memorise.
+3. Factor curves (`fit_factor_curve`): where one kind of work (a kernel class at a precision, a
+   collective at a group size) departs from the shared curves, a positive multiplier k(x) on a log grid
+   of its own sizes is fitted the same way (coordinate descent on mean |log(predicted / measured)|
+   through the cost function, starting from the median measured/predicted ratio) and stored in the
+   profile as data (`kernel_factors`, `collective_factors`).
 """
 
 from __future__ import annotations
@@ -108,6 +113,31 @@ def refine_knots(values: Sequence[float], objective: Callable[[Sequence[float]],
                 if score < best:
                     best, current = score, trial
     return tuple(current)
+
+
+FACTOR_BOUNDS = (1e-3, 1000.0)
+"""Range a fitted time factor may take (the profile loader accepts (0, 1000])."""
+FACTOR_NEEDED = 0.05
+"""Mean |log(predicted / measured)| below which the shared curves already fit and no factor is stored."""
+
+
+def fit_factor_curve(xs: Sequence[float], measured: Sequence[float],
+                     price: Callable[[tuple[tuple[float, float], ...]], Sequence[float]]
+                     ) -> tuple[tuple[float, float], ...] | None:
+    """A factor curve [(x, k), ...] on the log grid of `xs` (a factor 4 apart) minimising the mean
+    |log(price(curve) / measured)|; `price(curve)` predicts every point with that curve in the profile.
+    None when the shared curves alone are within `FACTOR_NEEDED` (a curve would only fit noise)."""
+    grid = [x for x, _ in efficiency_points(xs, [1.0] * len(xs))]
+    if mean_abs_log_error(price(((grid[0], 1.0),)), measured) < FACTOR_NEEDED:
+        return None
+    start = float(np.median(np.asarray(measured) / np.asarray(price(((grid[0], 1.0),)))))
+    start = min(max(start, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
+
+    def objective(values: Sequence[float]) -> float:
+        return mean_abs_log_error(price(tuple(zip(grid, values))), measured)
+
+    values = refine_knots([start] * len(grid), objective, bounds=[FACTOR_BOUNDS] * len(grid))
+    return tuple((float(f"{x:.4g}"), float(f"{v:.4g}")) for x, v in zip(grid, values))
 
 
 def held_out(index: int, *, every: int = 3) -> bool:

@@ -45,9 +45,6 @@ class PointError:
     label: str
     measured_s: float
     predicted_s: float
-    corrected_s: float
-    """The prediction times the profile's recorded residual for this point's family (see
-    `calibrate_device.residual_factor`): what a per-family factor in the cost model would predict."""
 
     @property
     def abs_pct(self) -> float:
@@ -62,15 +59,14 @@ class ErrorSummary:
     max_abs_pct: float
 
 
-def summarize(errors: Sequence[PointError], *, corrected: bool = False) -> list[ErrorSummary]:
-    """Median and max absolute % error per family, then over all points (family "all"); of the
-    residual-corrected predictions with `corrected`."""
+def summarize(errors: Sequence[PointError]) -> list[ErrorSummary]:
+    """Median and max absolute % error per family, then over all points (family "all")."""
     out = []
     families = sorted({e.family for e in errors})
     for fam in [*families, "all"]:
         sel = [e for e in errors if fam in ("all", e.family)]
         if not sel:
             continue
-        pct = abs_pct_errors([e.corrected_s if corrected else e.predicted_s for e in sel], [e.measured_s for e in sel])
+        pct = abs_pct_errors([e.predicted_s for e in sel], [e.measured_s for e in sel])
         out.append(ErrorSummary(fam, len(sel), float(np.median(pct)), float(np.max(pct))))
     return out

@@ -36,6 +36,13 @@ Algorithms (`collective_cost` prices every applicable one and keeps the fastest)
   across nodes at the same time: t = max(intra part, inter part) + (n-1) * alpha, the inter part at
   the rank's own NIC share (bounded by the flat path).
 
+Measured per-collective behaviour (`collective_factor`): the time of the fastest algorithm is multiplied
+by the link's `collective_factors` curve for `kind/m` at S, where the link is the intra-node level for a
+one-node group and the inter-node level otherwise, and m is the largest group size in the table not above
+n (none: factor 1). GPU profiles have no table (factor 1); the local-cpu profile uses it to say, as data,
+that gloo's reduce-scatter on 4 oversubscribed ranks costs like an all-reduce and its send/recv a third of
+the ring model.
+
 A group of size 1 or zero bytes costs 0.
 """
 
@@ -181,13 +188,25 @@ def _check(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> 
         )
 
 
+def collective_factor(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float:
+    """The link's measured time factor for `kind` on `group` at `nbytes` (see the module docstring)."""
+    link = cluster.intra_node if group.nodes == 1 else cluster.inter_node
+    sizes = [int(key.split("/")[1]) for key in link.collective_factors if key.split("/")[0] == kind]
+    fitting = [m for m in sizes if m <= group.size]
+    if not fitting:
+        return 1.0
+    return link.collective_factors[f"{kind}/{max(fitting)}"].at(nbytes)
+
+
 def collective_cost(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> CollectiveCost:
-    """Price every applicable algorithm and keep the fastest (see the module docstring)."""
+    """Price every applicable algorithm and keep the fastest, times the link's measured factor for the
+    collective (see the module docstring)."""
     _check(kind, nbytes, group, cluster)
     if group.size == 1 or nbytes == 0:
         return CollectiveCost(0.0, "none")
+    factor = collective_factor(kind, nbytes, group, cluster)
     if kind == "all_to_all":
-        return CollectiveCost(all_to_all_time(nbytes, group, cluster), "direct")
+        return CollectiveCost(factor * all_to_all_time(nbytes, group, cluster), "direct")
     options: dict[str, float | None] = {
         "ring": ring_time(kind, nbytes, group, cluster),
         "tree": tree_time(kind, nbytes, group, cluster),
@@ -195,7 +214,7 @@ def collective_cost(kind: str, nbytes: float, group: CommGroup, cluster: Cluster
     }
     if kind == "all_reduce" and group.nodes == 1 and cluster.intra_node.sharp:
         options["sharp"] = sharp_time(nbytes, cluster.intra_node)
-    priced = tuple((name, t) for name, t in options.items() if t is not None)
+    priced = tuple((name, factor * t) for name, t in options.items() if t is not None)
     best = min(priced, key=lambda item: item[1])
     return CollectiveCost(best[1], best[0], priced)
 

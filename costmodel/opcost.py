@@ -2,7 +2,7 @@
 
 Model (a roofline per kernel, with the device profile's efficiency curves):
 
-    t_kernel(F, B) = max( F / (P[prec] * e_mm(F)),  B / (W * e_mem(B)) ) + t_launch
+    t_kernel(F, B) = k[class/prec](x) * max( F / (P[prec] * e_mm(F)),  B / (W * e_mem(B)) ) + t_launch
 
 - F: the kernel's FLOPs on the local shard; B: the bytes it reads and writes.
 - P[prec]: peak FLOP/s at the op's precision (`compute_peak`): matmuls and the attention core use the
@@ -10,6 +10,10 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   SoapError); other ops run on the fp32 (non-tensor-core) rate. e_mm: `matmul_efficiency` at F for
   matmuls and attention, 1 for the rest (their FLOPs are never the bound in practice).
 - W: memory bandwidth; e_mem: `memory_efficiency` at B. t_launch: `kernel_overhead_s`.
+- k: the device's `kernel_factors` for the op's class (`kernel_class`: matmul, attention, arithmetic,
+  transcendental, softmax, norm, dropout, from its kind and ATen target) at the run's precision, at
+  x = F for matmul and attention and x = B for the rest; 1 where the profile has none (GPU profiles).
+  It is how a profile says, as data, that a CPU's tanh or softmax costs several adds at the same bytes.
 - Forward (`forward_time`): one kernel with the op's `fwd_flops` and `bytes_moved`.
 - Backward (`backward_time`): `bwd_flops` and twice the forward bytes (gradients are read and written
   besides the saved inputs). A matmul's backward is two kernels (input and weight gradient), each with
@@ -137,18 +141,55 @@ def compute_peak(op: OpNode, device: DeviceProfile, precision: str) -> float:
     return device.effective_peak(precision)
 
 
-def kernel_time(flops: float, nbytes: float, *, peak: float, matmul: bool, device: DeviceProfile) -> tuple[float, str]:
-    """Roofline time of one kernel plus launch overhead, and its bound."""
+TRANSCENDENTAL_TARGETS = frozenset({
+    "tanh", "gelu", "silu", "exp", "erf", "sigmoid", "log", "rsqrt", "sqrt", "pow", "sin", "cos", "softplus",
+    "gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward",
+})
+SOFTMAX_TARGETS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_softmax_backward_data"})
+DROPOUT_TARGETS = frozenset({"dropout", "native_dropout", "native_dropout_backward"})
+
+
+def kernel_class(op: OpNode) -> str:
+    """The op's key into a device's `kernel_factors`: its kind for matmul, attention, norm and softmax;
+    for elementwise ops the ATen target's family (transcendental, dropout, else arithmetic)."""
+    if op.kind is OpKind.MATMUL:
+        return "matmul"
+    if op.kind is OpKind.ATTENTION:
+        return "attention"
+    if op.kind is OpKind.NORM:
+        return "norm"
+    name = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
+    if op.kind is OpKind.SOFTMAX or name in SOFTMAX_TARGETS:
+        return "softmax"
+    if name in TRANSCENDENTAL_TARGETS:
+        return "transcendental"
+    if name in DROPOUT_TARGETS:
+        return "dropout"
+    return "arithmetic"
+
+
+def kernel_factor(op: OpNode, device: DeviceProfile, precision: str, flops: float, nbytes: float) -> float:
+    """The device's time factor for `op`'s class at `precision` (1 where the profile has none)."""
+    curve = device.kernel_factors.get(f"{kernel_class(op)}/{precision}")
+    if curve is None:
+        return 1.0
+    return curve.at(flops if op.kind in MATMUL_LIKE else nbytes)
+
+
+def kernel_time(flops: float, nbytes: float, *, peak: float, matmul: bool, device: DeviceProfile,
+                factor: float = 1.0) -> tuple[float, str]:
+    """Roofline time of one kernel, times the class `factor`, plus launch overhead; and its bound."""
     if flops <= 0 and nbytes <= 0:
         return 0.0, "none"
     compute = flops / (peak * device.matmul_efficiency.at(flops)) if matmul and flops > 0 else flops / peak
     memory = nbytes / (device.memory_bandwidth * device.memory_efficiency.at(nbytes)) if nbytes > 0 else 0.0
-    return max(compute, memory) + device.kernel_overhead_s, "compute" if compute >= memory else "memory"
+    return factor * max(compute, memory) + device.kernel_overhead_s, "compute" if compute >= memory else "memory"
 
 
 def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfile, precision: str) -> tuple[float, str]:
     peak = compute_peak(op, device, precision)
-    return kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device)
+    factor = kernel_factor(op, device, precision, flops, nbytes)
+    return kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
 
 
 def has_backward(op: OpNode) -> bool:
@@ -169,7 +210,9 @@ def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceP
         return 0.0
     peak = compute_peak(op, device, precision)
     kernels = backward_kernels(op)
-    t, _ = kernel_time(flops / kernels, 2 * fwd_bytes / kernels, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device)
+    flops, nbytes = flops / kernels, 2 * fwd_bytes / kernels
+    factor = kernel_factor(op, device, precision, flops, nbytes)
+    t, _ = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
     return kernels * t
 
 

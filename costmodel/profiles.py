@@ -10,7 +10,11 @@ Units inside Python are SI: FLOP/s, bytes, bytes/s, seconds. The JSON uses TFLOP
 
 Loading is strict (`profiles_json._Reader`): an unknown key, a missing source, a zero or negative bandwidth, an
 efficiency outside (0, 1] or a curve whose x does not increase raises SoapError naming the file and the
-field. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
+field. Two optional tables say how much slower (or faster) one kind of work runs than the shared curves
+predict, as data (`FactorCurve`, positive factors against a size axis): a device's `kernel_factors`
+(key `class/precision`, classes `KERNEL_CLASSES`, read by `costmodel.opcost`) and a link's
+`collective_factors` (key `kind/ranks`, read by `costmodel.collectives`). GPU profiles leave them
+out, which means a factor of 1. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
 """
 
@@ -32,6 +36,34 @@ GIB = 2**30
 NOT_RECORDED = "not recorded: built in code"
 
 
+KERNEL_CLASSES = ("matmul", "attention", "arithmetic", "transcendental", "softmax", "norm", "dropout")
+"""Kernel classes a device's `kernel_factors` may name (`costmodel.opcost.kernel_class` maps ops to them)."""
+
+
+def log_interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at `x` on a piecewise-linear curve in log(x), clamped at both ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    lx = math.log(x)
+    for (x0, e0), (x1, e1) in zip(points, points[1:]):
+        if x <= x1:
+            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return e0 + w * (e1 - e0)
+    return points[-1][1]  # unreachable: x < points[-1][0] was handled by the loop
+
+
+@dataclass(frozen=True)
+class FactorCurve:
+    """A positive time multiplier against a size axis (log-interpolated, clamped), from profile data."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def at(self, x: float) -> float:
+        return log_interpolate(self.points, x)
+
+
 @dataclass(frozen=True)
 class EfficiencyCurve:
     """Piecewise-linear efficiency (0..1] against a size axis (log-interpolated), from profile data."""
@@ -47,17 +79,7 @@ class EfficiencyCurve:
 
     def at(self, x: float) -> float:
         """Efficiency at size `x`: linear in log(x) between points, clamped at both ends."""
-        pts = self.points
-        if x <= pts[0][0]:
-            return pts[0][1]
-        if x >= pts[-1][0]:
-            return pts[-1][1]
-        lx = math.log(x)
-        for (x0, e0), (x1, e1) in zip(pts, pts[1:]):
-            if x <= x1:
-                w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]  # unreachable: x < pts[-1][0] was handled by the loop
+        return log_interpolate(self.points, x)
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,9 @@ class DeviceProfile:
     description: str = ""
     dtype_efficiency: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     """Optional extra multiplier on the peak per precision (1.0 where absent)."""
+    kernel_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)
+    """Optional time multiplier per `class/precision` (e.g. `softmax/bf16`) against the kernel's FLOPs
+    (matmul, attention) or bytes (the rest); 1.0 where absent. Provenance under `sources["kernel_factors"]`."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Provenance per JSON field path, e.g. `peak_tflops.bf16` -> "NVIDIA PB-11133"."""
 
@@ -105,6 +130,9 @@ class LinkLevel:
     sharp_all_reduce_factor: float = 1.0
     """Bus factor of an in-network (SHARP/NVLS) all-reduce in place of the ring's 2(n-1)/n; from the
     link's `fit.sharp_all_reduce_factor` where a measurement gives it."""
+    collective_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)
+    """Optional time multiplier per `kind/ranks` (e.g. `reduce_scatter/4`) against message bytes; 1.0
+    where absent. Provenance under `sources["collective_factors"]`."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     extras: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """The link's optional `fit` / `notes` objects, kept verbatim."""

@@ -18,7 +18,9 @@ from costmodel.profiles import (
     SCHEMA_VERSION,
     ClusterSpec,
     DeviceProfile,
+    KERNEL_CLASSES,
     EfficiencyCurve,
+    FactorCurve,
     LinkLevel,
 )
 from tracer.errors import SoapError
@@ -94,6 +96,38 @@ class _Reader:
         extras = {k: data[k] for k in ("fit", "notes") if k in data}
         return EfficiencyCurve(tuple(parsed), source=self.text(data, "source", path), extras=extras)
 
+    def factor_table(self, data: Any, path: str, kinds: tuple[str, ...], suffix_ok: Callable[[str], bool],
+                     suffix_hint: str) -> tuple[dict[str, FactorCurve], str]:
+        """`{"source": s, "factors": {"<kind>/<suffix>": [[x, factor], ...]}}`: x positive and
+        increasing, factors in (0, MAX_FACTOR]."""
+        self.obj(data, path, {"source", "factors"})
+        factors = data["factors"]
+        if not isinstance(factors, dict):
+            raise self.fail(f"{path}.factors", "must be an object of key -> [[x, factor], ...]")
+        table: dict[str, FactorCurve] = {}
+        for key, points in factors.items():
+            where = f"{path}.factors.{key}"
+            kind, _, suffix = key.partition("/")
+            if kind not in kinds or not suffix_ok(suffix):
+                raise self.fail(where, f"key must be <{'|'.join(kinds)}>/<{suffix_hint}>")
+            if not isinstance(points, list) or not points:
+                raise self.fail(where, "must be a non-empty list of [x, factor] pairs")
+            parsed: list[tuple[float, float]] = []
+            for i, pair in enumerate(points):
+                ok = isinstance(pair, list) and len(pair) == 2 and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
+                if not ok or pair[0] <= 0 or not 0 < pair[1] <= MAX_FACTOR:
+                    raise self.fail(f"{where}[{i}]", f"must be [x > 0, factor in (0, {MAX_FACTOR:g}]], got {pair!r}")
+                if parsed and pair[0] <= parsed[-1][0]:
+                    raise self.fail(f"{where}[{i}]", f"x must increase, got {pair[0]} after {parsed[-1][0]}")
+                parsed.append((float(pair[0]), float(pair[1])))
+            table[key] = FactorCurve(tuple(parsed))
+        return table, self.text(data, "source", path)
+
+
+MAX_FACTOR = 1000.0
+"""Largest time multiplier a factor table may hold (a sanity bound, not a physical one)."""
+
 
 _DEVICE_REQUIRED = {
     "schema_version", "name", "description", "memory_gib", "peak_tflops", "memory_bandwidth_gbps",
@@ -110,7 +144,7 @@ def _check_version(r: _Reader, data: dict) -> None:
 
 def device_from_json(data: Any, origin: str) -> DeviceProfile:
     r = _Reader(origin)
-    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "notes"})
+    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "notes"})
     _check_version(r, data)
     sources: dict[str, str] = {}
 
@@ -134,6 +168,10 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                     raise r.fail(f"dtype_efficiency.{key}", f"must be in (0, 1], got {v!r}")
                 dtype_eff[key] = float(v)
+    kernel_factors: dict[str, FactorCurve] = {}
+    if "kernel_factors" in data:
+        kernel_factors, sources["kernel_factors"] = r.factor_table(
+            data["kernel_factors"], "kernel_factors", KERNEL_CLASSES, lambda p: p in PRECISION_KEYS, "|".join(PRECISION_KEYS))
     matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
     memory = r.curve(data["memory_efficiency"], "memory_efficiency")
     return DeviceProfile(
@@ -148,14 +186,23 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         context_bytes=int(num("context_overhead_gib", positive=False) * GIB),
         host_bandwidth=num("host_link_gbps") * 1e9,
         dtype_efficiency=dtype_eff,
+        kernel_factors=kernel_factors,
         sources=sources,
     )
 
 
 def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
-    r.obj(data, path, _LINK_REQUIRED, {"fit", "notes"})
+    from costmodel.collectives import COLLECTIVES
+
+    r.obj(data, path, _LINK_REQUIRED, {"fit", "notes", "collective_factors"})
     bandwidth, bw_src = r.number(data["bandwidth_gbps"], f"{path}.bandwidth_gbps")
     latency, lat_src = r.number(data["latency_us"], f"{path}.latency_us", positive=False)
+    sources = {"bandwidth_gbps": bw_src, "latency_us": lat_src}
+    collective_factors: dict[str, FactorCurve] = {}
+    if "collective_factors" in data:
+        collective_factors, sources["collective_factors"] = r.factor_table(
+            data["collective_factors"], f"{path}.collective_factors", COLLECTIVES,
+            lambda n: n.isdigit() and int(n) >= 2, "ranks >= 2")
     fit = data.get("fit", {})
     if not isinstance(fit, dict):
         raise r.fail(f"{path}.fit", "must be an object")
@@ -169,7 +216,8 @@ def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
         efficiency=r.curve(data["efficiency"], f"{path}.efficiency"),
         sharp=r.flag(data, "sharp", path),
         sharp_all_reduce_factor=float(factor),
-        sources={"bandwidth_gbps": bw_src, "latency_us": lat_src},
+        collective_factors=collective_factors,
+        sources=sources,
         extras={k: data[k] for k in ("fit", "notes") if k in data},
     )
 
@@ -226,7 +274,14 @@ def device_to_dict(device: DeviceProfile) -> dict:
     }
     if device.dtype_efficiency:
         out["dtype_efficiency"] = {**device.dtype_efficiency, "source": src("dtype_efficiency") or NOT_RECORDED}
+    if device.kernel_factors:
+        out["kernel_factors"] = _factor_table_dict(device.kernel_factors, src("kernel_factors"))
     return out
+
+
+def _factor_table_dict(table: dict[str, FactorCurve], source: str | None) -> dict:
+    factors = {key: [[x, f] for x, f in curve.points] for key, curve in sorted(table.items())}
+    return {"source": source or NOT_RECORDED, "factors": factors}
 
 
 def _link_dict(link: LinkLevel) -> dict:
@@ -236,6 +291,8 @@ def _link_dict(link: LinkLevel) -> dict:
         "efficiency": _curve_dict(link.efficiency),
         "sharp": link.sharp,
     }
+    if link.collective_factors:
+        out["collective_factors"] = _factor_table_dict(link.collective_factors, link.sources.get("collective_factors"))
     notes = link.extras.get("notes")
     fit = dict(link.extras.get("fit", {}))
     if link.sharp_all_reduce_factor != 1.0:
