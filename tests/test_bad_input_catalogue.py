@@ -109,14 +109,9 @@ CASES = [
     # memory
     Case("memory limit below anything feasible", lambda t: ["plan", "gpt2", "--gpus", "2", "--mem-limit", "0.01"],
          ("does not fit", "--mem-limit")),
-    Case("zero sequence length", lambda t: ["plan", "gpt2", "--gpus", "2", "--seq-len", "0"], ("--seq-len",),
-         missing="planner.api.make_request computes default_global_batch(gpus, seq) (2^22 // seq) before it "
-                 "checks seq >= 1: `error: ZeroDivisionError: integer division or modulo by zero`"),
+    Case("zero sequence length", lambda t: ["plan", "gpt2", "--gpus", "2", "--seq-len", "0"], ("--seq-len",)),
     Case("model name longer than a file name may be", lambda t: ["plan", "x" * 300, "--gpus", "2"],
-         ("unknown model",),
-         missing="planner/model_ref.py _config_file calls Path.is_file() on tracer/presets/<name>.json, which "
-                 "raises OSError(ENAMETOOLONG) for a 300-character name: `error: OSError: [Errno 36] File name "
-                 "too long` (soap trace already answers `unknown model ...`)"),
+         ("unknown model",)),
     Case("plan path longer than a file name may be", lambda t: ["simulate", "x" * 300], ("does not exist",),
          missing="planner.plan.load_plan calls Path.is_file(), which raises OSError(ENAMETOOLONG): "
                  "`error: OSError: [Errno 36] File name too long`"),

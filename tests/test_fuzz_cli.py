@@ -109,7 +109,7 @@ def _plan_args(files):
                                                                      "l40s-pcie", "nope", files["broken"]]), NAMES),
              "--gpus-per-node": INTS, "--task": st.one_of(st.sampled_from(["causal-lm", "masked-lm", "seq-cls",
                                                                           "seq2seq-lm", "image-cls"]), NAMES),
-             "--global-batch": INTS, "--seq-len": st.sampled_from(["64", "-64", "100000", "x", "63"]),
+             "--global-batch": INTS, "--seq-len": st.sampled_from(["64", "0", "-64", "100000", "x", "63"]),
              "--precision": _mostly(["bf16", "fp8", "fp16", "fp32", "tf32"], ["fp4", ""]),
              "--optimizer": _mostly(["adamw", "auto", "adafactor", "sgd", "adamw8bit"], ["lion", ""]),
              "--tp": INTS, "--pp": INTS, "--dp": INTS, "--cp": INTS, "--zero": INTS, "--micro-batch": INTS,
