@@ -198,3 +198,23 @@ def test_quick_cuda_calibration_writes_a_device_profile_with_tensor_core_rates(t
     assert {"fp32", "tf32", "fp16", "bf16"} <= set(device.peak_flops)
     assert device.peak_flops["bf16"] > device.peak_flops["fp32"]
     assert device.host_bandwidth < device.memory_bandwidth
+
+
+def test_a_kernel_class_slower_than_the_curves_is_fitted_as_a_factor_and_predicted_held_out():
+    import dataclasses
+
+    from costmodel.calibrate import CalibrationConfig
+
+    meas = _synthetic_measurements()
+    mem_curve = EfficiencyCurve(((1e3, 0.1), (1e9, 1.0)))
+    softmax = []
+    for i, rows in enumerate([1, 4, 16, 64, 256, 1024, 4096]):
+        case = KernelCase("softmax", (rows, 1024), "float32")
+        t = 3.0 * case.bytes_moved / (20e9 * mem_curve.at(case.bytes_moved)) + 2e-6
+        softmax.append(Point("softmax fp32", i, KernelSample(case, t)))
+    result = fit(dataclasses.replace(meas, kernels=meas.kernels + tuple(softmax)), CalibrationConfig())
+    factors = result.device_json["kernel_factors"]["factors"]
+    assert set(factors) == {"softmax/fp32"}  # the classes the curves already fit get none
+    assert np.median([f for _, f in factors["softmax/fp32"]]) == pytest.approx(3.0, rel=0.1)
+    held = [e for e in result.kernel_errors if e.family == "softmax/fp32"]
+    assert held and max(e.abs_pct for e in held) < 10.0

@@ -96,6 +96,9 @@ def provenance_rows(document: dict, path: str = "") -> list[tuple[str, str, str]
         if isinstance(value, dict) and "source" in value and ("value" in value or "points" in value):
             shown = value["value"] if "value" in value else " ".join(f"{x:g}:{e:g}" for x, e in value["points"])
             rows.append((field, _fmt(shown), value["source"]))
+        elif isinstance(value, dict) and set(value) == {"source", "factors"}:  # kernel/collective factor tables
+            for kind, points in value["factors"].items():
+                rows.append((f"{field}.{kind}", " ".join(f"{x:g}:{f:g}" for x, f in points), value["source"]))
         elif isinstance(value, dict) and key not in ("fit", "notes"):
             rows.extend(provenance_rows(value, field))
     return rows
