@@ -166,3 +166,10 @@ def test_moe_expert_matmuls_keep_the_token_dim_as_sample():
         assert op.saved_bytes < op.inputs[0].nbytes  # the gathered expert weights are not activations
     labels_pad = next(op for op in graph.ops if op.target.startswith("aten.pad"))
     assert labels_pad.outputs[0].roles == (DimRole.SAMPLE, DimRole.ATTRIBUTE)
+
+
+def test_transpose_then_contiguous_is_a_copy_but_plain_views_move_nothing():
+    graph = tracer.trace("llama-3-8b", batch=2, seq_len=64)
+    attn_out = next(op for op in graph.ops if op.target.startswith("aten.contiguous") and op.block_id)
+    assert attn_out.kind is OpKind.COPY and attn_out.bytes_moved == 2 * attn_out.outputs[0].nbytes
+    assert all(op.bytes_moved == 0 for op in graph.ops if op.kind is OpKind.VIEW)

@@ -40,6 +40,8 @@ class Value:
     """The forward keyword this tensor was passed as (input_ids, labels, ...)."""
     producer: int | None = None
     """Index of the RawOp that produced it; None for parameters, inputs and constants."""
+    contiguous: bool = True
+    """Whether its strides are the contiguous ones (decides whether contiguous/reshape copy it)."""
     requires_grad: bool | None = None
     """Whether autograd tracked it, when the front-end observed that (dispatch); None to infer it."""
 
@@ -69,9 +71,17 @@ class ValueTable:
         self.values: list[Value] = []
 
     def new(self, tensor: Any, **kw: Any) -> Value:
-        v = Value(len(self.values), tuple(int(s) for s in tensor.shape), str(tensor.dtype).removeprefix("torch."), **kw)
+        v = Value(len(self.values), tuple(int(s) for s in tensor.shape), str(tensor.dtype).removeprefix("torch."),
+                  contiguous=_is_contiguous(tensor), **kw)
         self.values.append(v)
         return v
+
+
+def _is_contiguous(tensor: Any) -> bool:
+    try:
+        return bool(tensor.is_contiguous())
+    except Exception:  # noqa: BLE001 - symbolic or exotic tensors: assume the common case
+        return True
 
 
 def capture(model: Any, inputs: dict[str, Any], frontend: str = "auto") -> Capture:

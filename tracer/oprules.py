@@ -26,8 +26,10 @@ Saved tensors follow the autograd formulas (torch's derivatives.yaml), for ops w
 A tensor saved by several ops counts once (see graph.py), views count as their base, and tensors
 derived only from parameters (e.g. gathered expert weights) are not activations.
 
-Bytes moved: for an embedding, the indices plus the rows read and written; for other non-view ops, bytes of every tensor input plus every output (parameter-derived inputs
-capped at their parameters' size); 0 for views and aliases.
+Bytes moved: for an embedding, the indices plus the rows read and written; 0 for views and aliases,
+except that `contiguous`/`reshape` of a non-contiguous tensor (as after a transpose) is a copy (kind
+COPY); for every other op, the bytes of each tensor input plus each output (parameter-derived inputs
+capped at their parameters' size).
 """
 
 from __future__ import annotations
@@ -101,21 +103,40 @@ def kind_of(op: RawOp) -> OpKind:
     name = base_name(op.target)
     kind = KIND_BY_NAME.get(name)
     if kind is not None:
-        if name in ("to", "_to_copy", "type_as") and is_alias(op):
+        if name in ("to", "_to_copy", "type_as", "contiguous") and is_alias(op) and moves_no_bytes(op):
             return OpKind.VIEW
+        if kind is OpKind.VIEW and not moves_no_bytes(op):
+            return OpKind.COPY
         return kind
     return OpKind.OTHER
 
 
 def is_alias(op: RawOp) -> bool:
-    """A view, or a cast/contiguous that returns its input unchanged (same shape and dtype)."""
+    """A view, or a cast/contiguous that returns its input's values unchanged (same shape and dtype).
+    Saved tensors are deduplicated through aliases (graph.py)."""
     name = base_name(op.target)
-    if KIND_BY_NAME.get(name) is OpKind.VIEW:
+    if KIND_BY_NAME.get(name) is OpKind.VIEW or name == "contiguous":
         return True
-    if name in ("to", "_to_copy", "type_as", "contiguous"):
+    if name in ("to", "_to_copy", "type_as"):
         ins = tensor_args(op)
         return bool(ins and op.outputs) and ins[0].dtype == op.outputs[0].dtype and ins[0].shape == op.outputs[0].shape
     return False
+
+
+def moves_no_bytes(op: RawOp) -> bool:
+    """An alias that also copies nothing: `contiguous` or `reshape` of a non-contiguous tensor (as after a
+    transpose) copies it, unless the reshape only adds or drops unit dims."""
+    if not is_alias(op):
+        return False
+    name = base_name(op.target)
+    ins = tensor_args(op)
+    if name in ("reshape", "flatten", "contiguous") and ins and op.outputs and not ins[0].contiguous:
+        return name == "reshape" and _only_adds_unit_dims(ins[0].shape, op.outputs[0].shape)
+    return True
+
+
+def _only_adds_unit_dims(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+    return [s for s in src if s != 1] == [d for d in dst if d != 1]
 
 
 def arg(op: RawOp, index: int, name: str, default: Any = None) -> Any:
@@ -309,7 +330,7 @@ def _dropout_active(op: RawOp) -> bool:
 
 def bytes_moved(op: RawOp, weight_bytes: dict[int, int]) -> int:
     """Forward bytes read + written; 0 for views/aliases. Parameter-derived inputs cost at most their params."""
-    if is_alias(op):
+    if moves_no_bytes(op):
         return 0
     if KIND_BY_NAME.get(base_name(op.target)) is OpKind.EMBEDDING:  # reads only the looked-up rows
         return sum(_nbytes(t) for t in tensor_args(op) if t.dtype in ("int64", "int32")) + 2 * sum(
