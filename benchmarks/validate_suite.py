@@ -104,10 +104,34 @@ def body(report, after, fits, steps: int) -> str:
         names = ", ".join(report.rows[i].name for i in fold)
         lines.append(f"- fitted on {names}: compute x{m.compute:.3g}, kernel launch x{m.kernel_overhead:.3g}, "
                      f"communication x{m.communication:.3g}")
+    lines += ["", memory_notes(report)]
     if report.failed:
         lines += ["", "Plans that did not run: " + "; ".join(f"{n}: {e}" for n, e in report.failed)]
     lines += ["", "![predicted vs measured](validation.png)", "", "![after the refit](validation-refit.png)"]
     return "\n".join(lines)
+
+
+def memory_notes(report) -> str:
+    """The two memory error sources, in numbers measured above."""
+    import statistics
+
+    bucketed, plain = [], []
+    for b, r in zip(report.built, report.rows):
+        buffers = max(m.at_peak.buffers for m in b.result.memory)
+        (bucketed if buffers >= 2**20 else plain).append((r, buffers))
+    text = []
+    if plain:
+        gap = statistics.median((r.measured_memory_bytes - r.predicted_memory_bytes) / 2**20 for r, _ in plain)
+        text.append(f"Plans without predicted gradient buckets are under-predicted by a median {gap:.1f} MiB per rank: "
+                    "growth the model does not hold (gloo and autograd workspaces, DTensor/FSDP metadata, "
+                    "initialization temporaries); the profile has no field for a per-process runtime workspace.")
+    if bucketed:
+        names = ", ".join(r.name for r, _ in bucketed)
+        mib = statistics.median(buffers / 2**20 for _, buffers in bucketed)
+        text.append(f"Plans with predicted gradient buckets ({names}) carry {mib:.0f} MiB of buffers "
+                    "(`costmodel.memory`: two 25 MB DDP buckets), more than these models' gradients; DDP's "
+                    "buckets are bounded by the gradient bytes, and FSDP2 without resharding (ZeRO-2) has none.")
+    return " ".join(text)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Each `SuiteCase` names a model config and a strategy at the suite's world size (
 traces the config (`tracer.trace`), simulates the strategy on the cluster profile
 (`costmodel.simulator.simulate`) and turns the result into a `Plan` (`planner.plan.plan_from_simulation`),
 so the executor runs exactly what the simulator priced. Everything is fp32 with AdamW: the precision a
-CPU trains in. Sizes are chosen so one step takes roughly 0.1-1 s on one core per rank.
+CPU trains in. Sizes are chosen so one step takes roughly 0.1-1 s on one core per rank, and
+batch sizes and sequence lengths differ so that the plans' step times spread over several times (a
+ranking of near-equal plans would measure noise).
 
 The techniques covered: DDP, FSDP (ZeRO-3), ZeRO-2, TP, TP+SP, PP 1F1B, PP GPipe, activation
 checkpointing (full and selective), gradient accumulation, and a 2-D-in-spirit entry (data parallel with
@@ -51,24 +53,25 @@ class SuiteCase:
 def suite_cases() -> list[SuiteCase]:
     """The full suite (12 plans at 2 ranks)."""
     return [
-        SuiteCase(name="gpt2 ddp", family="gpt2", dims=dict(dp_replicate=2), train=dict(micro_batch=4)),
+        SuiteCase(name="gpt2 ddp", family="gpt2", dims=dict(dp_replicate=2), train=dict(micro_batch=2)),
         SuiteCase(name="llama fsdp zero3", family="llama", dims=dict(dp_shard=2), train=dict(micro_batch=4, zero=3)),
-        SuiteCase(name="bert zero2", family="bert", dims=dict(dp_shard=2), train=dict(micro_batch=4, zero=2)),
-        SuiteCase(name="llama tp", family="llama", dims=dict(tp=2), train=dict(micro_batch=4)),
+        SuiteCase(name="bert zero2", family="bert", dims=dict(dp_shard=2), train=dict(micro_batch=2, zero=2),
+                  seq_len=64),
+        SuiteCase(name="llama tp", family="llama", dims=dict(tp=2), train=dict(micro_batch=8)),
         SuiteCase(name="gpt2 tp+sp", family="gpt2", dims=dict(tp=2), train=dict(micro_batch=4, sequence_parallel=True)),
         SuiteCase(name="llama pp 1f1b", family="llama", dims=dict(pp=2),
                   train=dict(micro_batch=2, num_microbatches=4, schedule="1F1B")),
         SuiteCase(name="llama pp gpipe", family="llama", dims=dict(pp=2),
                   train=dict(micro_batch=2, num_microbatches=4, schedule="GPipe")),
         SuiteCase(name="bert ddp full-ckpt", family="bert", dims=dict(dp_replicate=2),
-                  train=dict(micro_batch=4, recompute="full")),
+                  train=dict(micro_batch=8, recompute="full")),
         SuiteCase(name="gpt2 ddp accum4", family="gpt2", dims=dict(dp_replicate=2),
                   train=dict(micro_batch=2, num_microbatches=4, grad_accum=4)),
         SuiteCase(name="llama fsdp selective", family="llama", dims=dict(dp_shard=2),
                   train=dict(micro_batch=4, zero=3, recompute="selective")),
         SuiteCase(name="llama ddp accum+ckpt", family="llama", dims=dict(dp_replicate=2),
                   train=dict(micro_batch=2, num_microbatches=2, grad_accum=2, recompute="full"), seq_len=256),
-        SuiteCase(name="bert tp", family="bert", dims=dict(tp=2), train=dict(micro_batch=4)),
+        SuiteCase(name="bert tp", family="bert", dims=dict(tp=2), train=dict(micro_batch=2), seq_len=64),
     ]
 
 
