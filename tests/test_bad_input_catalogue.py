@@ -164,6 +164,15 @@ CASES = [
          ("auto_map", "--trust-remote-code")),
     Case("config needing remote code (plan)", lambda t: ["plan", _config(t, auto_map={"AutoConfig": "x.Y"}),
                                                          "--gpus", "1"], ("auto_map", "--trust-remote-code")),
+    Case("config.json nested 100,000 deep", lambda t: ["trace", _write(t / "config.json", "[" * 100_000)],
+         ("config.json",),
+         missing="tracer/spec.py _config_from_file lets json's RecursionError out: "
+                 "`error: RecursionError: maximum recursion depth exceeded ...`"),
+    Case("cluster profile nested 100,000 deep",
+         lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", _write(t / "cluster.json", "[" * 100_000)],
+         ("cluster.json",),
+         missing="costmodel/profiles.py _read_json lets json's RecursionError out: "
+                 "`error: RecursionError: maximum recursion depth exceeded ...`"),
     Case("config.json that is not JSON", lambda t: ["plan", _write(t / "config.json", "{"), "--gpus", "1"],
          ("not valid JSON",)),
 ]
