@@ -51,6 +51,8 @@ def test_table_names_front_end_and_blocks(capsys):
 def _bad_inputs(tmp_path):
     malformed = tmp_path / "malformed.json"
     malformed.write_text("{not json")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
     no_type = tmp_path / "no_type.json"
     no_type.write_text('{"hidden_size": 8}')
     return {
@@ -58,6 +60,7 @@ def _bad_inputs(tmp_path):
         "missing path": [str(tmp_path / "missing" / "config.json")],
         "directory without config": [str(tmp_path)],
         "malformed config.json": [str(malformed)],
+        "config.json nested too deeply": [str(deep)],
         "config without model_type": [str(no_type)],
         "Hub id while offline": ["meta-llama/Llama-3.1-8B"],
         "unsupported task": ["gpt2", "--task", "translation"],
@@ -78,7 +81,8 @@ def _remote_code_config(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["unknown preset", "missing path", "directory without config",
-                                  "malformed config.json", "config without model_type", "Hub id while offline",
+                                  "malformed config.json", "config.json nested too deeply",
+                                  "config without model_type", "Hub id while offline",
                                   "unsupported task", "task the model has no head for", "zero seq-len",
                                   "negative seq-len", "zero batch", "seq-len beyond learned positions",
                                   "remote code not trusted"])

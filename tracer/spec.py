@@ -110,6 +110,8 @@ def _config_from_file(path: Path, trust_remote_code: bool) -> Any:
         raise SoapError(f"cannot read {path}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise SoapError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
+    except RecursionError:
+        raise SoapError(f"{path} is nested too deeply to be a config.json; fix or re-download it") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise SoapError(f"{path} has no `model_type`; it must be a Hugging Face config.json")
     _check_remote_code(data, str(path), trust_remote_code)
