@@ -24,12 +24,18 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser; given `argv`, only the named command's module is imported (some import torch,
+    which costs seconds), and the others appear as bare entries for the usage line."""
     parser = _Parser(prog="soap", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    chosen = next((a for a in argv or () if not a.startswith("-")), None)
     for name in COMMANDS:
+        if argv is not None and chosen in COMMANDS and name != chosen:
+            sub.add_parser(name)
+            continue
         try:
             module = importlib.import_module(f"soap.commands.{name}")
         except ModuleNotFoundError as exc:
@@ -46,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
         return int(args._run(args) or 0)
     except SoapError as exc:
         if debug:
