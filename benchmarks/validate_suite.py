@@ -118,7 +118,7 @@ def memory_notes(report) -> str:
     bucketed, plain = [], []
     for b, r in zip(report.built, report.rows):
         buffers = max(m.at_peak.buffers for m in b.result.memory)
-        (bucketed if buffers >= 2**20 else plain).append((r, buffers))
+        (bucketed if buffers >= 2**24 else plain).append((r, buffers))
     text = []
     if plain:
         gap = statistics.median((r.measured_memory_bytes - r.predicted_memory_bytes) / 2**20 for r, _ in plain)
