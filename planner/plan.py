@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from costmodel.strategy import (
+    ATTENTION_IMPLS,
     MESH_DIM_NAMES,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
     ParallelDims,
     Strategy,
     TrainingConfig,
@@ -97,13 +102,13 @@ class ParallelismRecord(_Strict):
     micro_batch: int = Field(ge=1)
     grad_accum: int = Field(ge=1)
     num_microbatches: int = Field(ge=1)
-    schedule: str
+    schedule: Literal[SCHEDULES]  # type: ignore[valid-type]
     virtual_stages: int = Field(default=1, ge=1)
-    recompute: str
-    precision: str
-    optimizer: str
+    recompute: Literal[RECOMPUTE]  # type: ignore[valid-type]
+    precision: Literal[PRECISIONS]  # type: ignore[valid-type]
+    optimizer: Literal[OPTIMIZERS]  # type: ignore[valid-type]
     offload_optimizer: bool = False
-    attention: str = "sdpa"
+    attention: Literal[ATTENTION_IMPLS] = "sdpa"  # type: ignore[valid-type]
     compile: bool = False
 
 
@@ -279,12 +284,20 @@ def _first_error(exc: ValidationError) -> str:
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and validate plan.json; every problem becomes a SoapError naming the field."""
     p = Path(path)
-    if not p.is_file():
-        raise SoapError(f"plan file {str(p)!r} does not exist; write one with `soap plan MODEL --gpus N -o {p}`")
     try:
-        data = json.loads(p.read_text())
+        text = p.read_text()
+    except FileNotFoundError:
+        raise SoapError(f"plan file {str(p)!r} does not exist; write one with `soap plan MODEL --gpus N -o {p}`") from None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise SoapError(f"cannot read plan file {str(p)[:80]!r} ({reason}); write one with "
+                        "`soap plan MODEL --gpus N -o plan.json`") from None
+    try:
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SoapError(f"{p} is not valid JSON ({exc}); regenerate it with `soap plan`") from None
+    except RecursionError:
+        raise SoapError(f"{p} is nested too deeply to be a plan; regenerate it with `soap plan`") from None
     return plan_from_dict(data, origin=str(p))
 
 

@@ -112,9 +112,7 @@ CASES = [
     Case("zero sequence length", lambda t: ["plan", "gpt2", "--gpus", "2", "--seq-len", "0"], ("--seq-len",)),
     Case("model name longer than a file name may be", lambda t: ["plan", "x" * 300, "--gpus", "2"],
          ("unknown model",)),
-    Case("plan path longer than a file name may be", lambda t: ["simulate", "x" * 300], ("does not exist",),
-         missing="planner.plan.load_plan calls Path.is_file(), which raises OSError(ENAMETOOLONG): "
-                 "`error: OSError: [Errno 36] File name too long`"),
+    Case("plan path longer than a file name may be", lambda t: ["simulate", "x" * 300], ("cannot read plan file", "File name too long")),
     Case("non-positive memory limit", lambda t: ["plan", "gpt2", "--gpus", "2", "--mem-limit", "0"], ("--mem-limit",)),
     # plan files
     Case("plan.json missing", lambda t: ["simulate", str(t / "nope.json")], ("nope.json", "soap plan")),
@@ -134,14 +132,9 @@ CASES = [
     Case("plan.json world size tampered", lambda t: ["simulate", _plan_with(t, _set("cluster.gpus", 4))],
          ("cluster.gpus",)),
     Case("plan.json unknown precision", lambda t: ["simulate", _plan_with(t, _set("parallelism.precision", "fp4"))],
-         ("parallelism.precision",),
-         missing="planner/plan.py types parallelism.precision (and schedule, recompute, optimizer) as free "
-                 "strings: load_plan accepts `fp4`, and the later error `unknown precision 'fp4'` does not say "
-                 "that it is the plan's parallelism.precision"),
+         ("parallelism.precision",)),
     Case("plan.json unknown schedule", lambda t: ["simulate", _plan_with(t, _set("parallelism.schedule", "ZigZag"))],
-         ("parallelism.schedule",),
-         missing="planner/plan.py types parallelism.schedule as a free string: load_plan accepts `ZigZag`, "
-                 "and the later error `unknown schedule 'ZigZag'` does not name parallelism.schedule"),
+         ("parallelism.schedule",)),
     Case("plan.json tampered cluster profile", lambda t: ["simulate", _plan_with(t, _set("cluster.profile", {}))],
          ("inline cluster", "plan.json", "missing key")),
     Case("plan.json unknown schema version", lambda t: ["simulate", _plan_with(t, _set("schema_version", 99))],
@@ -165,9 +158,7 @@ CASES = [
     Case("config needing remote code (plan)", lambda t: ["plan", _config(t, auto_map={"AutoConfig": "x.Y"}),
                                                          "--gpus", "1"], ("auto_map", "--trust-remote-code")),
     Case("config.json nested 100,000 deep", lambda t: ["trace", _write(t / "config.json", "[" * 100_000)],
-         ("config.json",),
-         missing="tracer/spec.py _config_from_file lets json's RecursionError out: "
-                 "`error: RecursionError: maximum recursion depth exceeded ...`"),
+         ("config.json",)),
     Case("cluster profile nested 100,000 deep",
          lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", _write(t / "cluster.json", "[" * 100_000)],
          ("cluster.json",),

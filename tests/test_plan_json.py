@@ -96,7 +96,7 @@ def _bad(tmp_path, plan, edit):
     (lambda d: d["cluster"].update(gpus=6), "mesh.degrees multiply to 8"),
     (lambda d: d["stages"][1].update(modules=[], layers=[6, 6]), "stages[1] has no layers"),
     (lambda d: d["model"]["config"].update(n_layer=40), "config_hash"),
-    (lambda d: d["parallelism"].update(schedule="Zigzag"), "unknown schedule"),
+    (lambda d: d["parallelism"].update(schedule="Zigzag"), "parallelism.schedule"),
     (lambda d: d.pop("schema_version"), "schema_version is missing"),
 ])
 def test_bad_plans_exit_2_with_one_error_line_naming_the_field(tiny, tmp_path, capsys, edit, field):
