@@ -142,9 +142,10 @@ def compute_peak(op: OpNode, device: DeviceProfile, precision: str) -> float:
 
 
 TRANSCENDENTAL_TARGETS = frozenset({
-    "tanh", "gelu", "silu", "exp", "erf", "sigmoid", "log", "rsqrt", "sqrt", "pow", "sin", "cos", "softplus",
+    "tanh", "gelu", "silu", "exp", "erf", "sigmoid", "log", "rsqrt", "sqrt", "sin", "cos", "softplus",
     "gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward",
 })
+"""Elementwise targets bound by vector math, not bytes (`pow` is not: a scalar power is a few multiplies)."""
 SOFTMAX_TARGETS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_softmax_backward_data"})
 DROPOUT_TARGETS = frozenset({"dropout", "native_dropout", "native_dropout_backward"})
 
