@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = Path(args.report) if args.report else Path(args.plan).with_suffix(".run.json")
     write_atomic(report, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    # Every run feeds `soap calibrate --from-runs`.
+    from executor.runs_log import append_run
+
+    append_run(result, plan=plan, name=Path(args.plan).stem)
     _summary(result, report)
     if args.json:
         print(json.dumps(result, sort_keys=True))
