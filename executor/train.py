@@ -10,10 +10,12 @@ on the CPU), gathered; `peak_memory_gib` is their max. Rank 0 shows a progress b
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,7 +105,7 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
                          task=plan.model.task, seed=config.seed, data_file=config.data)
     slicer = Slicer(dp_rank=parallel.mesh.dp_rank, per_rank=p.micro_batch * p.num_microbatches,
                     cp_rank=parallel.mesh.cp_rank, cp=p.cp)
-    start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers) if config.resume else 0
+    start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers) if _should_resume(config) else 0
     losses: list[float] = []
     times: list[float] = []
     tokens = plan.global_batch * plan.seq_len
@@ -223,3 +225,12 @@ def _progress(enabled: bool, steps: int, start: int, tokens_per_step: int) -> An
                                                 f"{tokens_per_step / seconds:,.0f} tok/s")
 
         yield advance
+
+
+def _should_resume(config: RunConfig) -> bool:
+    """`--resume`, or workers the elastic agent restarted after a failure: they continue from the last
+    complete checkpoint when one exists, instead of training from step 0 again."""
+    if config.resume:
+        return True
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    return bool(restarted and config.checkpoint_dir and (Path(config.checkpoint_dir) / "latest").is_file())
