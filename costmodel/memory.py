@@ -27,7 +27,7 @@ weights (both the master and the low-precision copy): each sharded term is ceil(
 `offload_optimizer` moves the (sharded) optimizer state to host memory: it is reported as `offloaded`
 and not counted on the device.
 
-Activations: `costmodel.memory_activations.activation_bytes` (wrapped here) and `activation_parts`
+Activations: `costmodel.memory_activations.activation_bytes` (re-exported here) and `activation_parts`
 (its terms: prologue, blocks kept, epilogue, recompute window; re-exported).
 
 Buffers (`buffer_bytes`): with data parallelism and ZeRO < 3, two 25 MB gradient buckets (DDP's default
@@ -47,8 +47,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodel.memory_activations import ActivationParts, activation_parts
-from costmodel.memory_activations import activation_bytes as _activation_bytes
+from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
@@ -158,33 +157,6 @@ def model_state_bytes(
         grads=shard(grads, 2),
         optimizer=0 if offload_optimizer else optimizer_local,
         offloaded=optimizer_local if offload_optimizer else 0,
-    )
-
-
-def activation_bytes(
-    ops: Iterable[OpNode],
-    *,
-    micro_batch: int,
-    batch_traced: int,
-    recompute: str,
-    attention: str,
-    split: Mapping[str, int] | None = None,
-    precision: str | None = None,
-    block_counts: Mapping[str, int] | None = None,
-    recompute_per_block: Mapping[str, str] | None = None,
-) -> int:
-    """Bytes saved for backward by `ops` for one micro-batch, under a recompute policy and attention
-    implementation, at local shapes (`split` as in opcost.op_time). See costmodel.memory_activations."""
-    return _activation_bytes(
-        ops,
-        micro_batch=micro_batch,
-        batch_traced=batch_traced,
-        recompute=recompute,
-        attention=attention,
-        split=split,
-        precision=precision,
-        block_counts=block_counts,
-        recompute_per_block=recompute_per_block,
     )
 
 
