@@ -21,14 +21,9 @@ HEADER = "# Benchmarks\n\nEvery figure here was written by a script in `benchmar
 
 def machine_description() -> str:
     """One line naming the machine the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from costmodel.calibrate import machine_name
+
+    cpu = machine_name("cpu")
     try:
         import torch
 
