@@ -45,9 +45,10 @@ def git_revision() -> str:
         return "unknown"
 
 
-def update_section(name: str, title: str, body: str) -> None:
-    """Replace (or append) section `name` of docs/benchmarks.md with `body` under `title`."""
-    stamp = f"_Measured {_dt.date.today().isoformat()} at commit {git_revision()} on: {machine_description()}._"
+def update_section(name: str, title: str, body: str, *, machine: str | None = None) -> None:
+    """Replace (or append) section `name` of docs/benchmarks.md with `body` under `title`; `machine` names
+    where it was measured when that is not this machine (a run on a GPU machine, recorded here)."""
+    stamp = f"_Measured {_dt.date.today().isoformat()} at commit {git_revision()} on: {machine or machine_description()}._"
     section = f"<!-- BEGIN {name} -->\n## {title}\n\n{stamp}\n\n{body.rstrip()}\n<!-- END {name} -->\n"
     DOC.parent.mkdir(parents=True, exist_ok=True)
     with open(DOC.with_suffix(".lock"), "w") as lock:

@@ -1,0 +1,120 @@
+"""Plan, execute and compare on one GPU: predicted against measured step time and peak memory.
+
+    python -m benchmarks.gpu_execute --out DIR            # on a CUDA machine
+    python -m benchmarks.gpu_execute --record DIR         # here: write DIR/gpu_execute.json into docs
+
+For each model and each cluster profile (the datasheet `dgx-h100` and the calibrated `h100-x1-measured`),
+`soap plan MODEL --gpus 1 --precision bf16` picks micro-batch, accumulation and recompute for a fixed
+global batch; `soap execute` then trains that plan for a few steps on NCCL (one rank), and the run
+report gives measured step time (median of the timed steps) and peak memory (torch.cuda max allocated)
+next to what the simulator predicted. Plans that come out identical under both profiles are executed
+once. Nothing here is hard-coded: every figure comes from the run reports written under DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+CASES = (  # (label, MODEL argument, global batch, sequence length)
+    ("gpt2", "gpt2", 32, 1024),
+    ("bert-large", "bert-large-uncased", 64, 512),
+    ("llama-3.2-1b", str(CONFIGS / "llama-3.2-1b.json"), 16, 2048),
+    ("gpt2-xl", "gpt2-xl", 16, 1024),
+)
+CLUSTERS = ("dgx-h100", "h100-x1-measured")
+STEPS = 6
+
+
+def _soap(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "soap", *args, "--json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"soap {' '.join(args)}: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout)
+
+
+def measure(out: Path) -> list[dict]:
+    rows = []
+    for label, model, batch, seq in CASES:
+        executed: dict[str, dict] = {}
+        for cluster in CLUSTERS:
+            plan_path = out / f"{label}-{cluster}.plan.json"
+            row = dict(model=label, cluster=cluster, global_batch=batch, seq_len=seq)
+            try:
+                _soap("plan", model, "--gpus", "1", "--cluster", cluster, "--precision", "bf16",
+                      "--global-batch", str(batch), "--seq-len", str(seq), "-o", str(plan_path))
+                plan = json.loads(plan_path.read_text())
+                key = json.dumps(plan["parallelism"], sort_keys=True)
+                if key not in executed:
+                    executed[key] = _soap("execute", str(plan_path), "--steps", str(STEPS),
+                                          "--report", str(out / f"{label}-{cluster}.run.json"))
+                run = executed[key]
+                t = plan["parallelism"]
+                row.update(plan=f"mb{t['micro_batch']}x{t['num_microbatches']} recompute {t['recompute']}",
+                           predicted_step_s=plan["predicted"]["step_time_s"], measured_step_s=run["step_time_s"],
+                           predicted_memory_gib=plan["predicted"]["peak_memory_gib"],
+                           measured_memory_gib=run["peak_memory_gib"], memory_source=run.get("peak_memory_source"),
+                           tokens_per_s=run.get("tokens_per_s"))
+            except (RuntimeError, KeyError, json.JSONDecodeError) as exc:
+                row.update(error=str(exc))
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def _pct(pred: float, meas: float) -> str:
+    return f"{100 * (pred - meas) / meas:+.1f}%"
+
+
+def markdown(rows: list[dict], machine: str) -> str:
+    lines = [
+        f"One GPU, NCCL, bf16, AdamW; {STEPS} steps per run, the first untimed. Profiles: `dgx-h100` (datasheet "
+        "figures with their sources) and `h100-x1-measured` (this H100 calibrated by `soap calibrate --device cuda "
+        f"--nproc 1`). Machine: {machine}.", "",
+        "| model | profile | global batch × seq | plan | step predicted | step measured | error | memory predicted | memory measured | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['cluster']} | {r['global_batch']} × {r['seq_len']} | failed: {r['error']} |||||||")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['cluster']} | {r['global_batch']} × {r['seq_len']} | {r['plan']} | "
+            f"{r['predicted_step_s']:.3f} s | {r['measured_step_s']:.3f} s | {_pct(r['predicted_step_s'], r['measured_step_s'])} | "
+            f"{r['predicted_memory_gib']:.1f} GiB | {r['measured_memory_gib']:.1f} GiB | "
+            f"{_pct(r['predicted_memory_gib'], r['measured_memory_gib'])} |")
+    ok = [r for r in rows if "error" not in r]
+    for cluster in CLUSTERS:
+        errs = sorted(abs(r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"] for r in ok if r["cluster"] == cluster)
+        mems = sorted(abs(r["predicted_memory_gib"] - r["measured_memory_gib"]) / r["measured_memory_gib"] for r in ok if r["cluster"] == cluster)
+        if errs:
+            lines.append(f"\n`{cluster}`: step-time MAPE {100 * sum(errs) / len(errs):.1f}%, memory MAPE "
+                         f"{100 * sum(mems) / len(mems):.1f}% over {len(errs)} plans.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="measure here (needs CUDA)")
+    parser.add_argument("--record", type=Path, help="write DIR/gpu_execute.json into docs/benchmarks.md")
+    args = parser.parse_args()
+    if args.out:
+        from benchmarks.report import machine_description
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        rows = measure(args.out)
+        (args.out / "gpu_execute.json").write_text(json.dumps({"machine": machine_description(), "rows": rows}, indent=1))
+    if args.record:
+        from benchmarks.report import update_section
+
+        data = json.loads((args.record / "gpu_execute.json").read_text())
+        update_section("gpu_execute", "One H100: predicted against measured (soap plan + soap execute)",
+                       markdown(data["rows"], data["machine"]), machine=data["machine"])
+
+
+if __name__ == "__main__":
+    main()
