@@ -2,7 +2,8 @@
 
 Steps (`run_validation`):
 1. the cluster profile (`local-cpu` by default; `soap calibrate` runs first if it is missing);
-2. every suite case (`executor.validation_suite`) traced, simulated and turned into a Plan;
+2. every suite case (`executor.validation_suite`) traced, simulated and turned into a Plan: the
+   parallel suite at 2 or 4 ranks, or the single-device suite at `--nproc 1`;
 3. all plans executed on `nproc` spawned ranks (`executor.validation_run`: gloo on CPU, NCCL on CUDA),
    after one unmeasured warm-up run of the first plan (it pays one-time costs: lazy imports, gloo
    pairs, allocator arenas);
@@ -25,7 +26,8 @@ from typing import Any
 
 from executor.validation_metrics import Comparison, Summary, summarize
 from executor.validation_run import Measurement, execute_plans
-from executor.validation_suite import BuiltCase, SuiteCase, build_case, quick_cases, suite_cases
+from executor.validation_suite import (BuiltCase, SuiteCase, build_case, quick_cases, quick_single_device_cases,
+                                       single_device_cases, suite_cases)
 from tracer.errors import SoapError
 
 SUITE_WORLD = 2
@@ -38,7 +40,8 @@ class ValidationConfig:
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL)."""
     nproc: int = SUITE_WORLD
-    """Ranks per plan (the suite's degree-2 dimension becomes this degree)."""
+    """Ranks per plan: 1 runs the single-device suite; 2 or 4 the parallel suite (its degree-2
+    dimension becomes this degree)."""
     steps: int = 6
     """Optimizer steps per plan; the first is not timed."""
     quick: bool = False
@@ -62,7 +65,8 @@ class ValidationReport:
     """Of the plans that ran, in the order of `rows`."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"plans": [r.to_json() for r in self.rows], **self.summary.to_json(),
+        # the per-plan rows replace the summary's plan count under "plans"
+        return {**self.summary.to_json(), "plans": [r.to_json() for r in self.rows],
                 "failed": [{"name": n, "error": e} for n, e in self.failed]}
 
 
@@ -77,13 +81,13 @@ def check_config(config: ValidationConfig) -> None:
         if torch.cuda.device_count() < config.nproc:
             raise SoapError(f"--nproc {config.nproc}: only {torch.cuda.device_count()} GPUs; pass --nproc "
                             f"{torch.cuda.device_count()}")
-    if config.nproc not in (2, 4):
-        raise SoapError(f"--nproc {config.nproc}: the suite runs at 2 or 4 ranks")
+    if config.nproc not in (1, 2, 4):
+        raise SoapError(f"--nproc {config.nproc}: the suite runs at 1 rank (single-device plans) or at 2 or 4 ranks")
     if config.steps < 2:
         raise SoapError(f"--steps {config.steps}: need at least 2 (the first step is not timed)")
 
 
-def load_or_calibrate(cluster: str, device: str, log: Callable[[str], None]) -> Any:
+def load_or_calibrate(cluster: str, device: str, nproc: int, log: Callable[[str], None]) -> Any:
     """The cluster profile; a missing local profile is measured first with `soap calibrate`'s defaults."""
     from costmodel.profiles import load_cluster, PROFILES_DIR
 
@@ -92,10 +96,16 @@ def load_or_calibrate(cluster: str, device: str, log: Callable[[str], None]) -> 
         from costmodel.calibrate import CalibrationConfig, calibrate, write_profiles
 
         log(f"no {local} profile yet: running soap calibrate (a few minutes)")
-        write_profiles(calibrate(CalibrationConfig(device=device, nproc=4 if device == "cpu" else SUITE_WORLD,
+        write_profiles(calibrate(CalibrationConfig(device=device, nproc=4 if device == "cpu" else nproc,
                                                    name=local, reference_precision="fp32" if device == "cpu" else "bf16"),
                                  lambda label: None), None)
     return load_cluster(cluster)
+
+
+def default_cases(config: ValidationConfig) -> list[SuiteCase]:
+    if config.nproc == 1:
+        return (quick_single_device_cases if config.quick else single_device_cases)(config.device)
+    return quick_cases() if config.quick else suite_cases()
 
 
 def scaled_case(case: SuiteCase, nproc: int) -> SuiteCase:
@@ -105,9 +115,8 @@ def scaled_case(case: SuiteCase, nproc: int) -> SuiteCase:
 
 def run_validation(config: ValidationConfig, log: Callable[[str], None] = lambda message: None) -> ValidationReport:
     check_config(config)
-    cluster = load_or_calibrate(config.cluster, config.device, log)
-    cases = config.cases or tuple(quick_cases() if config.quick else suite_cases())
-    cases = tuple(scaled_case(c, config.nproc) for c in cases)
+    cluster = load_or_calibrate(config.cluster, config.device, config.nproc, log)
+    cases = tuple(scaled_case(c, config.nproc) for c in config.cases or default_cases(config))
     graphs: dict = {}
     built = []
     for case in cases:

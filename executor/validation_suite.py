@@ -12,6 +12,11 @@ The techniques covered: DDP, FSDP (ZeRO-3), ZeRO-2, TP, TP+SP, PP 1F1B, PP GPipe
 checkpointing (full and selective), gradient accumulation, and a 2-D-in-spirit entry (data parallel with
 accumulation and checkpointing together) in place of a real 2-D mesh, which needs 4 ranks on this
 2-core machine and would only measure oversubscription.
+
+`single_device_cases(device)` is the suite at one rank (`soap validate --nproc 1`): plain training,
+full and selective checkpointing, accumulation and several micro-batch sizes across the three families.
+On CUDA the models are larger (hidden 1024-2048, 8 layers, vocab 32k, seq 512-1024, bf16) so that a step
+takes tens of milliseconds on one GPU and measures kernels rather than launch overhead.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, vocab_size=2048, max_position_embeddings=256,
                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
 }
+CUDA_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(MODEL_CONFIGS["gpt2"], n_embd=1024, n_layer=8, n_head=16, vocab_size=32000, n_positions=1024),
+    "llama": dict(MODEL_CONFIGS["llama"], hidden_size=2048, intermediate_size=5504, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024),
+    "bert": dict(MODEL_CONFIGS["bert"], hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                 num_attention_heads=16, vocab_size=32000, max_position_embeddings=512),
+}
+"""The single-GPU suite's models: big enough that one step is 20-200 ms of kernels on an H100."""
 TASKS = {"gpt2": "causal-lm", "llama": "causal-lm", "bert": "masked-lm"}
 
 
@@ -48,6 +61,12 @@ class SuiteCase:
     train: dict[str, Any] = field(default_factory=dict)
     """TrainingConfig keywords besides global_batch/seq_len (micro_batch, num_microbatches, zero, ...)."""
     seq_len: int = 128
+    size: str = "small"
+    """Model size: "small" (MODEL_CONFIGS, CPU) or "cuda" (CUDA_MODEL_CONFIGS, one GPU)."""
+
+    def model_fields(self) -> dict[str, Any]:
+        """The family's config fields at this case's size (model_type included)."""
+        return dict((CUDA_MODEL_CONFIGS if self.size == "cuda" else MODEL_CONFIGS)[self.family])
 
 
 def suite_cases() -> list[SuiteCase]:
@@ -81,11 +100,49 @@ def quick_cases() -> list[SuiteCase]:
     return [c for c in suite_cases() if c.name in keep]
 
 
-def hf_config(family: str) -> dict[str, Any]:
-    """The full HF config dict of the family's suite model, as plan.json stores it."""
+def single_device_cases(device: str) -> list[SuiteCase]:
+    """The suite at one rank: small fp32 models on CPU, larger bf16 models on CUDA (10 plans)."""
+    if device == "cuda":
+        precision, size = "bf16", "cuda"
+        plans = [("gpt2 plain", "gpt2", dict(micro_batch=16), 1024),
+                 ("llama plain", "llama", dict(micro_batch=8), 512),
+                 ("bert plain", "bert", dict(micro_batch=32), 512),
+                 ("llama full-ckpt", "llama", dict(micro_batch=8, recompute="full"), 512),
+                 ("gpt2 selective-ckpt", "gpt2", dict(micro_batch=16, recompute="selective"), 1024),
+                 ("llama accum4", "llama", dict(micro_batch=4, num_microbatches=4, grad_accum=4), 512),
+                 ("bert accum2+ckpt", "bert", dict(micro_batch=32, num_microbatches=2, grad_accum=2,
+                                                   recompute="full"), 512),
+                 ("gpt2 micro-batch 8", "gpt2", dict(micro_batch=8), 1024),
+                 ("llama micro-batch 2", "llama", dict(micro_batch=2), 1024),
+                 ("bert selective-ckpt", "bert", dict(micro_batch=64, recompute="selective"), 256)]
+    else:
+        precision, size = "fp32", "small"
+        plans = [("gpt2 plain", "gpt2", dict(micro_batch=4), 128),
+                 ("llama plain", "llama", dict(micro_batch=2), 256),
+                 ("bert plain", "bert", dict(micro_batch=8), 64),
+                 ("llama full-ckpt", "llama", dict(micro_batch=8, recompute="full"), 128),
+                 ("gpt2 selective-ckpt", "gpt2", dict(micro_batch=8, recompute="selective"), 128),
+                 ("llama accum4", "llama", dict(micro_batch=2, num_microbatches=4, grad_accum=4), 128),
+                 ("bert accum2+ckpt", "bert", dict(micro_batch=8, num_microbatches=2, grad_accum=2,
+                                                   recompute="full"), 64),
+                 ("gpt2 micro-batch 1", "gpt2", dict(micro_batch=1), 256),
+                 ("llama micro-batch 16", "llama", dict(micro_batch=16), 64),
+                 ("bert selective-ckpt", "bert", dict(micro_batch=4, recompute="selective"), 128)]
+    return [SuiteCase(name=name, family=family, dims={}, train=dict(train, precision=precision), seq_len=seq,
+                      size=size) for name, family, train, seq in plans]
+
+
+def quick_single_device_cases(device: str) -> list[SuiteCase]:
+    """A 4-plan single-device subset: plain, checkpointing, accumulation, one per family at least."""
+    keep = {"gpt2 plain", "llama full-ckpt", "bert accum2+ckpt", "llama accum4"}
+    return [c for c in single_device_cases(device) if c.name in keep]
+
+
+def hf_config(case: SuiteCase) -> dict[str, Any]:
+    """The full HF config dict of the case's model, as plan.json stores it."""
     from transformers import AutoConfig
 
-    fields = dict(MODEL_CONFIGS[family])
+    fields = case.model_fields()
     model_type = fields.pop("model_type")
     return AutoConfig.for_model(model_type, **fields).to_dict()
 
@@ -110,19 +167,19 @@ class BuiltCase:
     """costmodel.simulator_result.SimResult."""
 
 
-def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int], Any] | None = None) -> BuiltCase:
-    """Trace (cached per family and seq_len in `graphs`), simulate and plan one case on `cluster`."""
+def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str], Any] | None = None) -> BuiltCase:
+    """Trace (cached per family, seq_len and size in `graphs`), simulate and plan one case on `cluster`."""
     import tracer
     from costmodel.simulator import simulate
     from planner.plan import ModelSpecRecord, config_hash, plan_from_simulation
 
     graphs = {} if graphs is None else graphs
-    config = hf_config(case.family)
-    key = (case.family, case.seq_len)
+    config = hf_config(case)
+    key = (case.family, case.seq_len, case.size)
     if key not in graphs:
         from transformers import AutoConfig
 
-        fields = dict(MODEL_CONFIGS[case.family])
+        fields = case.model_fields()
         graphs[key] = tracer.trace(AutoConfig.for_model(fields.pop("model_type"), **fields),
                                    task=TASKS[case.family], seq_len=case.seq_len)
     graph = graphs[key]
@@ -134,6 +191,6 @@ def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int], Any]
     return BuiltCase(case=case, plan=plan, result=result)
 
 
-def resimulate(built: BuiltCase, cluster: Any, graphs: dict[tuple[str, int], Any]) -> Any:
+def resimulate(built: BuiltCase, cluster: Any, graphs: dict[tuple[str, int, str], Any]) -> Any:
     """The SimResult of an already built case under another cluster profile (same plan)."""
     return build_case(built.case, cluster, graphs).result

@@ -194,3 +194,39 @@ def test_validate_quick_on_cuda_with_nccl(tmp_path):
                                              cluster="local-cpu"))
     assert report.rows and not report.failed
     assert all(r.measured_memory_bytes > 0 for r in report.rows)
+
+
+def test_single_device_suite_covers_checkpointing_accumulation_and_micro_batches():
+    from executor.validation_suite import single_device_cases
+
+    for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
+        cases = single_device_cases(device)
+        assert len(cases) >= 10 and all(c.dims == {} for c in cases)
+        trains = [c.train for c in cases]
+        assert {t.get("recompute", "none") for t in trains} == {"none", "full", "selective"}
+        assert any(t.get("grad_accum", 1) > 1 for t in trains)
+        assert len({t["micro_batch"] for t in trains}) >= 3
+        assert {c.family for c in cases} == {"gpt2", "llama", "bert"}
+        assert {t["precision"] for t in trains} == {precision}
+    cuda = single_device_cases("cuda")[0].model_fields()
+    assert cuda["n_embd"] >= 1024 and cuda["vocab_size"] >= 32000
+
+
+@pytest.mark.slow
+def test_validate_with_one_rank_runs_the_single_device_suite(tmp_path, capsys):
+    from soap.cli import main
+
+    assert main(["validate", "--nproc", "1", "--quick", "--steps", "2", "--json",
+                 "--runs-log", str(tmp_path / "runs.jsonl")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not report["failed"] and len(report["plans"]) == 4
+    names = {p["name"] for p in report["plans"]}
+    assert {"llama full-ckpt", "llama accum4"} <= names
+    assert all(p["measured_step_time_s"] > 0 and p["measured_peak_memory_bytes"] > 0 for p in report["plans"])
+
+
+def test_validate_refuses_three_ranks(capsys):
+    from soap.cli import main
+
+    assert main(["validate", "--nproc", "3"]) == 2
+    assert "--nproc 3" in capsys.readouterr().err

@@ -3,6 +3,8 @@
     soap validate                              # 12 plans, 2 gloo ranks on CPU, table on stderr
     soap validate --quick --png docs/validation.png
     soap validate --device cuda                # the same with NCCL on GPUs
+    soap validate --nproc 1                    # 10 single-device plans (checkpointing, accumulation, ...)
+    soap validate --device cuda --nproc 1      # the same on one GPU, larger bf16 models (local-cuda profile)
     soap validate --json                       # one object: per-plan errors, MAPEs, Kendall tau
 
 Each run is appended to the runs log ($SOAP_RUNS_LOG, default ~/.cache/soap/runs.jsonl), which
@@ -21,9 +23,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("validate", help="execute a suite of plans here and compare with the simulator",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks per plan: 2 (default) or 4")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per plan: 1 (the single-device suite), 2 (default) or 4")
     p.add_argument("--steps", type=int, default=6, help="steps per plan; the first is not timed (default 6)")
-    p.add_argument("--quick", action="store_true", help="4 plans instead of 12")
+    p.add_argument("--quick", action="store_true", help="a 4-plan subset of the suite")
     p.add_argument("--cluster", default=None, help="cluster profile for the predictions (default local-DEVICE)")
     p.add_argument("--png", default=None, metavar="FILE", help="write the predicted-vs-measured scatter plot")
     p.add_argument("--runs-log", default=None, metavar="FILE", help="runs log to append to (default $SOAP_RUNS_LOG "
