@@ -33,7 +33,9 @@ STEPS = 6
 def _soap(*args: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "soap", *args, "--json"], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"soap {' '.join(args)}: {done.stderr.strip().splitlines()[-1:]}")
+        lines = done.stderr.strip().splitlines()
+        cause = next((l for l in reversed(lines) if "Error:" in l and "error: a worker failed" not in l), lines[-1] if lines else "")
+        raise RuntimeError(f"soap {args[0]}: {cause.split('] ')[-1][:160]}")
     return json.loads(done.stdout)
 
 
