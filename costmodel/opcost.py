@@ -7,7 +7,9 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
 - F: the kernel's FLOPs on the local shard; B: the bytes it reads and writes.
 - P[prec]: peak FLOP/s at the op's precision (`compute_peak`): matmuls and the attention core use the
   run's precision (fp32, tf32, fp16, bf16, or fp8 for matmuls only; fp8 on a device without it is a
-  SoapError); other ops run on the fp32 (non-tensor-core) rate. e_mm: `matmul_efficiency` at F for
+  SoapError) times the profile's `dtype_efficiency` (GPU profiles price fp8 matmuls at 0.75 of the fp8
+  peak, 1.5x bf16, after published end-to-end fp8 training speedups); other ops run on the fp32
+  (non-tensor-core) rate. e_mm: `matmul_efficiency` at F for
   matmuls and attention, 1 for the rest (their FLOPs are never the bound in practice).
 - W: memory bandwidth; e_mem: `memory_efficiency` at B. t_launch: `kernel_overhead_s`.
 - k: the device's `kernel_factors` for the op's class (`kernel_class`: matmul, attention, arithmetic,

@@ -5,15 +5,14 @@ optimizer state offloaded when allowed) gives the least memory any plan of that 
 minimum over meshes is N's floor (`memory_floor`). The error reports:
 - the smallest N, doubling from the request, whose floor fits the limit (`minimum_gpus`);
 - the request's own floor, as the memory per GPU it would need;
-- the largest memory term of the whole job: the model's weights, gradients or optimizer state
-  (unsharded, not offloaded), or the floor's activations summed over the GPUs.
+- the largest per-GPU memory term of that same floor plan (weights, gradients, optimizer state left on
+  the device, activations, or framework overhead), so the term is always part of the total named.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from costmodel.memory import model_state_bytes
 from planner.estimate import Estimator, MemoryParts
 from planner.space import SpaceRequest, mesh_choices, recompute_choices, training_config, training_heads
 from tracer.errors import SoapError
@@ -22,7 +21,8 @@ GIB = 2**30
 MAX_GPUS = 1 << 20
 """Give up doubling past a million GPUs."""
 
-_PART_NAMES = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations"}
+_PART_NAMES = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer state",
+               "activations": "activations", "other": "framework overhead and gathered parameters"}
 
 
 def memory_floor(req: SpaceRequest, estimator: Estimator) -> MemoryParts | None:
@@ -59,28 +59,29 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit: float, *, params: int) -> SoapError:
+def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit: float) -> SoapError:
     """The SoapError for a request with no plan that fits."""
     where = f"{req.gpus} x {limit / GIB:g} GiB"
     floor = memory_floor(req, estimator)
     if floor is None:
         return SoapError(f"no configuration of {model} on {req.gpus} GPUs satisfies the pins; unpin a dimension")
-    half = "bf16" if "bf16" in req.precisions else "fp16"
-    whole = model_state_bytes(params, precision=req.pins.precision or half, optimizer=_optimizer(req), zero=0,
-                              dp_shard=1, offload_optimizer=False)
-    parts = {"weights": whole.weights, "grads": whole.grads, "optimizer": whole.optimizer,
-             "activations": floor.activations * req.gpus}
+    parts = {"weights": floor.weights, "grads": floor.grads, "optimizer": floor.optimizer,
+             "activations": floor.activations, "other": floor.other}
     term = max(parts, key=lambda k: (parts[k], k))
-    size = f"{_human(floor.activations)} per GPU" if term == "activations" else _human(parts[term])
     need = f"{floor.total / GIB:.1f} GiB per GPU"
     more = minimum_gpus(req, estimator, limit)
-    gpus = f"at least {more} GPUs or {need}" if more else need
+    gpus = f"at least {more} GPUs, or {need}" if more else need
+    on = "1 GPU" if req.gpus == 1 else f"{req.gpus} GPUs"
+    frugal = f"smallest micro-batch, {recompute_choices(req)[-1]} recompute, optimizer state offloaded"
     hint = "add GPUs or use a larger --mem-limit"
     if _optimizer(req) == "adamw" and term == "optimizer":
         hint += ", --optimizer adamw8bit"
     if any(getattr(req.pins, k) is not None for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch", "recompute")):
         hint += ", or unpin dimensions"
-    return SoapError(f"{model} does not fit on {where}: needs {gpus} ({_PART_NAMES[term]} {size} dominates); {hint}")
+    return SoapError(
+        f"{model} does not fit on {where}: needs {gpus} (the most frugal plan on {on}: {frugal}; "
+        f"its {_PART_NAMES[term]} {_human(parts[term])} per GPU dominates); {hint}"
+    )
 
 
 def _optimizer(req: SpaceRequest) -> str:

@@ -32,7 +32,7 @@ from planner.report import PlanReport
 from planner.search import Candidate, Priced, SearchConfig, enumerate_candidates, search, simulation_work
 from planner.space import mesh_choices
 from planner.stages import partition_stages
-from planner.units import layer_units, model_units, total_params
+from planner.units import layer_units, model_units
 from tracer.errors import SoapError
 from tracer.ir import OpGraph
 
@@ -100,9 +100,8 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
         request.space, estimator, request.memory_limit, keep_meshes=keep, keep_top=max(keep, SearchConfig.simulate_top),
         always=lambda m: baseline_mesh(m, widest_tp=widest_tp),
     )
-    params = graph.params_trainable or total_params(units)
     if not candidates:
-        raise infeasible_error(request.model_name, request.space, estimator, request.memory_limit, params=params)
+        raise infeasible_error(request.model_name, request.space, estimator, request.memory_limit)
     pricer = Pricer(request, graph, estimator)
     bandwidth = request.cluster.intra_node.bandwidth
     outcome = search(

@@ -27,7 +27,8 @@ Training rules (`training_choices`), per mesh:
   micro-batch count divisible by pp, as torch's interleaved schedules require) and the zero-bubble
   schedules the simulator prices;
 - recompute none / selective / full; precision bf16 (fp16 where the device lacks bf16), plus fp8
-  where the device supports it; the optimizer only when `optimizer="auto"`; optimizer offload on/off.
+  only when `precision="auto"` and the device supports it (fp8 changes numerics, so it is opt-in like
+  the optimizer); the optimizer only when `optimizer="auto"`; optimizer offload on/off.
 
 Pins fix a dimension; `validate_pins` rejects impossible pins with the numbers, before any search.
 """
@@ -83,6 +84,8 @@ class Pins:
     recompute: str | None = None
     schedule: str | None = None
     precision: str | None = None
+    """A name from costmodel.strategy.PRECISIONS, "auto" to search the half precision and fp8, or None
+    for the half precision alone."""
     optimizer: str = "adamw"
     """A name from costmodel.strategy.OPTIMIZERS, or "auto" to search AUTO_OPTIMIZERS."""
 
@@ -96,7 +99,7 @@ class Pins:
         for value, allowed, what in (
             (self.recompute, RECOMPUTE, "recompute"),
             (self.schedule, SCHEDULES, "schedule"),
-            (self.precision, PRECISIONS, "precision"),
+            (self.precision, (*PRECISIONS, "auto"), "precision"),
             (self.optimizer, (*OPTIMIZERS, "auto"), "optimizer"),
         ):
             if value is not None and value not in allowed:
@@ -177,7 +180,7 @@ def validate_pins(req: SpaceRequest) -> None:
         raise SoapError(reason)
     if p.dp is not None and req.global_batch % p.dp:
         raise SoapError(f"--dp {p.dp} does not divide the global batch {req.global_batch}; change --global-batch")
-    if p.precision is not None and p.precision not in req.precisions and p.precision != "tf32":
+    if p.precision is not None and p.precision not in (*req.precisions, "tf32", "auto"):
         raise SoapError(
             f"this device has no {p.precision} support (it runs {', '.join(req.precisions)}); pick another --precision"
         )
@@ -234,10 +237,15 @@ def _sharding_choices(req: SpaceRequest, *, dp: int, inner: int) -> list[tuple[i
 
 
 def precision_choices(req: SpaceRequest) -> tuple[str, ...]:
-    if req.pins.precision:
+    if req.pins.precision not in (None, "auto"):
         return (req.pins.precision,)
-    half = "bf16" if "bf16" in req.precisions else "fp16" if "fp16" in req.precisions else "fp32"
-    return (half, "fp8") if "fp8" in req.precisions else (half,)
+    half = half_precision(req)
+    return (half, "fp8") if req.pins.precision == "auto" and "fp8" in req.precisions else (half,)
+
+
+def half_precision(req: SpaceRequest) -> str:
+    """The default training precision: bf16, else fp16, else fp32 (what the device runs)."""
+    return "bf16" if "bf16" in req.precisions else "fp16" if "fp16" in req.precisions else "fp32"
 
 
 def optimizer_choices(req: SpaceRequest) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,18 @@ def test_infeasible_request_names_the_gpus_needed_and_the_dominating_term(medium
     assert "does not fit on 1 x 4 GiB" in err and "needs at least" in err and "dominates" in err
 
 
+def test_infeasible_message_names_a_dominant_term_no_larger_than_the_memory_it_needs(medium):
+    with pytest.raises(SoapError) as info:
+        plan_report(medium, gpus=1, mem_limit_gib=1)
+    message = str(info.value)
+    need = re.search(r"needs (?:at least \d+ GPUs, or )?([0-9.]+) GiB per GPU", message)
+    term = re.search(r"its [a-z ]+ ([0-9.]+) (GiB|MiB) per GPU dominates", message)
+    assert need and term, message
+    term_gib = float(term.group(1)) / (1 if term.group(2) == "GiB" else 1024)
+    assert 0 < term_gib <= float(need.group(1))
+    assert "optimizer state offloaded" in message
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -107,3 +120,16 @@ def test_python_api_returns_a_plan_with_the_pins(tiny):
     plan = soap.plan(tiny, gpus=8, global_batch=64, tp=2, recompute="selective")
     assert (plan.parallelism.tp, plan.parallelism.recompute) == (2, "selective")
     assert plan.strategy().dims.world_size == 8
+
+
+def test_precision_defaults_to_bf16_and_fp8_is_opt_in(medium, capsys):
+    precisions = {}
+    for flag in ((), ("--precision", "auto"), ("--precision", "fp8")):
+        assert main(["plan", medium, "--gpus", "8", "--global-batch", "64", "--json", *flag]) == 0
+        out = json.loads(capsys.readouterr().out)
+        precisions[flag] = (out["parallelism"]["precision"], out["step_time_s"])
+    assert precisions[()][0] == "bf16"
+    assert precisions[("--precision", "fp8")][0] == "fp8"
+    # auto searches both and keeps the faster; fp8 is priced faster than bf16 but well under the 2x peak ratio
+    assert precisions[("--precision", "auto")][0] == "fp8"
+    assert 1.0 < precisions[()][1] / precisions[("--precision", "fp8")][1] < 1.6

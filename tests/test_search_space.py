@@ -124,13 +124,16 @@ def test_interleaved_schedules_need_microbatches_divisible_by_pp():
     assert schedule_choices(req, pp=1, num_microbatches=6) == [("1F1B", 1)]
 
 
-def test_fp8_is_searched_only_where_the_device_runs_it():
+def test_fp8_is_searched_only_when_allowed_and_where_the_device_runs_it():
+    auto = Pins(precision="auto")
     hopper = _request(gpus=1, global_batch=1, precisions=("fp32", "bf16", "fp8"))
-    ampere = _request(gpus=1, global_batch=1, precisions=("fp32", "bf16"))
+    hopper_auto = _request(gpus=1, global_batch=1, precisions=("fp32", "bf16", "fp8"), pins=auto)
+    ampere_auto = _request(gpus=1, global_batch=1, precisions=("fp32", "bf16"), pins=auto)
     volta = _request(gpus=1, global_batch=1, precisions=("fp32", "fp16"))
     precisions = lambda req: {c.precision for m in mesh_choices(req) for c in training_choices(req, m)}  # noqa: E731
-    assert precisions(hopper) == {"bf16", "fp8"}
-    assert precisions(ampere) == {"bf16"}
+    assert precisions(hopper) == {"bf16"}
+    assert precisions(hopper_auto) == {"bf16", "fp8"}
+    assert precisions(ampere_auto) == {"bf16"}
     assert precisions(volta) == {"fp16"}
 
 

@@ -24,7 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--task", help="causal-lm, masked-lm, seq-cls or seq2seq-lm (default: from the config)")
     p.add_argument("--global-batch", type=int, help="samples (sequences) per optimizer step")
     p.add_argument("--seq-len", type=int, help="tokens per sample")
-    p.add_argument("--precision", choices=PRECISIONS, help="pin the precision (default: searched, bf16 or fp8)")
+    p.add_argument("--precision", choices=(*PRECISIONS, "auto"),
+                   help="pin the precision (default bf16, fp16 where the device lacks it); auto also searches fp8 "
+                   "where the device has it")
     p.add_argument("--optimizer", choices=(*OPTIMIZERS, "auto"), default="adamw",
                    help="optimizer (default adamw); auto lets the search pick adamw, adamw8bit or adafactor")
     for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data (replicate x shard)"), ("cp", "context")):
