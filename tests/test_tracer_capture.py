@@ -164,7 +164,7 @@ def test_moe_expert_matmuls_keep_the_token_dim_as_sample():
         assert op.outputs[0].shape[0] == 2 * 16 * 2  # tokens x experts per token
         assert op.outputs[0].roles[0] is DimRole.SAMPLE
         assert op.saved_bytes < op.inputs[0].nbytes  # the gathered expert weights are not activations
-    labels_pad = next(op for op in graph.ops if op.target.startswith("aten.pad"))
+    labels_pad = next(op for op in graph.ops if op.target.startswith(("aten.pad", "aten.constant_pad_nd")))
     assert labels_pad.outputs[0].roles == (DimRole.SAMPLE, DimRole.ATTRIBUTE)
 
 
@@ -173,3 +173,29 @@ def test_transpose_then_contiguous_is_a_copy_but_plain_views_move_nothing():
     attn_out = next(op for op in graph.ops if op.target.startswith("aten.contiguous") and op.block_id)
     assert attn_out.kind is OpKind.COPY and attn_out.bytes_moved == 2 * attn_out.outputs[0].nbytes
     assert all(op.bytes_moved == 0 for op in graph.ops if op.kind is OpKind.VIEW)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-3-8b", "mixtral-8x7b", "bert-base-uncased"])
+def test_presets_capture_with_dispatch_first_and_match_export(name):
+    graph = tracer.trace(name, seq_len=128)
+    exported = tracer.trace(name, seq_len=128, frontend="export")
+    assert graph.frontend == "dispatch"
+    assert (graph.params_total, graph.fwd_flops, graph.bwd_flops) == \
+        (exported.params_total, exported.fwd_flops, exported.bwd_flops)
+    assert graph.activation_bytes == pytest.approx(exported.activation_bytes, rel=0.005)
+
+
+def test_config_file_of_a_preset_keeps_the_export_first_chain(tmp_path):
+    from tracer.spec import PRESET_DIR
+
+    (tmp_path / "config.json").write_text((PRESET_DIR / "gpt2.json").read_text())
+    assert tracer.trace(str(tmp_path), seq_len=32).frontend == "export"
+
+
+def test_dispatch_contiguous_after_transpose_aliases_what_attention_saved():
+    """`.transpose(1, 2).contiguous()` of the attention output is recorded as `contiguous` (as export does),
+    so the output projection's saved input is the attention output autograd already keeps, not a second copy."""
+    graph = tracer.trace("llama-3-8b", seq_len=64, frontend="dispatch")
+    o_proj = next(op for op in graph.ops if op.module_fqn.endswith("o_proj"))
+    assert o_proj.saved == ()
+    assert any(op.target == "aten.contiguous.default" and op.kind is OpKind.COPY for op in graph.ops)

@@ -23,7 +23,7 @@ def test_json_has_the_contract_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == 124_439_808
     assert out["params_trainable"] == out["params"]
-    assert out["frontend"] == "export"
+    assert out["frontend"] == "dispatch"  # presets try dispatch first (tracer/capture.py)
     assert out["blocks"] == [{"id": "transformer.h", "module_type": "GPT2Block", "count": 12, "traced": 2,
                               "stack": "transformer.h", "indices": list(range(12))}]
     assert out["flops_per_token"] > 6 * 85e6  # 6 x non-embedding params, plus attention
@@ -45,7 +45,7 @@ def test_second_cli_trace_comes_from_the_disk_cache(capsys):
 def test_table_names_front_end_and_blocks(capsys):
     assert main(["trace", "bert-base-uncased", "--seq-len", "32"]) == 0
     out = capsys.readouterr().out
-    assert "bert.encoder.layer" in out and "export" in out and "109,514,298" in out
+    assert "bert.encoder.layer" in out and "dispatch" in out and "109,514,298" in out
 
 
 def _bad_inputs(tmp_path):

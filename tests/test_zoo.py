@@ -5,6 +5,8 @@ every parameter used by some op, and FLOPs within 2% (saved activations within 1
 measurement of a real forward+backward on CPU.
 """
 
+from functools import lru_cache
+
 import pytest
 
 import tracer
@@ -24,11 +26,23 @@ SAVED_KNOWN_DEVIATIONS = {
 captured: dict[str, str] = {}
 
 
+@lru_cache(maxsize=None)
+def measured_step(model_type: str) -> tuple[int, int]:
+    """(FLOPs, saved bytes) of a real CPU step of the zoo model, measured once for both front-end tests."""
+    config = without_dropout(zoo_config(model_type))
+    spec = resolve_spec(config)
+    return real_step(config, spec.task, batch=2, seq_len=_seq_len(config, spec.task))
+
+
+def _seq_len(config, task: str) -> int:
+    return 32 if task != "image-cls" else default_seq_len(config, task)
+
+
 @pytest.mark.parametrize("model_type", sorted(ZOO))
 def test_zoo_model_is_captured_exactly(model_type):
     config = without_dropout(zoo_config(model_type))
     spec = resolve_spec(config)
-    seq = 32 if spec.task != "image-cls" else default_seq_len(config, spec.task)
+    seq = _seq_len(config, spec.task)
     try:
         graph = tracer.trace(config, batch=2, seq_len=seq)
     except SoapError as exc:
@@ -40,24 +54,26 @@ def test_zoo_model_is_captured_exactly(model_type):
     assert sum(p.numel() for p in build_model(spec).parameters()) == graph.params_total
     used = {(op.block_id, p.name): p.numel * graph.multiplicity(op) for op in graph.ops for p in op.params}
     assert sum(used.values()) == graph.params_total
-    flops, saved = real_step(config, spec.task, batch=2, seq_len=seq)
+    flops, saved = measured_step(model_type)
     assert graph.fwd_flops + graph.bwd_flops == pytest.approx(flops, rel=0.02)
     if model_type not in SAVED_KNOWN_DEVIATIONS:
         assert graph.activation_bytes == pytest.approx(saved, rel=0.15)
 
 
 @pytest.mark.parametrize("model_type", sorted(ZOO))
-def test_dispatch_front_end_agrees_with_export(model_type):
+def test_dispatch_front_end_agrees_with_export_and_autograd(model_type):
     config = without_dropout(zoo_config(model_type))
     spec = resolve_spec(config)
-    seq = 32 if spec.task != "image-cls" else default_seq_len(config, spec.task)
+    seq = _seq_len(config, spec.task)
     exported = tracer.trace(config, batch=2, seq_len=seq, frontend="export")
     dispatched = tracer.trace(config, batch=2, seq_len=seq, frontend="dispatch")
     assert dispatched.frontend == "dispatch" and dispatched.params_total == exported.params_total
     assert dispatched.fwd_flops == exported.fwd_flops and dispatched.bwd_flops == exported.bwd_flops
     assert [b.id for b in dispatched.blocks] == [b.id for b in exported.blocks]
     if model_type not in SAVED_KNOWN_DEVIATIONS:
-        assert dispatched.activation_bytes == pytest.approx(exported.activation_bytes, rel=0.10)
+        # each front-end against autograd's own count (export overcounts codegen, mpt and t5 by 9-14%, where
+        # dispatch is within 6%: comparing the two with each other would pin export's error)
+        assert dispatched.activation_bytes == pytest.approx(measured_step(model_type)[1], rel=0.15)
 
 
 def test_zoo_covers_the_required_architectures():

@@ -133,7 +133,7 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)
     with torch.device("meta"):
-        captured = capture(model, inputs, frontend)
+        captured = capture(model, inputs, frontend, preset=spec.source == "preset")
     return build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
                        seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
                        dims=model_dims(spec.config, types), config=spec.config)

@@ -28,6 +28,7 @@ COMPOSITES = {
     "dropout": "aten.dropout.default",
     "cross_entropy": "aten.cross_entropy_loss.default",
     "cross_entropy_loss": "aten.cross_entropy_loss.default",
+    "contiguous": "aten.contiguous.default",
 }
 """torch functions recorded whole (by `__name__`), with the ATen name export uses for them."""
 
@@ -50,7 +51,8 @@ def capture_dispatch(model: Any, inputs: dict[str, Any]) -> Capture:
                 out = func(*args, **kwargs)
             finally:
                 recorder.depth -= 1
-            recorder.record(target, args, kwargs, out)
+            if out is not (args[0] if args else None):  # `contiguous` of a contiguous tensor is itself: no op
+                recorder.record(target, args, kwargs, out)
             return out
 
     class DispatchMode(TorchDispatchMode):
