@@ -30,11 +30,21 @@ and not counted on the device.
 Activations: `costmodel.memory_activations.activation_bytes` (re-exported here) and `activation_parts`
 (its terms: prologue, blocks kept, epilogue, recompute window; re-exported).
 
-Buffers (`buffer_bytes`): with data parallelism and ZeRO < 3, two 25 MB gradient buckets (DDP's default
-bucket_cap_mb, one being reduced while the next fills); with ZeRO-3 over dp_shard > 1, FSDP's
-all-gather of the largest unit's parameters at compute width (the current unit and the prefetched
-next one, 2x) plus that unit's fp32 gradients before their reduce-scatter. A unit is one block instance,
-or the non-block parameters together (the root FSDP unit).
+Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parallel`):
+- ZeRO 0/1 with dp > 1 (DDP): the reducer's buckets, allocated once for every gradient (25 MB
+  `bucket_cap_mb` only splits them): a second copy of the gradients, trainable x GRAD_BYTES.
+- ZeRO 2 (FSDP2 without resharding after forward): the parameters stay gathered from forward through
+  backward next to their fp32 shard, so beyond the weights term there is the shard of the fp32 master
+  plus the gathered compute copy, less what the weights term already counts (4/dp_shard + width - w
+  per element, at least 0); and during backward the unsharded fp32 gradients of one unit and their
+  reduce-scatter input (2 x largest unit x 4).
+- ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at compute width (the
+  current unit and the prefetched next one, 2x) plus that unit's fp32 gradients before their
+  reduce-scatter.
+A unit is one block instance, or the non-block parameters together (the root FSDP unit).
+
+Tensor parallelism shards the weights of matmuls and embeddings inside the repeated blocks; the
+embeddings, final norm and LM head stay replicated, as `executor.tensor_parallel` runs them.
 
 Whole stage (`estimate_memory`): the sum of the above for one rank holding `ops` (default: the whole
 graph), with activations multiplied by the micro-batches in flight (a pipeline stage's 1F1B warm-up),
@@ -61,8 +71,8 @@ OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
 FP8_ADAM_BYTES = 3
 """MS-AMP O2: 1-byte first moment + 2-byte second moment."""
 ADAFACTOR_ASSUMED_SIDE = 1024
-DDP_BUCKET_BYTES = 25 * 2**20
-DDP_BUCKETS = 2
+FSDP_MASTER_BYTES = 4
+"""FSDP2 keeps each parameter's shard in fp32 and reduce-scatters fp32 gradients."""
 TENSOR_PARALLEL_KINDS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING})
 __all__ = [
     "ActivationParts", "MemoryEstimate", "ParamSet", "StateBytes", "activation_bytes", "activation_parts",
@@ -176,7 +186,8 @@ def stage_params(
     ops: Iterable[OpNode], *, block_counts: Mapping[str, int], tensor_parallel: int = 1
 ) -> ParamSet:
     """Distinct parameters (by name) of `ops`, each block's times its instance count. Parameters read by
-    matmuls and embeddings are sharded `tensor_parallel` ways (their first dimension); others replicate.
+    matmuls and embeddings inside blocks are sharded `tensor_parallel` ways (their first dimension);
+    others (the non-block embeddings and LM head too) replicate.
     Frozen floating-point tensors (frozen weights, buffers such as rotary `inv_freq`) count as frozen;
     integer buffers (position ids) are left out."""
     seen: set[str] = set()
@@ -184,7 +195,7 @@ def stage_params(
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
     for op in ops:
-        degree = tensor_parallel if op.kind in TENSOR_PARALLEL_KINDS else 1
+        degree = tensor_parallel if op.kind in TENSOR_PARALLEL_KINDS and op.block_id is not None else 1
         count = 1 if op.block_id is None else block_counts.get(op.block_id, 1)
         for p in op.params:
             if p.name in seen:
@@ -203,10 +214,14 @@ def stage_params(
 
 def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int) -> int:
     """Communication buffers (see the module docstring)."""
+    width = activation_itemsize(precision)
     if zero == 3 and dp_shard > 1:
-        return params.largest_unit * (2 * activation_itemsize(precision) + 4)
+        return params.largest_unit * (2 * width + 4)
+    if zero == 2 and dp > 1:
+        gathered = max(0.0, FSDP_MASTER_BYTES / dp_shard + width - WEIGHT_BYTES[precision])
+        return math.ceil(params.trainable * gathered) + 2 * params.largest_unit * FSDP_MASTER_BYTES
     if dp > 1:
-        return DDP_BUCKETS * DDP_BUCKET_BYTES
+        return params.trainable * GRAD_BYTES[precision]
     return 0
 
 

@@ -4,9 +4,11 @@ Inputs are the traced graph's ops with their `saved` tensors (each saved tensor 
 graph, attributed to the op that saves it). Sizes are at local shapes: every saved tensor is scaled by
 `opcost.local_scale` (micro_batch / batch_traced on its sample dimension, 1/d per split role it
 carries). Under fp16/bf16/fp8 (`precision`; None keeps the traced dtypes) a graph traced in fp32 has its
-floating-point tensors counted at 2 bytes per element; a graph traced with 16-bit parameters
-(`traced_in_low_precision`) already carries the real dtypes, fp32 upcasts (RMSNorm statistics, fp32
-logits for the loss) included, and is counted as traced.
+floating-point tensors counted at 2 bytes per element; a graph traced at a 16-bit regime
+(`traced_in_low_precision`: 16-bit parameters, or fp32 parameters under the autocast emulation, see
+tracer/autocast.py) already carries the real dtypes, fp32 upcasts (RMSNorm statistics, fp32 logits for
+the loss, and under autocast the fp32 residual stream, norms and GELU) included, and is counted as
+traced.
 
 Attention implementation (`attention_saved`), for ops of kind ATTENTION (the fused SDPA core):
 - sdpa: what the traced SDPA op saves (q, k, v, out, the fp32 logsumexp [b, h, s_q], a mask if any),
@@ -29,6 +31,15 @@ embeddings, final norm, LM head and loss, are never checkpointed):
   dimension); backward recomputes one block at a time, so one block's "none" set, less the input it
   already holds, is live at once.
 
+Loss working set (`loss_working_set`), counted with what the loss op saves (its log-probabilities):
+the training loop holds the logits (the loss's input) from forward until backward, and the loss's
+backward creates the gradient of the log-probabilities and then that of the logits while everything
+saved is still live: 3 x the loss's floating-point inputs at their local size. For a language model
+these are [tokens, vocab] tensors, the largest activations of the step; measured on CPU (RSS per phase,
+single process), the backward's peak exceeds the end of forward by 2 x the logits bytes for gpt2,
+llama and bert alike. A pipeline holds the whole epilogue per micro-batch in flight, which
+over-counts the two gradients there (they exist for one micro-batch at a time).
+
 Peak (`activation_bytes`; its terms from `activation_parts`): with none, the end of the forward pass,
 when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With recomputation,
 the same at the end of forward, or later, once the epilogue's backward has freed its tensors and one
@@ -47,6 +58,8 @@ from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 ATTENTION_IMPLS = ("sdpa", "eager")
 SELECTIVE_KEEPS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS})
+LOSS_LIVE_COPIES = 3
+"""The logits held by the training loop, the gradient of the log-probabilities and that of the logits."""
 
 
 def _is_logsumexp(t: TensorMeta, q: TensorMeta) -> bool:
@@ -97,10 +110,18 @@ def block_saved(ops: Sequence[OpNode], policy: str, attention: str) -> tuple[Ten
     return () if first is None else (first,)
 
 
+def loss_working_set(op: OpNode) -> tuple[TensorMeta, ...]:
+    """The transient tensors around a loss op beyond what it saves (see the module docstring)."""
+    if op.kind is not OpKind.LOSS:
+        return ()
+    return tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES) * LOSS_LIVE_COPIES
+
+
 def traced_in_low_precision(ops: Sequence[OpNode]) -> bool:
-    """Whether the graph was traced with 16-bit (or 8-bit) floating-point parameters: its tensors then
-    carry the run's real dtypes (fp32 upcasts included) and are not rescaled."""
-    return any(p.dtype in LOW_PRECISION_DTYPES for op in ops for p in op.params)
+    """Whether the graph was traced at a 16-bit regime (16-bit parameters, or fp32 parameters under
+    autocast: `attrs["traced_dtype"]`): its tensors then carry the run's real dtypes (fp32 upcasts
+    included) and are not rescaled."""
+    return any(op.attrs.get("traced_dtype") or any(p.dtype in LOW_PRECISION_DTYPES for p in op.params) for op in ops)
 
 
 class _Sizer:
@@ -133,7 +154,7 @@ class ActivationParts:
     blocks: float
     """Kept through the forward pass by all block instances under their policies."""
     epilogue: float
-    """Saved by non-block ops after the blocks (final norm, head, loss)."""
+    """Saved by non-block ops after the blocks (final norm, head, loss), plus the loss working set."""
     recompute_window: float
     """Live while one recomputed block runs its backward: its none set less what it kept."""
 
@@ -172,7 +193,7 @@ def activation_parts(
     seen_block = False
     for op in ops:
         if op.block_id is None:
-            saved = size(op_saved(op, attention))
+            saved = size(op_saved(op, attention)) + size(loss_working_set(op))
             if seen_block:
                 epilogue += saved
             else:

@@ -3,7 +3,6 @@
 import pytest
 
 from costmodel.memory import (
-    DDP_BUCKET_BYTES,
     adafactor_bytes,
     activation_bytes,
     estimate_memory,
@@ -61,7 +60,8 @@ def toy_graph(count=3):
 
 IDS, XB, QB, LSEB, FFNB, LOGITS = B * T * 8, X.nbytes, Q.nbytes, LSE.nbytes, FFN.nbytes, B * T * 100 * 4
 BLOCK_NONE = (XB + LSEB) + XB + (4 * QB + LSEB) + XB + FFNB + FFNB
-EPILOGUE = XB + LOGITS
+LOSS_WORKING_SET = 3 * LOGITS  # logits held by the loop + gradients of the log-probabilities and of the logits
+EPILOGUE = XB + LOGITS + LOSS_WORKING_SET
 
 
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def test_estimate_memory_adds_state_activations_buffers_and_context():
     est = estimate_memory(graph, device=device, train=train, dp=4)
     assert (est.weights, est.grads, est.optimizer) == (4 * params, 4 * params, 8 * params)
     assert est.activations == _acts("none")
-    assert est.buffers == 2 * DDP_BUCKET_BYTES
+    assert est.buffers == 4 * params  # DDP's buckets: one more fp32 copy of every gradient
     assert est.overhead == device.context_bytes
     assert est.total == sum((est.weights, est.grads, est.optimizer, est.activations, est.buffers, est.overhead))
     fsdp = estimate_memory(graph, device=device, train=TrainingConfig(global_batch=8, seq_len=T, micro_batch=B,
@@ -201,7 +201,8 @@ def test_a_graph_traced_in_bf16_keeps_its_fp32_upcasts():
     traced_bf16 = activation_bytes(ops, micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", precision="bf16")
     traced_fp32 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa",
                                    precision="bf16")
-    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2  # the two fp32 statistics stay at 4 bytes
+    # the two fp32 statistics stay at 4 bytes, and so do the loss's fp32 (upcast) logits in its working set
+    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + LOSS_WORKING_SET // 2
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -233,3 +234,39 @@ def test_more_recomputation_never_keeps_more_activations(count, micro_batch, tp,
                                 attention=attention, block_counts={"l": count}, split={"parameter": tp})
 
     assert kept("full") <= kept("selective") <= kept("none")
+
+
+def test_loss_backward_holds_logits_and_two_gradients_of_their_size_beside_the_saved_tensors():
+    from costmodel.memory import activation_parts
+
+    none = activation_parts(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa")
+    assert none.epilogue == XB + LOGITS + 3 * LOGITS
+    half = activation_parts(toy_ops(), micro_batch=B // 2, batch_traced=B, recompute="none", attention="sdpa")
+    assert half.epilogue == (XB + 4 * LOGITS) // 2  # scales with the micro-batch like every activation
+
+
+def test_zero2_keeps_the_fp32_shard_beside_gathered_parameters_and_one_unit_of_gradients_in_flight():
+    graph = toy_graph()
+    device = load_device("h100-sxm")
+    params = 100 * H + 100 * H + 3 * (H + 3 * H * H + 4 * H * H + 4 * H * H)
+    largest_unit = H + 11 * H * H
+
+    def buffers(precision, dp_shard):
+        train = TrainingConfig(global_batch=8, seq_len=T, micro_batch=B, precision=precision, zero=2)
+        return estimate_memory(graph, device=device, train=train, dp=dp_shard, dp_shard=dp_shard).buffers
+
+    assert buffers("fp32", 4) == params * 4 // 4 + 2 * largest_unit * 4
+    # 16-bit: the weights term (fp32 master + 16-bit copy, 6 bytes) already covers shard + gathered copy
+    assert buffers("bf16", 4) == 2 * largest_unit * 4
+
+
+def test_tensor_parallel_shards_block_weights_and_replicates_embedding_and_head():
+    from costmodel.memory import stage_params
+
+    ops = toy_ops()
+    full = stage_params(ops, block_counts={"l": 3})
+    split = stage_params(ops, block_counts={"l": 3}, tensor_parallel=2)
+    non_block = 100 * H + 100 * H  # embedding and head stay whole on every rank, as the executor runs them
+    block_matmuls = 3 * (3 * H * H + 4 * H * H + 4 * H * H)
+    assert full.trainable - split.trainable == block_matmuls // 2
+    assert split.trainable == non_block + 3 * H + block_matmuls // 2
