@@ -48,7 +48,9 @@ embeddings, final norm and LM head stay replicated, as `executor.tensor_parallel
 
 Whole stage (`estimate_memory`): the sum of the above for one rank holding `ops` (default: the whole
 graph), with activations multiplied by the micro-batches in flight (a pipeline stage's 1F1B warm-up),
-plus the device profile's context overhead.
+plus the device profile's overhead: its context (`context_bytes`, resident before training starts) and
+its runtime workspace (`runtime_workspace_bytes`, what a training process allocates beyond the counted
+tensors; `soap calibrate --from-runs` fits it from measured peaks).
 """
 
 from __future__ import annotations
@@ -283,6 +285,6 @@ def estimate_memory(
         optimizer=state.optimizer,
         activations=activations,
         buffers=buffer_bytes(params=params, precision=train.precision, zero=train.zero, dp=dp, dp_shard=dp_shard),
-        overhead=device.context_bytes,
+        overhead=device.context_bytes + device.runtime_workspace_bytes,
         offloaded=state.offloaded,
     )

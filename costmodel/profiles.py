@@ -98,6 +98,9 @@ class DeviceProfile:
     host_bandwidth: float
     """bytes/s between device and host memory (offload)."""
     description: str = ""
+    runtime_workspace_bytes: int = 0
+    """Memory a training process allocates beyond the tensors the model counts (allocator, communication
+    library and autograd workspaces), on top of `context_bytes`; optional (0: not measured)."""
     dtype_efficiency: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     """Optional extra multiplier on the peak per precision (1.0 where absent)."""
     kernel_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)

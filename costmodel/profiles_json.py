@@ -144,7 +144,7 @@ def _check_version(r: _Reader, data: dict) -> None:
 
 def device_from_json(data: Any, origin: str) -> DeviceProfile:
     r = _Reader(origin)
-    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "notes"})
+    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "runtime_workspace_mib", "notes"})
     _check_version(r, data)
     sources: dict[str, str] = {}
 
@@ -172,6 +172,11 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
     if "kernel_factors" in data:
         kernel_factors, sources["kernel_factors"] = r.factor_table(
             data["kernel_factors"], "kernel_factors", KERNEL_CLASSES, lambda p: p in PRECISION_KEYS, "|".join(PRECISION_KEYS))
+    workspace = 0
+    if "runtime_workspace_mib" in data:
+        value, sources["runtime_workspace_mib"] = r.number(data["runtime_workspace_mib"], "runtime_workspace_mib",
+                                                           positive=False)
+        workspace = int(value * 2**20)
     matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
     memory = r.curve(data["memory_efficiency"], "memory_efficiency")
     return DeviceProfile(
@@ -184,6 +189,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         memory_efficiency=memory,
         kernel_overhead_s=num("kernel_overhead_us", positive=False) * 1e-6,
         context_bytes=int(num("context_overhead_gib", positive=False) * GIB),
+        runtime_workspace_bytes=workspace,
         host_bandwidth=num("host_link_gbps") * 1e9,
         dtype_efficiency=dtype_eff,
         kernel_factors=kernel_factors,
@@ -272,6 +278,8 @@ def device_to_dict(device: DeviceProfile) -> dict:
         "context_overhead_gib": _number(device.context_bytes / GIB, src("context_overhead_gib")),
         "host_link_gbps": _number(device.host_bandwidth / 1e9, src("host_link_gbps")),
     }
+    if device.runtime_workspace_bytes:
+        out["runtime_workspace_mib"] = _number(device.runtime_workspace_bytes / 2**20, src("runtime_workspace_mib"))
     if device.dtype_efficiency:
         out["dtype_efficiency"] = {**device.dtype_efficiency, "source": src("dtype_efficiency") or NOT_RECORDED}
     if device.kernel_factors:

@@ -11,8 +11,9 @@ Steps (`run_validation`):
 5. predicted against measured (`executor.validation_metrics`): per-plan errors, step-time and memory
    MAPE, Kendall's tau of the step-time ranking.
 
-Memory is compared like with like: the simulator's peak without its per-process context overhead
-against the measured peak growth during the plan (see `executor.validation_run`).
+Memory is compared like with like: the simulator's peak without its per-process context overhead, plus
+the device profile's runtime workspace (allocations beyond the counted tensors), against the measured
+peak growth during the plan (see `executor.validation_run`).
 
 `compare_runs(built, measurements)` is the comparison alone: tests feed it recorded measurements and
 plans simulated on a deliberately wrong profile, without executing anything.
@@ -137,7 +138,7 @@ def compare_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str
             failed.append((b.case.name, m))
             continue
         rows.append(Comparison(name=b.case.name, predicted_step_s=b.result.step_time_s, measured_step_s=m.step_time_s,
-                               predicted_memory_bytes=predicted_memory_bytes(b.result),
+                               predicted_memory_bytes=predicted_memory_bytes(b.result, b.workspace_bytes),
                                measured_memory_bytes=m.peak_memory_bytes))
         ran.append(b)
         measured.append(m)
@@ -147,9 +148,10 @@ def compare_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str
                             measurements=tuple(measured))
 
 
-def predicted_memory_bytes(result: Any) -> int:
-    """The simulator's peak over ranks without the per-process context overhead (comparable to growth)."""
-    return max(m.at_peak.total - m.at_peak.overhead for m in result.memory)
+def predicted_memory_bytes(result: Any, workspace_bytes: int = 0) -> int:
+    """The simulator's peak over ranks without the per-process context overhead, plus the runtime
+    workspace (comparable to the measured growth)."""
+    return max(m.at_peak.total - m.at_peak.overhead for m in result.memory) + workspace_bytes
 
 
 def _log_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str], path: str | None) -> None:
@@ -161,7 +163,7 @@ def _log_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str], 
         report = {"step_time_s": m.step_time_s, "step_times_s": list(m.step_times_s), "losses": list(m.losses),
                   "peak_memory_gib": m.peak_memory_bytes / 2**30, "peak_memory_source": m.memory_source,
                   "predicted_step_time_s": b.result.step_time_s,
-                  "predicted_peak_memory_gib": predicted_memory_bytes(b.result) / 2**30,
+                  "predicted_peak_memory_gib": predicted_memory_bytes(b.result, b.workspace_bytes) / 2**30,
                   "parallelism": b.plan.parallelism.model_dump()}
         append_run(report, path, plan=b.plan, name=b.case.name,
                    extra={"source": "soap validate", "timed_steps": "median of steps after the first"})

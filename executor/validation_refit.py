@@ -6,10 +6,16 @@
 
 Each T is a full simulation of the plan (same graph, strategy and stages) on a modified profile, so the
 split follows overlap and the pipeline schedule the way the simulator does.
+
+Memory: the device's runtime workspace (`runtime_workspace_mib`) is refitted as the median, over the
+runs whose peak memory was measured comparably (peak growth during the plan, or CUDA's allocated
+peak), of measured minus predicted peak (context excluded, workspace not yet added), at least 0.
 """
 
 from __future__ import annotations
 
+import datetime
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +26,9 @@ from costmodel.profiles import ClusterSpec
 from tracer.errors import SoapError
 
 FREE_LINK_SCALE = 1e9
+COMPARABLE_MEMORY_SOURCES = ("peak RSS growth (VmHWM)", "cuda max_memory_allocated")
+"""How `soap validate` (and `soap execute` on CUDA) measure peak memory; a whole process's peak RSS is not
+comparable with the simulator's peak (it holds the interpreter and libraries)."""
 
 
 def simulate_on(plan: Any, graph: Any, cluster: ClusterSpec) -> Any:
@@ -63,6 +72,8 @@ class Refit:
     """`soap calibrate --from-runs`: what was fitted and written."""
 
     multipliers: Multipliers
+    workspace_bytes: int | None
+    """The refitted runtime workspace (None: no run measured memory comparably)."""
     runs: int
     before_mape_pct: float
     """Step-time MAPE of the runs on the old profile (the fit set itself)."""
@@ -73,7 +84,8 @@ class Refit:
 
 def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
                   graphs: dict[str, Any] | None = None) -> tuple[Multipliers, dict, list[StepParts]]:
-    """Fit the multipliers on `records` (runs-log records with their plan) and refit `cluster` by them."""
+    """Fit the multipliers and the runtime workspace on `records` (runs-log records with their plan) and
+    refit `cluster` by them."""
     from costmodel.calibrate_runs import apply_multipliers, fit_multipliers
     from costmodel.profiles import cluster_to_dict
     from planner.plan import plan_from_dict
@@ -82,16 +94,25 @@ def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
     usable = [r for r in records if isinstance(r.get("plan"), dict) and r.get("step_time_s", 0) > 0]
     if not usable:
         raise SoapError("the runs log has no run with its plan; run `soap validate` (or `soap execute`) to record some")
-    parts = []
+    parts, residuals = [], []
     for record in usable:
         plan = plan_from_dict(record["plan"], origin="runs log")
         key = f"{plan.model.config_hash}/{plan.model.task}/{plan.seq_len}"
         if key not in graphs:
             graphs[key] = trace_plan_model(plan)
         parts.append(step_parts(plan, graphs[key], cluster, record["step_time_s"]))
+        if record.get("peak_memory_source") in COMPARABLE_MEMORY_SOURCES and record.get("peak_memory_gib", 0) > 0:
+            predicted = max(m.at_peak.total - m.at_peak.overhead for m in simulate_on(plan, graphs[key], cluster).memory)
+            residuals.append(record["peak_memory_gib"] * 2**30 - predicted)
     multipliers = fit_multipliers(parts)
-    refitted = apply_multipliers(cluster_to_dict(cluster), multipliers,
-                                 source=f"refit by soap calibrate --from-runs on {len(parts)} runs")
+    source = f"refit by soap calibrate --from-runs on {len(parts)} runs"
+    refitted = apply_multipliers(cluster_to_dict(cluster), multipliers, source=source)
+    if residuals:
+        workspace = max(0.0, statistics.median(residuals)) / 2**20
+        refitted["device"]["runtime_workspace_mib"] = {
+            "value": float(f"{workspace:.4g}"),
+            "source": f"median measured minus predicted peak memory of {len(residuals)} runs, {source}, "
+                      f"{datetime.date.today().isoformat()}"}
     return multipliers, refitted, parts
 
 
@@ -115,7 +136,9 @@ def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Ref
                    PROFILES_DIR / "clusters" / f"{refitted['name']}.json": {**refitted, "device": device["name"]}}
     for path, data in targets.items():
         write_atomic(path, json.dumps(data, indent=2) + "\n")
-    return Refit(multipliers=multipliers, runs=len(parts),
+    workspace = refitted["device"].get("runtime_workspace_mib", {}).get("value")
+    return Refit(multipliers=multipliers, workspace_bytes=None if workspace is None else int(workspace * 2**20),
+                 runs=len(parts),
                  before_mape_pct=mape([sum(p.features) for p in parts], measured),
                  after_mape_pct=mape([multipliers.predict(p) for p in parts], measured),
                  written=tuple(targets))

@@ -165,6 +165,8 @@ class BuiltCase:
     """planner.plan.Plan, with the simulation's metrics under `predicted`."""
     result: Any
     """costmodel.simulator_result.SimResult."""
+    workspace_bytes: int = 0
+    """The cluster's device runtime workspace (`DeviceProfile.runtime_workspace_bytes`)."""
 
 
 def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str], Any] | None = None) -> BuiltCase:
@@ -188,7 +190,7 @@ def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str],
     model = ModelSpecRecord(name=f"suite-{case.family}", source="file", task=TASKS[case.family], config=config,
                             config_hash=config_hash(config))
     plan = plan_from_simulation(model=model, graph=graph, cluster=cluster, strategy=strategy, result=result)
-    return BuiltCase(case=case, plan=plan, result=result)
+    return BuiltCase(case=case, plan=plan, result=result, workspace_bytes=cluster.device.runtime_workspace_bytes)
 
 
 def resimulate(built: BuiltCase, cluster: Any, graphs: dict[tuple[str, int, str], Any]) -> Any:

@@ -270,3 +270,20 @@ def test_tensor_parallel_shards_block_weights_and_replicates_embedding_and_head(
     block_matmuls = 3 * (3 * H * H + 4 * H * H + 4 * H * H)
     assert full.trainable - split.trainable == block_matmuls // 2
     assert split.trainable == non_block + 3 * H + block_matmuls // 2
+
+
+def test_runtime_workspace_is_optional_profile_data_counted_in_the_overhead():
+    from dataclasses import replace
+
+    from costmodel.profiles_json import device_from_json, device_to_dict
+
+    shipped = load_device("h100-sxm")
+    assert shipped.runtime_workspace_bytes == 0 and "runtime_workspace_mib" not in device_to_dict(shipped)
+    device = replace(shipped, runtime_workspace_bytes=13 * 2**20,
+                     sources={**shipped.sources, "runtime_workspace_mib": "measured"})
+    again = device_from_json(device_to_dict(device), "round trip")
+    assert again.runtime_workspace_bytes == 13 * 2**20 and again.sources["runtime_workspace_mib"] == "measured"
+    train = TrainingConfig(global_batch=2, seq_len=T, micro_batch=B)
+    est = estimate_memory(toy_graph(), device=device, train=train)
+    assert est.overhead == shipped.context_bytes + 13 * 2**20
+    assert est.total - estimate_memory(toy_graph(), device=shipped, train=train).total == 13 * 2**20

@@ -95,7 +95,7 @@ def _recorded(built):
     from executor.validation_run import Measurement
 
     return [Measurement(step_time_s=b.result.step_time_s, step_times_s=(b.result.step_time_s,) * 3,
-                        peak_memory_bytes=predicted_memory_bytes(b.result), memory_source="recorded",
+                        peak_memory_bytes=predicted_memory_bytes(b.result, b.workspace_bytes), memory_source="recorded",
                         losses=()) for b in built]
 
 
@@ -150,6 +150,36 @@ def test_calibrate_from_runs_writes_a_profile_that_predicts_the_logged_runs(simu
     refit = load_cluster(str(out))
     for b in built:
         assert build_case(b.case, refit, graphs).result.step_time_s == pytest.approx(1.8 * b.result.step_time_s, rel=0.05)
+
+
+def test_refit_from_runs_learns_the_runtime_workspace_from_measured_peaks(simulated, tmp_path):
+    from costmodel.profiles import load_cluster
+    from executor.runs_log import append_run
+    from executor.validation import compare_runs, predicted_memory_bytes
+    from executor.validation_refit import refit_profile
+    from executor.validation_run import Measurement
+    from executor.validation_suite import build_case
+
+    cluster, graphs, built = simulated
+    log = tmp_path / "runs.jsonl"
+    extra = [6, 4, 5]  # MiB each run grew beyond the predicted tensors: the median, 5 MiB, is the workspace
+    measured = []
+    for b, mib in zip(built, extra):
+        peak = predicted_memory_bytes(b.result) - b.workspace_bytes + mib * 2**20
+        append_run({"step_time_s": b.result.step_time_s, "peak_memory_gib": peak / 2**30,
+                    "peak_memory_source": "peak RSS growth (VmHWM)"}, log, plan=b.plan, name=b.case.name)
+        measured.append(Measurement(step_time_s=b.result.step_time_s, step_times_s=(), peak_memory_bytes=peak,
+                                    memory_source="recorded", losses=()))
+    append_run({"step_time_s": 1.0, "peak_memory_gib": 9.0, "peak_memory_source": "process peak RSS"}, log,
+               plan=built[0].plan, name="execute on cpu: whole-process RSS, not comparable")
+    out = tmp_path / "refit.json"
+    refit = refit_profile(str(log), "local-cpu", str(out))
+    assert refit.workspace_bytes == pytest.approx(5 * 2**20, rel=1e-3)
+    refitted = [build_case(b.case, load_cluster(str(out)), graphs) for b in built]
+    assert all(r.workspace_bytes == refit.workspace_bytes for r in refitted)
+    before, after = compare_runs(built, measured), compare_runs(refitted, measured)
+    assert after.summary.memory_mape_pct < before.summary.memory_mape_pct
+    assert max(abs(r.memory_error_pct) for r in after.rows) < 3.0
 
 
 def test_validate_on_cuda_without_a_gpu_is_a_clear_error(capsys):
