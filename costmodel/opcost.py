@@ -33,7 +33,9 @@ Parameters shrink only by the "parameter" degree (tensor parallelism shards weig
 
 Byte width: under fp16/bf16/fp8 floating-point activations are 16-bit, so the bytes of an op traced in
 fp32 are rescaled to 2 bytes per floating-point element (`activation_itemsize`); fp32/tf32 keep 4. An
-op traced with 16-bit tensors (a graph traced at the run's precision) keeps its traced dtypes.
+op traced with 16-bit tensors, or any op of a graph traced at a 16-bit regime (`attrs["traced_dtype"]`:
+bf16 parameters, or fp32 parameters under autocast, whose fp32 norms and upcasts stay fp32), keeps its
+traced dtypes.
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ def local_work(
         if DimRole(role) in roles:
             flop_scale /= degree
     width = activation_itemsize(precision)
-    if width < 4 and any(t.dtype in LOW_PRECISION_DTYPES for t in tensors):
-        width = 0  # traced at low precision: the tensors carry their real dtypes
+    if width < 4 and (op.attrs.get("traced_dtype") or any(t.dtype in LOW_PRECISION_DTYPES for t in tensors)):
+        width = 0  # traced at low precision (tracer.autocast.mark_traced_dtype): the tensors carry their real dtypes
     # A weight the op reads usually appears among its inputs too; count the others once, as parameters.
     input_shapes = {t.shape for t in op.inputs} | {t.shape[::-1] for t in op.inputs}
     extra_params = [p for p in op.params if p.shape not in input_shapes]

@@ -14,6 +14,7 @@ Defaults:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from costmodel.profiles import ClusterSpec, load_cluster
@@ -125,13 +126,15 @@ def plan_report(
         graph = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=kwargs.get("seq_len"),
                              trust_remote_code=trust)
     request = make_request(model, gpus=gpus, cluster=cluster, graph=graph, **kwargs)
+    trace = None
     if graph is None:
         graph = request.model.trace(task=kwargs.get("task"), seq_len=request.space.seq_len)
         request = replace(request, space=replace(request.space, dims=graph.dims))
+        trace = partial(request.model.trace, task=kwargs.get("task"), seq_len=request.space.seq_len)
     elif graph.seq_len != request.space.seq_len:
         raise SoapError(f"the graph was traced at sequence length {graph.seq_len}, not {request.space.seq_len}; "
                         "trace it at the planned --seq-len")
-    return run_search(request, graph, time_budget_s=time_budget_s, seed=seed)
+    return run_search(request, graph, time_budget_s=time_budget_s, seed=seed, trace=trace)
 
 
 def plan(model_or_spec: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", **pins: Any) -> Plan:

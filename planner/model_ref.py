@@ -34,12 +34,12 @@ class ModelRef:
     model: Any = None
     """What the user passed, for tracing by name."""
 
-    def trace(self, *, task: str | None, seq_len: int) -> OpGraph:
+    def trace(self, *, task: str | None, seq_len: int, dtype: str = "float32") -> OpGraph:
         import tracer
 
         if self.spec is None:
-            return tracer.trace(self.model, task=task, batch=1, seq_len=seq_len, persistent_cache=True)
-        return tracer.trace(self.spec, task=self.spec.task, batch=1, seq_len=seq_len)
+            return tracer.trace(self.model, task=task, batch=1, seq_len=seq_len, persistent_cache=True, dtype=dtype)
+        return tracer.trace(self.spec, task=self.spec.task, batch=1, seq_len=seq_len, dtype=dtype)
 
 
 def _config_file(model: Any) -> tuple[Path, str] | None:

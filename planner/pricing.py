@@ -15,6 +15,7 @@ chosen plan's per-op placements come from the per-op split search (`planner.bloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from costmodel.memory import model_state_bytes
@@ -28,6 +29,7 @@ from planner.explain import explain
 from planner.feasibility import infeasible_error
 from planner.intra_op import BlockSplitCache
 from planner.planfile import build_plan
+from planner.regimes import RegimeEstimator
 from planner.report import PlanReport
 from planner.search import Candidate, Priced, SearchConfig, enumerate_candidates, search, simulation_work
 from planner.space import mesh_choices
@@ -50,7 +52,7 @@ def in_flight_per_stage(schedule: str, pp: int, v: int, microbatches: int) -> li
 class Pricer:
     """Simulates candidates of one request; stage bounds come from the DP of `planner.stages`."""
 
-    def __init__(self, request: PlanRequest, graph: OpGraph, estimator: Estimator) -> None:
+    def __init__(self, request: PlanRequest, graph: OpGraph, estimator: RegimeEstimator) -> None:
         self.request, self.graph, self.estimator = request, graph, estimator
         self.layers = layer_units(estimator.units)
         self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds)
@@ -59,7 +61,8 @@ class Pricer:
         d, t = candidate.mesh.dims, candidate.train
         if d.pp == 1:
             return None
-        est, units = self.estimator, self.estimator.units
+        est = self.estimator.for_strategy(candidate.strategy)
+        units = est.units
         state = model_state_bytes(
             1_000_000, precision=t.precision, optimizer=t.optimizer, zero=candidate.mesh.zero if d.dp > 1 else 0,
             dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
@@ -84,15 +87,18 @@ class Pricer:
 
     def __call__(self, candidate: Candidate) -> Priced:
         bounds = self.stage_bounds(candidate)
-        result = simulate(self.graph, candidate.strategy, self.request.cluster, stages=bounds)
+        result = simulate(self.estimator.graph_for(candidate.strategy), candidate.strategy, self.request.cluster, stages=bounds)
         peak = float(result.peak_memory_bytes)
         return Priced(candidate=candidate, step_time_s=result.step_time_s, peak_memory_bytes=peak, result=result,
                       fits=peak <= self.request.memory_limit)
 
 
-def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int) -> PlanReport:
+def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int,
+               trace: Callable[..., OpGraph] | None = None) -> PlanReport:
+    """`trace(dtype=...)` traces the model again at a precision regime's dtype (planner.regimes); None prices
+    every candidate on `graph`."""
     units = model_units(graph)
-    estimator = Estimator(graph, request.cluster, units)
+    estimator = RegimeEstimator(graph, Estimator(graph, request.cluster, units), trace)
     widest_tp = max((m.dims.tp for m in mesh_choices(request.space)), default=1)
     # refinement walks every mesh, so with a time budget nothing is pruned by the bound
     keep = 1 << 30 if time_budget_s else SearchConfig.keep_meshes

@@ -10,6 +10,7 @@ from costmodel.simulator import simulate
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 from planner.plan import ModelSpecRecord, config_hash, load_plan, plan_from_simulation, stage_bounds
 from soap.cli import main
+from soap.commands.simulate import _config
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,10 @@ def test_stage_bounds_come_back_from_the_plan(tiny):
 
 
 def test_soap_simulate_prints_contract_json_and_writes_trace_and_png(tiny, tmp_path, capsys):
-    plan, direct = _plan(tiny)
+    plan, _ = _plan(tiny)
+    # soap simulate prices a plan on the graph of its precision regime: bf16 under FSDP is the bf16 trace
+    graph = tracer.trace(_config(tiny[0].config), task="causal-lm", seq_len=64, dtype="bfloat16")
+    direct = simulate(graph, plan.strategy(), load_cluster("dgx-h100"), stages=stage_bounds(plan, graph))
     path = tmp_path / "plan.json"
     plan.save(path)
     trace, png = tmp_path / "t.json", tmp_path / "t.png"

@@ -101,12 +101,13 @@ def test_everything_pinned_simulates_that_one_configuration(models):
 
 def test_one_gpu_uses_single_device_techniques_to_fit(models):
     roomy = plan_report(models["medium-llama"], gpus=1, global_batch=64)
-    tight = plan_report(models["medium-llama"], gpus=1, global_batch=64, mem_limit_gib=12)
+    # 13 GiB: under bf16 autocast the fp32 logits, loss and norms need 12 GiB at micro-batch 1
+    tight = plan_report(models["medium-llama"], gpus=1, global_batch=64, mem_limit_gib=13)
     r, t = _parallelism(roomy), _parallelism(tight)
     assert (r.recompute, r.offload_optimizer) == ("none", False)
     assert t.offload_optimizer and t.recompute != "none" and t.micro_batch < r.micro_batch
     assert t.grad_accum == t.num_microbatches and t.micro_batch * t.grad_accum == 64
-    assert tight.chosen.peak_memory_bytes <= 12 * GIB
+    assert tight.chosen.peak_memory_bytes <= 13 * GIB
 
 
 def test_chosen_plan_is_at_least_as_fast_as_every_baseline(models):

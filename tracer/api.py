@@ -36,7 +36,9 @@ def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int |
     `persistent_cache` also keeps graphs on disk across processes (serialize.py), keyed on the
     config.json text, the arguments, the torch/transformers versions and the tracer's source; a hit
     imports neither torch nor transformers. `dtype` is the parameter and activation dtype of the traced
-    model (`float32` by default; `bfloat16` gives the graph of a bf16 model, upcasts included)."""
+    model (`float32` by default; `bfloat16` gives the graph of a bf16 model, upcasts included);
+    `autocast-bfloat16`/`autocast-float16` trace fp32 parameters under CUDA autocast's cast policy
+    (tracer/autocast.py)."""
     from tracer.spec import resolve_spec
 
     if not isinstance(batch, int) or batch < 1:
@@ -82,11 +84,15 @@ def _disk_key(model: Any, **trace_args: Any) -> str | None:
 
 
 def _dtype_name(dtype: Any) -> str:
+    from tracer.autocast import AUTOCAST_DTYPES
     from tracer.ir import DTYPE_BYTES
 
     name = "float32" if dtype is None else str(dtype).removeprefix("torch.")
+    if name in AUTOCAST_DTYPES:
+        return name
     if name not in DTYPE_BYTES or not name.startswith(("float", "bfloat")):
-        raise SoapError(f"dtype {dtype!r} is not a floating dtype; use float32, bfloat16 or float16")
+        raise SoapError(f"dtype {dtype!r} is not a floating dtype; use float32, bfloat16, float16, "
+                        f"{', '.join(AUTOCAST_DTYPES)}")
     return name
 
 
@@ -119,7 +125,10 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     from tracer.graph import build_graph
     from tracer.inputs import example_inputs
 
-    torch_dtype = getattr(torch, dtype)
+    from tracer.autocast import is_autocast, mark_traced_dtype
+    from tracer.autocast_mode import traced_regime
+
+    torch_dtype = torch.float32 if is_autocast(dtype) else getattr(torch, dtype)
     full = build_model(spec, device="meta", dtype=torch_dtype, static_moe=True)
     _check_learned_positions(full, spec.name, seq_len)
     params_total = sum(p.numel() for p in full.parameters())
@@ -132,11 +141,12 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)
-    with torch.device("meta"):
+    with torch.device("meta"), traced_regime(model, dtype, frontend) as frontend:
         captured = capture(model, inputs, frontend, preset=spec.source == "preset")
-    return build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
-                       seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
-                       dims=model_dims(spec.config, types), config=spec.config)
+    graph = build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
+                        seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
+                        dims=model_dims(spec.config, types), config=spec.config)
+    return mark_traced_dtype(graph, dtype)
 
 
 LEARNED_POSITION_TABLES = ("position_embeddings.weight", "wpe.weight", "embed_positions.weight")

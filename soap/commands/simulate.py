@@ -19,7 +19,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def simulate_plan(plan):
-    """(graph, SimResult) for a loaded Plan: the model re-traced from its inline config."""
+    """(graph, SimResult) for a loaded Plan: the model re-traced from its inline config, in the precision
+    regime the plan runs in (planner.regimes)."""
     import tracer
     from costmodel.profiles import cluster_from_dict
     from costmodel.simulator import simulate
@@ -27,7 +28,10 @@ def simulate_plan(plan):
 
     strategy = plan.strategy()
     cluster = cluster_from_dict(plan.cluster.profile)
-    graph = tracer.trace(_config(plan.model.config), task=plan.model.task, seq_len=plan.seq_len)
+    from planner.regimes import regime_dtype
+
+    graph = tracer.trace(_config(plan.model.config), task=plan.model.task, seq_len=plan.seq_len,
+                         dtype=regime_dtype(strategy.dims, strategy.train, cluster.device))
     return graph, simulate(graph, strategy, cluster, stages=stage_bounds(plan, graph))
 
 
