@@ -44,16 +44,20 @@ Tables for an op-level search (planner/ builds a CP-SAT over them):
       same layout -> none; replicate -> shard: local slice, none; partial -> replicate: all-reduce;
       partial -> shard(attribute): reduce-scatter; shard -> replicate: all-gather;
       shard(a) -> shard(b), a != b: all-to-all.
+- `chosen_placements(ops, strategy, shape)`: the ops of a block under the per-op splits a Strategy
+  names (`Strategy.op_splits`, chosen by planner/'s search), with the collectives those splits imply;
+  the simulator prices these instead of the Megatron rules when a strategy names splits.
 - `tp_plan(ops, strategy)`: the executor's `dict[module path relative to the block, style]` in
   torch.distributed.tensor.parallel's vocabulary (colwise, rowwise, sequence_parallel).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.strategy import ParallelDims, Strategy
+from tracer.errors import SoapError
 from tracer.ir import DimRole, OpKind, OpNode, TensorMeta
 
 COLWISE = frozenset({
@@ -324,3 +328,115 @@ def _relative(module_fqn: str, block_id: str) -> str:
         return ""
     rest = module_fqn[len(prefix):]
     return rest.split(".", 1)[1] if "." in rest else ""
+
+
+# --- explicit per-op splits (Strategy.op_splits) ----------------------------------------------------
+
+MIRROR = {"all_reduce": "all_reduce", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
+          "all_to_all": "all_to_all"}
+"""The backward collective of each forward resharding (an all-reduce of a partial sum is mirrored by the
+all-reduce of the gradient entering the region, as Megatron's f/g pair)."""
+
+
+def dataflow_edges(ops: Sequence[OpNode]) -> tuple[tuple[int, int], ...]:
+    """(producer, consumer) index pairs among one block's `ops`. The IR keeps no dataflow edges, so an
+    input of op i is taken to come from the latest earlier op whose first output has the same shape and
+    roles, except that a linear does not read another linear's output directly (q, k and v read the
+    norm's output, not each other's, even when their shapes agree). An input no earlier op produced
+    comes from the previous repeat of the block: the block's last producer of that shape and roles
+    (the residual stream), so the layout a block leaves its output in is the one the next repeat reads;
+    inputs nothing in the block produces (constants, position tables) have no edge."""
+    latest: dict[tuple, int] = {}
+    latest_non_linear: dict[tuple, int] = {}
+    edges: set[tuple[int, int]] = set()
+    unresolved: list[tuple[int, tuple, bool]] = []
+    for i, op in enumerate(ops):
+        linear = _is_linear(op)
+        source = latest_non_linear if linear else latest
+        for t in op.inputs:
+            key = (t.shape, t.roles)
+            if key in source:
+                edges.add((source[key], i))
+            else:
+                unresolved.append((i, key, linear))
+        if op.outputs:
+            key = (op.outputs[0].shape, op.outputs[0].roles)
+            latest[key] = i
+            if not linear:
+                latest_non_linear[key] = i
+    for i, key, linear in unresolved:
+        j = (latest_non_linear if linear else latest).get(key)
+        if j is not None and j != i:
+            edges.add((j, i))
+    return tuple(sorted(edges))
+
+
+def _is_linear(op: OpNode) -> bool:
+    return op.kind is OpKind.MATMUL and bool(op.params)
+
+
+def split_with_degrees(op: OpNode, dims: ParallelDims, degrees: Mapping[str, int]) -> OpSplit:
+    """The candidate split of `op` whose SOAP degrees are `degrees` (the form `Strategy.op_splits` keeps)."""
+    wanted = {k: v for k, v in degrees.items() if v > 1}
+    for split in candidate_splits(op, dims):
+        if split.soap() == wanted:
+            return split
+    raise SoapError(f"op {op.name} cannot take the split {wanted} on this mesh; "
+                    f"its candidates are {', '.join(s.describe() for s in candidate_splits(op, dims))}")
+
+
+def chosen_placements(
+    ops: Sequence[OpNode], strategy: Strategy, shape: ActivationShape, *, batch_traced: int,
+) -> tuple[OpPlacement, ...]:
+    """Every op of one block with the split `strategy.op_splits` names (the Megatron default for ops it
+    does not name) and the collectives the chosen splits imply, per micro-batch on one rank:
+    - an attention core whose sequence is split over tp gathers K and V over tp (forward all-gather,
+      backward reduce-scatter), and under cp the K/V exchange over cp as in the default placement;
+    - along each dataflow edge (`dataflow_edges`), the resharding collective from the producer's output
+      layout to the consumer's input layout (`reshard`), forward, and its mirror (`MIRROR`) in
+      backward; once per producer and layout (q, k and v share one all-gather of the norm's output).
+    This is the objective `planner.block_splits` hands the per-op split search, so the search and the
+    simulator agree on what a choice costs."""
+    d = strategy.dims
+    named = dict(strategy.op_splits)
+    default = {p.op.name: p.split for p in block_placements(ops, strategy, shape)}
+    splits = [split_with_degrees(op, d, dict(named[op.name])) if op.name in named else default[op.name] for op in ops]
+    scale = shape.micro_batch / batch_traced
+    colls = [list(split_collectives(op, split, d, shape, scale=scale)) for op, split in zip(ops, splits)]
+    resharded: set[tuple[int, str]] = set()
+    for j, i in dataflow_edges(ops):
+        once = (j, input_layout(splits[i], d.cp))
+        if once not in resharded:
+            resharded.add(once)
+            colls[i].extend(edge_collectives(ops[j], splits[j], ops[i], splits[i], cp=d.cp, scale=scale,
+                                             itemsize=shape.itemsize))
+    return tuple(OpPlacement(op, split, tuple(c)) for op, split, c in zip(ops, splits, colls))
+
+
+def split_collectives(op: OpNode, split: OpSplit, dims: ParallelDims, shape: ActivationShape, *,
+                      scale: float) -> tuple[Collective, ...]:
+    """The collectives `op` needs under `split` by itself (see `chosen_placements`)."""
+    if op.kind is not OpKind.ATTENTION:
+        return ()
+    colls = []
+    if split.attribute > dims.cp and split.parameter == 1 and len(op.inputs) >= 3:
+        kv = sum(t.numel for t in op.inputs[1:3]) * shape.itemsize * scale / dims.cp
+        colls += [Collective("all_gather", kv, "tp", "fwd", "gather K/V over the tp-sharded sequence"),
+                  Collective("reduce_scatter", kv, "tp", "bwd", "scatter K/V gradients over tp")]
+    if dims.cp > 1:
+        kv = shape.kv_bytes(split.parameter)
+        colls += [Collective("all_gather", kv, "cp", "fwd", "gather K/V over the sequence"),
+                  Collective("reduce_scatter", kv, "cp", "bwd", "scatter K/V gradients")]
+    return tuple(colls)
+
+
+def edge_collectives(prev_op: OpNode, prev: OpSplit, op: OpNode, split: OpSplit, *, cp: int, scale: float,
+                     itemsize: int) -> tuple[Collective, ...]:
+    """The resharding from `prev_op`'s output under `prev` to `op` under `split`, forward and backward."""
+    kind = reshard(prev, split, prev_op.outputs[0], cp=cp).kind
+    if kind is None:
+        return ()
+    nbytes = prev_op.outputs[0].numel * itemsize * scale / cp
+    why = f"{output_layout(prev, cp)} -> {input_layout(split, cp)}"
+    return (Collective(kind, nbytes, "tp", "fwd", f"reshard {why}"),
+            Collective(MIRROR[kind], nbytes, "tp", "bwd", f"reshard {why} (gradient)"))

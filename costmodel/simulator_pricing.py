@@ -1,7 +1,10 @@
 """Pricing: OpGraph + Strategy + ClusterSpec -> the simulator's cost tables (`StepCosts`).
 
 Per segment of the graph (the non-block ops, or one instance of a block), priced once and reused for
-every instance and every stage (`_price_unit`):
+every instance and every stage (`_UnitPricer.chunk`):
+- placement: the Megatron rules (`placement.block_placements`), or, for a block whose ops the strategy
+  names in `op_splits` (the planner's per-op split search), those splits and the collectives and
+  resharding they imply (`placement.chosen_placements`);
 - compute: sum over ops of `Pricer.op` at the op's local split (`costmodel.placement`) for one
   micro-batch; backward split into input gradient and weight gradient (half of a parametrized
   matmul's backward, its weight-gradient kernel);
@@ -42,7 +45,7 @@ from typing import Protocol
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, activation_parts, buffer_bytes, model_state_bytes, stage_params
 from costmodel.opcost import activation_itemsize, op_time
-from costmodel.placement import ActivationShape, OpPlacement, block_placements
+from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import build_schedule
 from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
@@ -127,6 +130,14 @@ def _spans(group: CommGroup) -> bool:
     return group.size > group.ranks_per_node
 
 
+def activation_shape(graph: OpGraph, strategy: Strategy) -> ActivationShape:
+    """What the collectives of one micro-batch are sized from."""
+    t, dims = strategy.train, graph.dims
+    return ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden,
+                           itemsize=activation_itemsize(t.precision), kv_heads=dims.kv_heads, head_dim=dims.head_dim,
+                           experts_per_token=dims.experts_per_token)
+
+
 def price_step(
     graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, stage_bounds: Sequence[int] | None = None, pricer: Pricer | None = None
 ) -> tuple[StepCosts, StepFacts]:
@@ -142,9 +153,7 @@ def price_step(
     layers = layer_sequence(graph)
     bounds = as_bounds(stage_bounds) if stage_bounds is not None else balanced_bounds(layers, n_stages)
     validate_bounds(bounds, layers, n_stages)
-    width = activation_itemsize(t.precision)
-    shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden, itemsize=width,
-                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, experts_per_token=dims.experts_per_token)
+    shape = activation_shape(graph, strategy)
     units = _UnitPricer(graph, strategy, pricer, groups, shape)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
@@ -185,6 +194,12 @@ class _UnitPricer:
             self._chunks[layer.segment] = self._price(layer)
         return self._chunks[layer.segment]
 
+    def _placements(self, layer: Layer) -> tuple[OpPlacement, ...]:
+        named = {name for name, _ in self.strategy.op_splits}
+        if layer.block_id is not None and any(op.name in named for op in layer.ops):
+            return chosen_placements(layer.ops, self.strategy, self.shape, batch_traced=self.graph.batch)
+        return block_placements(layer.ops, self.strategy, self.shape)
+
     def _comm(self, placements: Sequence[OpPlacement], phase: str) -> float:
         group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
         return sum(self.pricer.collective(c.kind, c.nbytes, group[c.group])
@@ -192,7 +207,7 @@ class _UnitPricer:
 
     def _price(self, layer: Layer) -> ChunkCost:
         d, t = self.strategy.dims, self.strategy.train
-        placements = block_placements(layer.ops, self.strategy, self.shape)
+        placements = self._placements(layer)
         fwd = bwd_in = bwd_w = selective = 0.0
         for p in placements:
             f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)

@@ -6,16 +6,21 @@ Pricing one candidate (`Pricer.__call__`):
    backward + recompute at the candidate's tp/cp/micro-batch/precision, per-layer static memory =
    model state per parameter x the layer's parameters / tp, per-layer activations, the schedule's
    in-flight micro-batches per stage, and the memory limit less the context overhead;
-2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)`;
+2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)` under the Megatron
+   placement; with tp > 1, also under the per-op splits of the CP-SAT split search
+   (`planner.block_splits.chosen_op_splits`, solved once per block type and degrees) where they
+   cost less than it under the search's tables, keeping whichever fits and simulates faster, so the searched splits are never
+   slower than the default under the simulator;
 3. the plan fits when the simulated peak memory (max over ranks) is within the limit.
 
 `run_search` wires enumeration, ranking, baselines and the report together (see `planner.api`); the
-chosen plan's per-op placements come from the per-op split search (`planner.block_splits`).
+chosen plan's per-op placements in plan.json are the ones its simulation priced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import lru_cache
 
 from costmodel.memory import model_state_bytes
@@ -23,7 +28,7 @@ from costmodel.placement import tp_plan
 from costmodel.simulator import simulate
 from planner.api import PlanRequest
 from planner.baselines import baseline_families, baseline_mesh
-from planner.block_splits import block_placements
+from planner.block_splits import block_placements, chosen_op_splits
 from planner.estimate import Estimator
 from planner.explain import explain
 from planner.feasibility import infeasible_error
@@ -56,6 +61,8 @@ class Pricer:
         self.request, self.graph, self.estimator = request, graph, estimator
         self.layers = layer_units(estimator.units)
         self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds)
+        self._cache = BlockSplitCache()
+        self._splits: dict[tuple, tuple] = {}
 
     def _stage_bounds(self, candidate: Candidate) -> tuple[int, ...] | None:
         d, t = candidate.mesh.dims, candidate.train
@@ -86,11 +93,33 @@ class Pricer:
         return part.bounds if part else None
 
     def __call__(self, candidate: Candidate) -> Priced:
+        """The simulation of `candidate` under the Megatron placement, or under the per-op splits of the
+        split search where those simulate faster (or fit where the default does not)."""
         bounds = self.stage_bounds(candidate)
-        result = simulate(self.estimator.graph_for(candidate.strategy), candidate.strategy, self.request.cluster, stages=bounds)
+        graph = self.estimator.graph_for(candidate.strategy)
+        priced = self._simulate(candidate, graph, bounds)
+        splits = self._op_splits(candidate, graph)
+        if splits:
+            searched = self._simulate(replace(candidate, op_splits=splits), graph, bounds)
+            if (not searched.fits, searched.step_time_s) < (not priced.fits, priced.step_time_s):
+                return searched
+        return priced
+
+    def _simulate(self, candidate: Candidate, graph: OpGraph, bounds: tuple[int, ...] | None) -> Priced:
+        result = simulate(graph, candidate.strategy, self.request.cluster, stages=bounds)
         peak = float(result.peak_memory_bytes)
         return Priced(candidate=candidate, step_time_s=result.step_time_s, peak_memory_bytes=peak, result=result,
                       fits=peak <= self.request.memory_limit)
+
+    def _op_splits(self, candidate: Candidate, graph: OpGraph) -> tuple:
+        d, t = candidate.mesh.dims, candidate.train
+        if d.tp == 1:
+            return ()
+        key = (id(graph), d.dp, d.cp, d.tp, d.ep, t.micro_batch, t.precision, t.sequence_parallel)
+        if key not in self._splits:
+            units = self.estimator.for_strategy(candidate.strategy).units
+            self._splits[key] = chosen_op_splits(units, graph, candidate.strategy, self.request.cluster, self._cache)
+        return self._splits[key]
 
 
 def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int,
@@ -129,7 +158,7 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
         memory_limit=request.memory_limit, breakdown=chosen.result.breakdown.as_dict(),
     )
     strategy = chosen.candidate.strategy
-    blocks = block_placements(units, graph, strategy, request.cluster, BlockSplitCache())
+    blocks = block_placements(units, graph, strategy)
     tp_styles = {k: v for u in units if not u.id.startswith("<") for k, v in tp_plan(u.ops, strategy).items()}
     plan = build_plan(request, graph, chosen, pricer.stage_bounds(chosen.candidate), blocks=blocks, tp_plan=tp_styles)
     return PlanReport(

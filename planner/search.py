@@ -65,10 +65,12 @@ class Candidate:
     mesh: MeshChoice
     train: TrainingConfig
     estimate: Estimate
+    op_splits: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+    """Per-op splits the simulation chose over the Megatron default (`planner.block_splits`)."""
 
     @property
     def strategy(self) -> Strategy:
-        return Strategy(dims=self.mesh.dims, train=self.train)
+        return Strategy(dims=self.mesh.dims, train=self.train, op_splits=self.op_splits)
 
     @property
     def key(self) -> tuple:

@@ -9,9 +9,8 @@ import pytest
 from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 from planner.api import plan_report
-from planner.block_splits import block_placements
+from planner.block_splits import solved_splits
 from planner.intra_op import BlockSplitCache
-from planner.units import model_units
 
 GIB = 2**30
 
@@ -126,15 +125,67 @@ def test_per_op_split_search_finds_megatron_regions_with_sequence_parallel_norms
     strategy = Strategy(dims=ParallelDims(tp=4, dp_shard=2), train=TrainingConfig(
         global_batch=16, seq_len=4096, micro_batch=1, num_microbatches=8, grad_accum=8, sequence_parallel=True))
     cache = BlockSplitCache()
-    blocks = {b.id: b for b in block_placements(model_units(graph), graph, strategy, load_cluster("dgx-h100"), cache)}
-    layer = {op.op.split(":")[0].split(".", 3)[-1] + ":" + op.op.split(":")[1]: op for op in blocks["model.layers"].ops}
+    ops = graph.ops_of("model.layers")
+    picked = solved_splits(ops, graph, strategy, load_cluster("dgx-h100"), cache)
+    layer = {op.name.split(":")[0].split(".", 3)[-1] + ":" + op.name.split(":")[1]: split for op, split in zip(ops, picked)}
     for name in ("self_attn.q_proj:linear", "self_attn.k_proj:linear", "mlp.gate_proj:linear", "mlp.up_proj:linear"):
-        assert (layer[name].soap.get("parameter"), layer[name].style) == (4, "colwise"), name
+        assert (layer[name].parameter, layer[name].style) == (4, "colwise"), name
     for name in ("self_attn.o_proj:linear", "mlp.down_proj:linear"):
-        assert (layer[name].soap.get("parameter"), layer[name].style) == (4, "rowwise"), name
-    assert layer["self_attn:scaled_dot_product_attention"].soap.get("parameter") == 4
-    assert layer["input_layernorm:pow"].soap.get("attribute") == 4  # sequence-parallel norm statistics
-    assert all(op.soap.get("sample") == 2 for op in blocks["model.layers"].ops)
+        assert (layer[name].parameter, layer[name].style) == (4, "rowwise"), name
+    assert layer["self_attn:scaled_dot_product_attention"].parameter == 4
+    assert layer["input_layernorm:pow"].attribute == 4  # sequence-parallel norm statistics
+    assert all(split.sample == 2 for split in picked)
     solved = cache.solves
-    block_placements(model_units(graph), graph, strategy, load_cluster("dgx-h100"), cache)
+    solved_splits(ops, graph, strategy, load_cluster("dgx-h100"), cache)
     assert cache.solves == solved  # each block type is solved once, then reused
+
+
+def _named(ops, splits):
+    return tuple((op.name, tuple(sorted({"sample": s.sample, "attribute": s.attribute, "parameter": s.parameter}.items())))
+                 for op, s in zip(ops, splits))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_megatron_splits_named_as_op_splits_simulate_like_the_default_placement(models, sp):
+    import dataclasses
+
+    import tracer
+    from costmodel.placement import block_placements
+    from costmodel.simulator import simulate
+    from costmodel.simulator_pricing import activation_shape
+
+    graph = tracer.trace(models["medium-llama"], batch=1, seq_len=1024)
+    strategy = Strategy(dims=ParallelDims(tp=4, dp_shard=2), train=TrainingConfig(
+        global_batch=16, seq_len=1024, micro_batch=1, num_microbatches=8, grad_accum=8, sequence_parallel=sp))
+    ops = graph.ops_of("model.layers")
+    default = [p.split for p in block_placements(ops, strategy, activation_shape(graph, strategy))]
+    named = dataclasses.replace(strategy, op_splits=_named(ops, default))
+    cluster = load_cluster("dgx-h100")
+    assert simulate(graph, named, cluster).step_time_s == pytest.approx(simulate(graph, strategy, cluster).step_time_s)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_searched_op_splits_cost_no_more_than_megatron_and_the_plan_never_simulates_slower(models, sp):
+    import dataclasses
+
+    import tracer
+    from costmodel.placement import block_placements
+    from costmodel.simulator import simulate
+    from costmodel.simulator_pricing import activation_shape
+    from planner.block_splits import block_tables
+    from planner.intra_op import assignment_cost
+
+    graph = tracer.trace(models["medium-llama"], batch=1, seq_len=1024)
+    cluster = load_cluster("dgx-h100")
+    strategy = Strategy(dims=ParallelDims(tp=4, dp_shard=2), train=TrainingConfig(
+        global_batch=16, seq_len=1024, micro_batch=1, num_microbatches=8, grad_accum=8, sequence_parallel=sp))
+    ops = graph.ops_of("model.layers")
+    choices, nodes, edges = block_tables(ops, graph, strategy, cluster)
+    picked = BlockSplitCache().solve(nodes, edges)
+    default = [p.split.soap() for p in block_placements(ops, strategy, activation_shape(graph, strategy))]
+    index = [next(k for k, c in enumerate(cs) if c.soap() == want) for cs, want in zip(choices, default)]
+    assert assignment_cost(picked, nodes, edges) <= assignment_cost(index, nodes, edges) + 1e-12
+    report = plan_report(models["medium-llama"], graph=graph, gpus=8, tp=4, pp=1, global_batch=16, seq_len=1024)
+    chosen = report.chosen.candidate.strategy
+    megatron = simulate(graph, dataclasses.replace(chosen, op_splits=()), cluster)
+    assert report.chosen.step_time_s <= megatron.step_time_s

@@ -256,3 +256,39 @@ def test_selective_recompute_keeps_less_than_none_and_more_than_full():
     peaks = {policy: simulate(GRAPH, _strategy(mb=1, recompute=policy), CLUSTER).memory[0].at_peak.activations
              for policy in ("none", "selective", "full")}
     assert peaks["full"] < peaks["selective"] < peaks["none"]
+
+
+def _named(ops, splits):
+    return tuple((op.name, tuple(sorted({"sample": s.sample, "attribute": s.attribute, "parameter": s.parameter}.items())))
+                 for op, s in zip(ops, splits))
+
+
+def test_op_splits_that_differ_from_megatron_change_the_predicted_step():
+    strategy = _strategy(tp=4, sequence_parallel=True)
+    ops = GRAPH.ops_of("model.layers")
+    splits = [OpSplit(1, 1, 1, "replicate") if op.kind.name == "NORM" else p.split
+              for op, p in zip(ops, block_placements(ops, strategy, SHAPE))]
+    assert any(op.kind.name == "NORM" for op in ops)
+    changed = simulate(GRAPH, dataclasses.replace(strategy, op_splits=_named(ops, splits)), CLUSTER)
+    assert changed.step_time_s != pytest.approx(simulate(GRAPH, strategy, CLUSTER).step_time_s)
+
+
+def test_op_splits_naming_a_split_the_op_cannot_take_is_a_clear_error():
+    strategy = _strategy(tp=2)
+    op = next(op for op in GRAPH.ops_of("model.layers") if op.kind.name == "NORM")
+    bad = dataclasses.replace(strategy, op_splits=((op.name, (("parameter", 8),)),))
+    with pytest.raises(SoapError, match="cannot take the split"):
+        simulate(GRAPH, bad, CLUSTER)
+
+
+def test_q_k_v_read_the_norm_output_not_each_other():
+    from costmodel.placement import dataflow_edges
+
+    ops = GRAPH.ops_of("model.layers")
+    index = {op.name.split(".")[-1]: i for i, op in enumerate(ops)}
+    edges = set(dataflow_edges(ops))
+    norm = index["input_layernorm:mul"]
+    for name in ("q_proj:linear", "k_proj:linear", "v_proj:linear"):
+        assert (norm, index[name]) in edges, name
+    assert (index["q_proj:linear"], index["k_proj:linear"]) not in edges
+    assert (index["add#2"] if "add#2" in index else len(ops) - 1, norm) in edges  # the next repeat reads the residual
