@@ -129,3 +129,24 @@ def test_emulation_casts_weights_once_and_leaves_fp64_alone():
     assert a.dtype == b.dtype == torch.bfloat16 and len(mode.weight_casts) == 1
     assert d.dtype == torch.float64
     assert p.dtype == s.dtype == c.dtype == torch.float32
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_autocast_trace_counts_what_autograd_keeps_under_the_emulation(make):
+    """The trace's saved bytes per dtype equal, storage for storage, what autograd keeps when the model
+    really runs on CPU tensors under the same emulation (dropout off: CPU dropout saves a float mask)."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.amp_saved import saved_split
+    from tracer.autocast_mode import CudaAutocastEmulation
+
+    config = make()
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    real, _ = saved_split(model, torch.randint(0, 1000, (2, 32)), autocast=CudaAutocastEmulation(torch.bfloat16))
+    traced = _saved_split(tracer.trace(config, batch=2, seq_len=32, dtype="autocast-bfloat16"))
+    for dtype in ("float32", "bfloat16"):  # up to a few 0-dim scalars autograd keeps (the loss's total weight)
+        assert traced[dtype] == pytest.approx(real.by_storage[dtype], abs=64), dtype
