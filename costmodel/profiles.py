@@ -20,7 +20,6 @@ with the device JSON embedded under "device"; it keeps every source, so a plan c
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer.errors import SoapError
+from tracer.files import read_json
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
 SCHEMA_VERSION = 1
@@ -156,13 +156,16 @@ class ClusterSpec:
 # Finding files
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, kind: str = "") -> Any:
+    return read_json(path, what=f"{kind} profile".lstrip(), fix="fix the file or check the path")
+
+
+def _is_file(path: Path) -> bool:
+    """`path.is_file()`, False for a name the file system refuses (too long, a NUL byte)."""
     try:
-        return json.loads(path.read_text())
-    except OSError as exc:
-        raise SoapError(f"cannot read profile {path}: {exc.strerror}; check the path") from None
-    except json.JSONDecodeError as exc:
-        raise SoapError(f"profile {path} is not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _names(kind: str) -> list[str]:
@@ -180,7 +183,7 @@ def list_clusters() -> list[str]:
 
 
 def _looks_like_path(name_or_path: str) -> bool:
-    return name_or_path.endswith(".json") or "/" in name_or_path or Path(name_or_path).is_file()
+    return name_or_path.endswith(".json") or "/" in name_or_path or _is_file(Path(name_or_path))
 
 
 def _missing(kind: str, name: str) -> SoapError:
@@ -193,28 +196,31 @@ def _missing(kind: str, name: str) -> SoapError:
 def _read_device(path: Path) -> DeviceProfile:
     from costmodel.profiles_json import device_from_json
 
-    return device_from_json(_read_json(path), str(path))
+    return device_from_json(_read_json(path, "device"), str(path))
 
 
-def _read_cluster(path: Path, device_dir: Path | None) -> ClusterSpec:
+def _read_cluster(path: Path, *, devices_beside: bool) -> ClusterSpec:
+    """A cluster file; with `devices_beside`, its device name is looked up in `../devices/` first."""
     from costmodel.profiles_json import cluster_from_json
 
-    return cluster_from_json(_read_json(path), str(path), lambda name: _device_by_name(name, str(path), device_dir))
+    data = _read_json(path, "cluster")
+    device_dir = path.resolve().parent.parent / "devices" if devices_beside else None
+    return cluster_from_json(data, str(path), lambda name: _device_by_name(name, str(path), device_dir))
 
 
 def _device_by_name(name: str, origin: str, device_dir: Path | None) -> DeviceProfile:
     for folder in (device_dir, PROFILES_DIR / "devices"):
-        if folder is not None and (folder / f"{name}.json").is_file():
+        if folder is not None and _is_file(folder / f"{name}.json"):
             return _read_device(folder / f"{name}.json")
     raise SoapError(f"profile {origin}: field device: {_missing('device', name)}")
 
 
 def load_device(name_or_path: str) -> DeviceProfile:
     """A device profile by shipped name (`h100-sxm`) or JSON file path, validated."""
-    path = Path(name_or_path) if _looks_like_path(name_or_path) else PROFILES_DIR / "devices" / f"{name_or_path}.json"
-    if not path.is_file():
-        if _looks_like_path(name_or_path):
-            raise SoapError(f"device profile file {name_or_path} does not exist; check the path")
+    if _looks_like_path(name_or_path):
+        return _read_device(Path(name_or_path))
+    path = PROFILES_DIR / "devices" / f"{name_or_path}.json"
+    if not _is_file(path):
         raise _missing("device", name_or_path)
     return _read_device(path)
 
@@ -225,25 +231,20 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     A file's device name is looked up next to it (`../devices/NAME.json`) and then among the shipped
     devices; a file may also embed the device object inline (the plan.json form)."""
     if _looks_like_path(name_or_path):
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise SoapError(f"cluster profile file {name_or_path} does not exist; check the path")
-        device_dir = path.resolve().parent.parent / "devices"
-    else:
-        path = PROFILES_DIR / "clusters" / f"{name_or_path}.json"
-        if not path.is_file():
-            raise _missing("cluster", name_or_path)
-        device_dir = None
-    return _read_cluster(path, device_dir)
+        return _read_cluster(Path(name_or_path), devices_beside=True)
+    path = PROFILES_DIR / "clusters" / f"{name_or_path}.json"
+    if not _is_file(path):
+        raise _missing("cluster", name_or_path)
+    return _read_cluster(path, devices_beside=False)
 
 
 def check_profile(name_or_path: str) -> DeviceProfile | ClusterSpec:
     """Validate one profile: a JSON file (device or cluster, told apart by the `links` key) or a
     shipped name (clusters first, then devices)."""
     if not _looks_like_path(name_or_path):
-        if (PROFILES_DIR / "clusters" / f"{name_or_path}.json").is_file():
+        if _is_file(PROFILES_DIR / "clusters" / f"{name_or_path}.json"):
             return load_cluster(name_or_path)
-        if (PROFILES_DIR / "devices" / f"{name_or_path}.json").is_file():
+        if _is_file(PROFILES_DIR / "devices" / f"{name_or_path}.json"):
             return load_device(name_or_path)
         raise SoapError(
             f"no device or cluster profile named {name_or_path!r}; choose one of "

@@ -41,6 +41,11 @@ def _write(path: Path, text: str) -> str:
     return str(path)
 
 
+def _bytes(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
 def _plan_with(tmp: Path, edit: Callable[[dict], None], name: str = "plan.json") -> str:
     data = json.loads(gpt2_plan_text())
     edit(data)
@@ -161,9 +166,19 @@ CASES = [
          ("config.json",)),
     Case("cluster profile nested 100,000 deep",
          lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", _write(t / "cluster.json", "[" * 100_000)],
-         ("cluster.json",),
-         missing="costmodel/profiles.py _read_json lets json's RecursionError out: "
-                 "`error: RecursionError: maximum recursion depth exceeded ...`"),
+         ("cluster.json", "nested too deeply")),
+    Case("cluster profile of nested objects 100,000 deep",
+         lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", _write(t / "cluster.json", '{"a":' * 100_000)],
+         ("cluster.json", "nested too deeply")),
+    Case("cluster profile that is not UTF-8",
+         lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", _bytes(t / "cluster.json", b'{"name": "\xff"}')],
+         ("cluster.json", "UTF-8")),
+    Case("cluster profile that is a folder",
+         lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", str(t) + "/"], ("profile", "directory")),
+    Case("cluster profile path longer than a file name may be",
+         lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", "x" * 300 + ".json"], ("cluster profile", "too long")),
+    Case("device profile nested 100,000 deep",
+         lambda t: ["profiles", "--check", _write(t / "device.json", "[" * 100_000)], ("device.json", "nested too deeply")),
     Case("config.json that is not JSON", lambda t: ["plan", _write(t / "config.json", "{"), "--gpus", "1"],
          ("not valid JSON",)),
 ]
