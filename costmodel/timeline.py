@@ -11,17 +11,20 @@ Gantt chart (`gantt_png`): one row per pipeline rank; its compute lane shows for
 bar per schedule action from its first chunk's start to its last chunk's end (the activation
 collectives it waits for inside are in the tp-comm lane), labelled with the micro-batch; thin lanes
 beneath show tp-comm, dp-comm and pp-p2p. Below, memory
-over time per rank. Drawn with matplotlib's Agg backend (no display needed).
+over time per rank. Drawn with matplotlib's Agg backend (no display needed) into memory, then
+written atomically (`tracer.files.write_atomic`): a crash never leaves half a PNG.
 """
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Iterable
 from typing import Any
 
 from costmodel.simulator_engine import STREAMS
 from costmodel.simulator_result import GIB, SimResult, TimelineEvent
+from tracer.files import write_atomic
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)\b")
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8C8C3C", "optimizer": "#8172B3",
@@ -112,5 +115,7 @@ def gantt_png(result: SimResult, path: str, *, title: str = "") -> None:
     mem_ax.legend(fontsize=7, ncol=min(ranks, 8), loc="lower right")
     mem_ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    write_atomic(path, image.getvalue(), what="--png")

@@ -10,17 +10,29 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import unicodedata
 
 from tracer.errors import SoapError
 
 COMMANDS = ("trace", "plan", "simulate", "execute", "calibrate", "profiles", "validate")
 
 
+def error_line(message: str) -> str:
+    """`error: MESSAGE` on one line whatever the message echoes: line breaks, other control characters
+    (a path holding `\\n`, `\\r` or an ANSI escape) and lone surrogates are written as Python escapes."""
+    def shown(ch: str) -> str:
+        if ch != "\t" and unicodedata.category(ch) in ("Cc", "Zl", "Zp", "Cs"):
+            return ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+        return ch
+
+    return "error: " + "".join(map(shown, message))
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors in soap's one-line form."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        print(error_line(f"{message} (see `{self.prog} --help`)"), file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -57,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except SoapError as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(str(exc)), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -66,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        print(error_line(f"{type(exc).__name__}: {first} (rerun with --debug for the traceback)"), file=sys.stderr)
         return 2
 
 

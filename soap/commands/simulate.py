@@ -54,15 +54,19 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from planner.plan import load_plan
 
+    from tracer.files import check_writable, write_atomic
+
     plan = load_plan(args.plan)
+    for path, flag in ((args.trace, "--trace"), (args.png, "--png")):
+        if path:
+            check_writable(path, what=flag)
     start = time.perf_counter()
     graph, result = simulate_plan(plan)
     elapsed = time.perf_counter() - start
     if args.trace:
         from costmodel.timeline import chrome_trace
 
-        with open(args.trace, "w") as f:
-            json.dump(chrome_trace(result), f)
+        write_atomic(args.trace, json.dumps(chrome_trace(result)), what="--trace")
     if args.png:
         from costmodel.timeline import gantt_png
 
