@@ -77,12 +77,14 @@ FLOATS = st.one_of(st.sampled_from(["80", "0.5", "0.01", "0", "-3", "1e-300", "1
 def _mostly(good: list[str], bad: list[str]) -> st.SearchStrategy[str]:
     """A choice flag's value: a valid choice two times in three."""
     return st.one_of(st.sampled_from(good), st.sampled_from(good), st.sampled_from(bad))
-NAMES = st.sampled_from(["", " ", "-", "--", "x" * 200, "é", "\u202e", "a/b", "../..", "/dev/null", "-h2", "none",
-                         "None", "null", "{}", "%s", "\\"])
+NAMES = st.sampled_from(["", " ", "-", "--", "x" * 200, "x" * 300, "é", "\u202e", "a/b", "../..", "/dev/null", "-h2",
+                         "none", "None", "null", "{}", "%s", "\\", "a\nb", "\r", "x.json\n", "\x1b[31mred",
+                         "a\u2028b", "\x85", "\udcff.json"])
+"""Odd names; those with line breaks, escapes or an undecodable byte (a surrogate, as Python decodes
+argv) must still give a one-line error: soap.cli escapes them."""
 
-PRINTABLE = st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=8)
-"""Control characters are left out: an error line echoes the user's path, and a path with a newline in it
-splits any one-line message (see test_bad_input_catalogue for the long-name and control-character cases)."""
+PRINTABLE = st.text(st.characters(blacklist_characters="\x00"), max_size=8)
+"""Any text but NUL (which no command line can carry)."""
 
 
 def _flags(spec: dict[str, st.SearchStrategy]) -> st.SearchStrategy[list[str]]:
@@ -192,24 +194,27 @@ def test_trace_arguments(files, stubs):
 
 def test_simulate_arguments_end_to_end(files, tmp_path):
     trace, png = tmp_path / "trace.json", tmp_path / "timeline.png"
-    outputs = st.lists(st.sampled_from(["--json", "--json", "--trace", "--png"]), max_size=3, unique=True)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder\n")
+    unwritable = [str(blocker / "out"), str(tmp_path), str(tmp_path / ("x" * 300)), str(blocker / "deeper" / "x")]
+    output = st.sampled_from(["none", "none", "good", "good", "bad"])
     plans = st.one_of(st.sampled_from([files["gpt2_plan"], files["tiny_plan"], files["broken"], files["root"],
                                        files["config"], "nope.json"]), NAMES)
 
     @settings(FUZZ, max_examples=150)
-    @given(plan=plans, flags=outputs)
-    def run(plan, flags):
-        argv, written = ["simulate", plan], []
-        for flag in flags:
-            if flag == "--trace":
-                argv += ["--trace", str(trace)]
-                written.append(trace)
-            elif flag == "--png":
-                argv += ["--png", str(png)]
-                written.append(png)
-            else:
-                argv.append(flag)
-        _check(argv, written)
+    @given(plan=plans, json_flag=st.booleans(), trace_to=output, png_to=output, bad=st.sampled_from(unwritable))
+    def run(plan, json_flag, trace_to, png_to, bad):
+        argv, written = ["simulate", plan, *(["--json"] if json_flag else [])], []
+        for flag, good, where in (("--trace", trace, trace_to), ("--png", png, png_to)):
+            if where == "good":
+                argv += [flag, str(good)]
+                written.append(good)
+            elif where == "bad":
+                argv += [flag, bad]
+        outcome = _check(argv, written)
+        if outcome == "ok":
+            assert all(out.read_text(errors="replace") != PREVIOUS for out in written), "an output was not written"
+        assert "bad" not in (trace_to, png_to) or outcome == "error", f"{argv}: an unwritable output was accepted"
 
     run()
 
