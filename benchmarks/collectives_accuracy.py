@@ -1,6 +1,6 @@
 """Predicted vs measured collectives on 2 and 4 gloo ranks, with the shipped local-cpu cluster profile.
 
-Message sizes sit between the calibration's (8 KiB · 4^k), so no point here was used in the fit. The
+Message sizes (6 KiB · 4^k) sit between the calibration's (4 KiB · 2^k), so no point here was used in the fit. The
 prediction is `costmodel.collectives.collective_time` on a one-node group of the measured size.
 
     flock -x /tmp/soap-cpu.lock python -m benchmarks.collectives_accuracy
@@ -15,7 +15,7 @@ from costmodel.calibrate_predict import predict_comm
 from costmodel.microbench_comm import COMM_KINDS, CommCase, CommSample, CommTimingConfig, run_collectives
 from costmodel.profiles import load_cluster
 
-SIZES = [8192 * 4**k for k in range(7)]  # 8 KiB ... 32 MiB
+SIZES = [6144 * 4**k for k in range(7)]  # 6 KiB ... 24 MiB
 
 
 def main() -> None:

@@ -41,11 +41,16 @@ MEMORY_BOUND_OPS: dict[str, OpKind] = {
     "mul": OpKind.ELEMENTWISE,
     "gelu": OpKind.ELEMENTWISE,
     "silu": OpKind.ELEMENTWISE,
+    "tanh": OpKind.ELEMENTWISE,
+    "dropout": OpKind.ELEMENTWISE,
     "layer_norm": OpKind.NORM,
     "rms_norm": OpKind.NORM,
     "softmax": OpKind.SOFTMAX,
 }
 """Memory-bound kernels by name, with the OpKind the tracer gives them."""
+
+DROPOUT_P = 0.1
+"""Dropout probability of the dropout case (GPT-2's and BERT's default); its cost is the random mask."""
 
 _S, _A, _P, _N = DimRole.SAMPLE, DimRole.ATTRIBUTE, DimRole.PARAMETER, DimRole.NONE
 
@@ -121,7 +126,7 @@ class KernelCase:
         x = TensorMeta((rows, cols), dt, (_S, _P))
         if self.op in ("add", "mul"):
             return _node(self, self.kind, f"aten.{self.op}.Tensor", (x, x), (x,), 0, ())
-        if self.op in ("gelu", "silu"):
+        if self.op in ("gelu", "silu", "tanh", "dropout"):
             return _node(self, self.kind, f"aten.{self.op}.default", (x,), (x,), 0, ())
         if self.op == "softmax":
             return _node(self, self.kind, "aten._softmax.default", (x,), (x,), 0, ())
@@ -189,6 +194,8 @@ def build_kernel(case: KernelCase, device: str) -> Callable[[], object]:
         "mul": lambda: torch.mul(x, y),
         "gelu": lambda: F.gelu(x),
         "silu": lambda: F.silu(x),
+        "tanh": lambda: torch.tanh(x),
+        "dropout": lambda: F.dropout(x, DROPOUT_P, training=True),
         "layer_norm": lambda: F.layer_norm(x, (cols,), w, bias),
         "rms_norm": lambda: F.rms_norm(x, (cols,), w),
         "softmax": lambda: torch.softmax(x, dim=-1),

@@ -13,7 +13,7 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   matmuls and attention, 1 for the rest (their FLOPs are never the bound in practice).
 - W: memory bandwidth; e_mem: `memory_efficiency` at B. t_launch: `kernel_overhead_s`.
 - k: the device's `kernel_factors` for the op's class (`kernel_class`: matmul, attention, arithmetic,
-  transcendental, softmax, norm, dropout, from its kind and ATen target) at the run's precision, at
+  tanh, transcendental, softmax, norm, dropout, from its kind and ATen target) at the run's precision, at
   x = F for matmul and attention and x = B for the rest; 1 where the profile has none (GPU profiles).
   It is how a profile says, as data, that a CPU's tanh or softmax costs several adds at the same bytes.
 - Forward (`forward_time`): one kernel with the op's `fwd_flops` and `bytes_moved`.
@@ -146,17 +146,20 @@ def compute_peak(op: OpNode, device: DeviceProfile, precision: str) -> float:
 
 
 TRANSCENDENTAL_TARGETS = frozenset({
-    "tanh", "gelu", "silu", "exp", "erf", "sigmoid", "log", "rsqrt", "sqrt", "sin", "cos", "softplus",
+    "gelu", "silu", "exp", "erf", "sigmoid", "log", "rsqrt", "sqrt", "sin", "cos", "softplus",
     "gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward",
 })
 """Elementwise targets bound by vector math, not bytes (`pow` is not: a scalar power is a few multiplies)."""
+TANH_TARGETS = frozenset({"tanh"})
+"""tanh has its own class: on a CPU it costs several times a silu or an erf-gelu at the same bytes
+(gpt2's gelu_new is mostly tanh), so one transcendental curve cannot price both."""
 SOFTMAX_TARGETS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_softmax_backward_data"})
 DROPOUT_TARGETS = frozenset({"dropout", "native_dropout", "native_dropout_backward"})
 
 
 def kernel_class(op: OpNode) -> str:
     """The op's key into a device's `kernel_factors`: its kind for matmul, attention, norm and softmax;
-    for elementwise ops the ATen target's family (transcendental, dropout, else arithmetic)."""
+    for elementwise ops the ATen target's family (tanh, transcendental, dropout, else arithmetic)."""
     if op.kind is OpKind.MATMUL:
         return "matmul"
     if op.kind is OpKind.ATTENTION:
@@ -166,6 +169,8 @@ def kernel_class(op: OpNode) -> str:
     name = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
     if op.kind is OpKind.SOFTMAX or name in SOFTMAX_TARGETS:
         return "softmax"
+    if name in TANH_TARGETS:
+        return "tanh"
     if name in TRANSCENDENTAL_TARGETS:
         return "transcendental"
     if name in DROPOUT_TARGETS:

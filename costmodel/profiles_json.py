@@ -25,6 +25,10 @@ from costmodel.profiles import (
 )
 from tracer.errors import SoapError
 
+FACTOR_KERNEL_CLASSES = (*KERNEL_CLASSES, "tanh")
+"""Kernel classes a profile's `kernel_factors` may name: `profiles.KERNEL_CLASSES` plus `tanh`, which
+`costmodel.opcost.kernel_class` gives its own class (a CPU tanh costs several silus at the same bytes)."""
+
 class _Reader:
     """Walks one JSON document, raising SoapError that names the file and the field path."""
 
@@ -171,7 +175,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
     kernel_factors: dict[str, FactorCurve] = {}
     if "kernel_factors" in data:
         kernel_factors, sources["kernel_factors"] = r.factor_table(
-            data["kernel_factors"], "kernel_factors", KERNEL_CLASSES, lambda p: p in PRECISION_KEYS, "|".join(PRECISION_KEYS))
+            data["kernel_factors"], "kernel_factors", FACTOR_KERNEL_CLASSES, lambda p: p in PRECISION_KEYS, "|".join(PRECISION_KEYS))
     workspace = 0
     if "runtime_workspace_mib" in data:
         value, sources["runtime_workspace_mib"] = r.number(data["runtime_workspace_mib"], "runtime_workspace_mib",

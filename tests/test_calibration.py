@@ -218,3 +218,41 @@ def test_a_kernel_class_slower_than_the_curves_is_fitted_as_a_factor_and_predict
     assert np.median([f for _, f in factors["softmax/fp32"]]) == pytest.approx(3.0, rel=0.1)
     held = [e for e in result.kernel_errors if e.family == "softmax/fp32"]
     assert held and max(e.abs_pct for e in held) < 10.0
+
+
+def test_tanh_and_dropout_are_measured_as_their_own_kernel_classes():
+    from costmodel.calibrate_device import factor_key
+    from costmodel.calibrate_suite import kernel_sweeps
+
+    keys = {factor_key(c) for s in kernel_sweeps("cpu", quick=False) for c in s.cases if c.precision_key == "fp32"}
+    assert {"tanh/fp32", "dropout/fp32", "transcendental/fp32"} <= keys
+    for op in ("tanh", "dropout"):
+        case = KernelCase(op, (16, 1024), "float32")
+        assert time_kernel(build_kernel(case, "cpu"), "cpu", TimingConfig(samples=3, max_case_s=0.1)) > 0
+
+
+def test_a_fitted_tanh_factor_loads_and_prices_tanh_but_not_silu(synthetic_fit, tmp_path):
+    import dataclasses
+
+    from costmodel.profiles import FactorCurve
+    from costmodel.profiles_json import device_from_json
+
+    device_json = {**synthetic_fit.device_json,
+                   "kernel_factors": {"source": SOURCE, "factors": {"tanh/fp32": [[1000.0, 6.0]]}}}
+    device = device_from_json(json.loads(json.dumps(device_json)), "probe.json")
+    assert device.kernel_factors["tanh/fp32"] == FactorCurve(((1000.0, 6.0),))
+    plain = dataclasses.replace(device, kernel_factors={})
+    tanh, silu = KernelCase("tanh", (256, 1024), "float32"), KernelCase("silu", (256, 1024), "float32")
+    assert predict_kernel(tanh, device) > 5.0 * predict_kernel(tanh, plain)
+    assert predict_kernel(silu, device) == predict_kernel(silu, plain)
+
+
+def test_full_collective_sweep_holds_out_sizes_between_fitted_ones_and_measures_send_recv_on_one_pair():
+    from costmodel.calibrate_suite import comm_sizes, comm_sweeps
+
+    sizes = comm_sizes(quick=False)
+    assert not held_out(len(sizes) - 1) and not held_out(0)  # never extrapolated
+    assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+    send_recv = {c.group_size for s in comm_sweeps(4, quick=False) for c in s.cases if c.kind == "send_recv"}
+    assert send_recv == {2}
+    assert {c.group_size for s in comm_sweeps(4, quick=False) for c in s.cases if c.kind == "all_reduce"} == {2, 4}

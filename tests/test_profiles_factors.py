@@ -66,7 +66,7 @@ def test_factor_tables_round_trip_with_their_source():
 
 
 def test_ops_map_to_kernel_classes_by_kind_and_target():
-    assert kernel_class(unary_op("aten.tanh.default")) == "transcendental"
+    assert kernel_class(unary_op("aten.tanh.default")) == "tanh"
     assert kernel_class(unary_op("aten.gelu.default")) == "transcendental"
     assert kernel_class(unary_op("aten.add.Tensor")) == "arithmetic"
     assert kernel_class(unary_op("aten.native_dropout.default")) == "dropout"
@@ -76,7 +76,7 @@ def test_ops_map_to_kernel_classes_by_kind_and_target():
 
 def test_a_kernel_factor_scales_the_kernel_time_by_exactly_that_factor():
     base = dataclasses.replace(load_device("h100-sxm"), kernel_overhead_s=0.0)
-    tanh, add = unary_op("aten.tanh.default"), unary_op("aten.add.Tensor")
+    tanh, add = unary_op("aten.gelu.default"), unary_op("aten.add.Tensor")
     scaled = dataclasses.replace(base, kernel_factors={"transcendental/fp32": FactorCurve(((1.0, 3.5),))})
 
     def times(op, device):
