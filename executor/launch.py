@@ -8,6 +8,9 @@
   local port); otherwise the given rendezvous backend (torchrun's default `static`, at
   `--rdzv-endpoint` or `--master-addr:--master-port`, with this node's `--node-rank`).
 The backend is NCCL when CUDA is present, else gloo. Rank 0's `RunResult` comes back as a dict.
+Each worker joins the process group through the agent's store under a per-attempt key prefix
+(`attempt_store`), so a group restarted after a failure (`--max-restarts`) never reads its killed
+predecessor's rendezvous keys.
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def _worker(plan_json: str, run: Any) -> dict[str, Any] | None:
 
     plan = plan_from_dict(json.loads(plan_json))
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world_size)
     try:
         result = train(plan, run, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         return result.to_json() if dist.get_rank() == 0 else None
@@ -126,3 +130,16 @@ def _worker(plan_json: str, run: Any) -> dict[str, Any] | None:
         return {"error": str(exc)}
     finally:
         dist.destroy_process_group()
+
+
+def attempt_store(store: Any) -> Any:
+    """`store` with a key prefix naming this attempt of the worker group.
+
+    The elastic agent keeps one TCPStore for the whole job and torch's env:// rendezvous joins it
+    without a prefix, so a restarted group would read the keys its killed predecessor left there:
+    gloo's peer addresses (`default_pg/0//cpu//0/RANK`: a rank connects to the dead rank's port and
+    fails with `Connection refused`, unless the new peer happened to overwrite the key first) and the
+    init barrier's counters. Each attempt (`TORCHELASTIC_RESTART_COUNT`) gets its own key space."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"soap/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -137,13 +137,6 @@ def killed(reference) -> dict:
     return {"proc": proc, "ckpt": ckpt}
 
 
-# Restarted workers now resume from `latest` (tests/test_executor_restart.py pins the decision), but on
-# gloo the restarted group's rendezvous fails or hangs in most runs on a 2-core machine
-# ("Gloo connectFullMesh failed ... Connection refused"; docs/reliability.md). A test that passes only
-# sometimes guards nothing, so these two wait for that fix (issue 8) instead of costing CI 75 s each run.
-RESTART_FLAKE = "elastic restart on gloo fails to re-rendezvous in most runs (issue 8; docs/reliability.md)"
-
-
 @pytest.fixture(scope="module")
 def save_killed(reference) -> dict:
     """Rank 1 killed inside the DCP save of step 4 (no restart)."""
@@ -151,7 +144,6 @@ def save_killed(reference) -> dict:
     return {"proc": proc, "ckpt": ckpt}
 
 
-@pytest.mark.skip(reason=RESTART_FLAKE)
 def test_killed_worker_is_restarted_and_training_finishes_with_the_same_weights(reference, killed):
     result = _result(killed["proc"])
     final = reference["final"]
@@ -162,7 +154,6 @@ def test_killed_worker_is_restarted_and_training_finishes_with_the_same_weights(
     _assert_same_weights(_checkpoint_tensors(final, tmp), _checkpoint_tensors(killed["ckpt"] / final.name, tmp))
 
 
-@pytest.mark.skip(reason=RESTART_FLAKE)
 def test_restarted_workers_resume_from_the_last_checkpoint(killed):
     result = _result(killed["proc"])
     assert result["first_step"] == EVERY, f"restarted at step {result['first_step']}, not at the checkpoint {EVERY}"
