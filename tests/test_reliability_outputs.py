@@ -125,6 +125,13 @@ def _execute_cmd(tmp: Path, out: str, monkeypatch) -> list[str]:
     return ["execute", str(tiny_plan(tmp / "tiny.json")), "--steps", "2", "--report", out]
 
 
+def _checkpoint_cmd(tmp: Path, out: str, monkeypatch) -> list[str]:
+    import executor.launch
+
+    monkeypatch.setattr(executor.launch, "run_plan", _stop)
+    return ["execute", str(tiny_plan(tmp / "tiny.json")), "--steps", "2", "--checkpoint-dir", out]
+
+
 def _calibrate_cmd(tmp: Path, out: str, monkeypatch) -> list[str]:
     import soap.commands.calibrate
 
@@ -150,6 +157,10 @@ OTHER_WRITERS = [
     pytest.param(_execute_cmd, "--report", id="execute --report", marks=_open(
         "soap/commands/execute.py trains before it looks at --report, then write_atomic fails with the catch-all; "
         "fix: tracer.files.check_writable(report, what='--report') before run_plan")),
+    pytest.param(_checkpoint_cmd, "--checkpoint-dir", id="execute --checkpoint-dir", marks=_open(
+        "soap/commands/execute.py launches before it looks at --checkpoint-dir; rank 0 then fails in "
+        "executor.checkpoint.save_checkpoint at the first save, after training; fix: a check like "
+        "tracer.files.check_writable on the directory before run_plan")),
     pytest.param(_calibrate_cmd, "-o", id="calibrate -o", marks=_open(
         "soap/commands/calibrate.py measures before it looks at -o, then write_json_atomic fails with the "
         "catch-all; fix: tracer.files.check_writable(args.output, what='-o') before calibrate()")),
