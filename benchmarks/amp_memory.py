@@ -15,7 +15,8 @@ Three counts of gpt2 (preset, fp32 parameters) at 32 x 1024 with the executor's 
   CUDA's fused kernel saves a bool one, so the bool masks are the trace's alone;
 - trace: the saved tensors of `tracer.trace("gpt2", batch=32, seq_len=1024, dtype="autocast-bfloat16")`,
   each storage once, activations only.
-Then `soap plan` on one H100 (dgx-h100 profile) for gpt2 32 x 1024 and gpt2-xl 16 x 1024, bf16, with
+Then `soap plan` on one H100 (dgx-h100 profile) for gpt2 32 x 1024, gpt2-xl 16 x 1024 and bert-large
+64 x 512, bf16, with
 every candidate priced on the fp32 trace at 2 bytes (before) and on its regime's trace (after).
 """
 
@@ -31,9 +32,10 @@ GIB = 2**30
 LEAD_PER_SAVE_GIB = {"float32": 28.14, "bfloat16": 8.71, "bool": 0.59}
 """benchmarks/gpu_step_profile.py gpt2 32 1024 on one H100 (docs/benchmarks.md, "One H100"): each save
 counted at its own size, parameters and their bf16 casts included."""
-LEAD_PEAK_GIB = {"gpt2": 48.7, "gpt2-xl": "out of memory"}
-"""`soap execute` of the bf16 plans on one H100, torch.cuda.max_memory_allocated (the lead's runs)."""
-PLANS = (("gpt2", 32), ("gpt2-xl", 16))
+PLANS = (("gpt2", 32, 1024, "48.7 GiB, 0.250 s (mb32)"), ("gpt2-xl", 16, 1024, "out of memory (mb8x2)"),
+         ("bert-large-uncased", 64, 512, "49.5 GiB, 0.259 s (mb64)"))
+"""(model, global batch, sequence length, what `soap execute` of the before plan measured on one H100: the
+lead's runs, torch.cuda.max_memory_allocated and the median step time)."""
 
 
 def measure_cuda() -> dict:
@@ -85,13 +87,13 @@ def predicted(model, dtype: str) -> Counter:
     return split
 
 
-def plan_peaks(model: str, batch: int) -> tuple[dict, dict]:
+def plan_peaks(model: str, batch: int, seq: int) -> tuple[dict, dict]:
     """(before, after): the chosen plan and its predicted peak, on the fp32 trace at 2 bytes and per regime."""
     import tracer
     from planner.api import plan_report
 
-    kw = dict(gpus=1, cluster="dgx-h100", precision="bf16", global_batch=batch, seq_len=SEQ)
-    fp32 = tracer.trace(model, batch=1, seq_len=SEQ, persistent_cache=True)
+    kw = dict(gpus=1, cluster="dgx-h100", precision="bf16", global_batch=batch, seq_len=seq)
+    fp32 = tracer.trace(model, batch=1, seq_len=seq, persistent_cache=True)
     out = []
     for graph in (fp32, None):
         report = plan_report(model, graph=graph, **kw)
@@ -132,14 +134,12 @@ def main() -> None:
         before = fp32.get("float32", 0) / 2 if dtype == "bfloat16" else 0 if dtype == "float32" else fp32.get(dtype, 0)
         rows.append(f"| {dtype} | {LEAD_PER_SAVE_GIB[dtype]:.2f} | {_gib(cpu['per_save'][dtype] + cpu['weights'][dtype])} | "
                     f"{_gib(cpu['by_storage'][dtype])} | {_gib(trace_no_dropout[dtype])} | {_gib(trace[dtype])} | {_gib(before)} |")
-    plans = ["| model | global batch | before: plan, predicted peak, step | after: plan, predicted peak, step | measured peak |",
-             "| --- | ---: | --- | --- | --- |"]
-    for model, batch in PLANS:
-        before, after = plan_peaks(model, batch)
-        measured = LEAD_PEAK_GIB[model]
-        plans.append(f"| {model} | {batch} | {before['plan']}, {before['peak_gib']:.1f} GiB, {before['step_s']:.3f} s | "
-                     f"{after['plan']}, {after['peak_gib']:.1f} GiB, {after['step_s']:.3f} s | "
-                     f"{measured if isinstance(measured, str) else f'{measured:.1f} GiB'} (mb{'32' if model == 'gpt2' else '8x2'}) |")
+    plans = ["| model | global batch x seq | before: plan, predicted peak, step | after: plan, predicted peak, step | "
+             "measured |", "| --- | --- | --- | --- | --- |"]
+    for model, batch, seq, measured in PLANS:
+        before, after = plan_peaks(model, batch, seq)
+        plans.append(f"| {model} | {batch} x {seq} | {before['plan']}, {before['peak_gib']:.1f} GiB, {before['step_s']:.3f} s | "
+                     f"{after['plan']}, {after['peak_gib']:.1f} GiB, {after['step_s']:.3f} s | {measured} |")
     body = "\n".join([
         f"{MODEL} at {BATCH} x {SEQ}, fp32 parameters under bf16 autocast, loss on fp32 logits: bytes saved for "
         "backward by dtype, in GiB (the count each column makes: benchmarks/amp_memory.py's docstring).", "",
@@ -151,10 +151,10 @@ def main() -> None:
         "saves what CUDA autocast saves; the trace's per-storage count reproduces the CPU emulation's, so "
         "the trace accounts for what autograd keeps. The bool column is the dropout masks (CUDA's fused "
         "dropout saves 1 byte per element).", "",
-        "Plans on one H100 (`soap plan MODEL --gpus 1 --cluster dgx-h100 --precision bf16 --seq-len 1024`). "
+        "Plans on one H100 (`soap plan MODEL --gpus 1 --cluster dgx-h100 --precision bf16`). "
         "Before: today's cost model with every candidate priced on the fp32 trace at 2 bytes (it includes "
         "the loss working set added today; the plans the lead ran this morning were predicted at 20.1 GiB "
-        "for gpt2 and 61.8 GiB for gpt2-xl). After: each candidate on its regime's trace. Measured: the "
+        "for gpt2, 61.8 GiB for gpt2-xl and 33.0 GiB for bert-large). After: each candidate on its regime's trace. Measured: the "
         "lead's `soap execute` runs of the before plans.", "",
         *plans, "",
         f"gpt2-xl at the plan that ran out of memory (mb8x2, no recompute, optimizer on the GPU): predicted "

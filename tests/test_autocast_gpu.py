@@ -37,8 +37,10 @@ def _split(kind: str, device: str):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_emulated_autocast_saves_the_dtypes_cuda_autocast_saves(kind):
     real, emulated = _split(kind, "cuda"), _split(kind, "cpu")
-    assert dict(emulated.by_storage) == dict(real.by_storage)
-    assert emulated.shapes == real.shapes
+    floating = ("float32", "bfloat16")  # integer bookkeeping (flash attention's RNG state) differs by device
+    assert {d: emulated.by_storage[d] for d in floating} == {d: real.by_storage[d] for d in floating}
+    assert {k: n for k, n in emulated.shapes.items() if k[0] in floating} == \
+        {k: n for k, n in real.shapes.items() if k[0] in floating}
 
 
 @pytest.mark.parametrize("op", [
