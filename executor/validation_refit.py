@@ -56,15 +56,19 @@ def free_links(cluster: ClusterSpec) -> ClusterSpec:
     return replace(cluster, intra_node=free(cluster.intra_node), inter_node=free(cluster.inter_node))
 
 
-def trace_plan_model(plan: Any) -> Any:
-    """The OpGraph of the plan's model at its sequence length (rebuilt from the inline config)."""
+def trace_plan_model(plan: Any, cluster: ClusterSpec) -> Any:
+    """The OpGraph of the plan's model at its sequence length (rebuilt from the inline config), traced in
+    the precision regime the plan runs in on `cluster` (planner.regimes)."""
     from transformers import AutoConfig
 
     import tracer
+    from planner.regimes import regime_dtype
 
     fields = dict(plan.model.config)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return tracer.trace(config, task=plan.model.task, seq_len=plan.seq_len)
+    strategy = plan.strategy()
+    return tracer.trace(config, task=plan.model.task, seq_len=plan.seq_len,
+                        dtype=regime_dtype(strategy.dims, strategy.train, cluster.device))
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
     from costmodel.calibrate_runs import apply_multipliers, fit_multipliers
     from costmodel.profiles import cluster_to_dict
     from planner.plan import plan_from_dict
+    from planner.regimes import regime_dtype
 
     graphs = {} if graphs is None else graphs
     usable = [r for r in records if isinstance(r.get("plan"), dict) and r.get("step_time_s", 0) > 0]
@@ -97,9 +102,11 @@ def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
     parts, residuals = [], []
     for record in usable:
         plan = plan_from_dict(record["plan"], origin="runs log")
-        key = f"{plan.model.config_hash}/{plan.model.task}/{plan.seq_len}"
+        strategy = plan.strategy()
+        dtype = regime_dtype(strategy.dims, strategy.train, cluster.device)
+        key = f"{plan.model.config_hash}/{plan.model.task}/{plan.seq_len}/{dtype}"
         if key not in graphs:
-            graphs[key] = trace_plan_model(plan)
+            graphs[key] = trace_plan_model(plan, cluster)
         parts.append(step_parts(plan, graphs[key], cluster, record["step_time_s"]))
         if record.get("peak_memory_source") in COMPARABLE_MEMORY_SOURCES and record.get("peak_memory_gib", 0) > 0:
             predicted = max(m.at_peak.total - m.at_peak.overhead for m in simulate_on(plan, graphs[key], cluster).memory)

@@ -169,23 +169,25 @@ class BuiltCase:
     """The cluster's device runtime workspace (`DeviceProfile.runtime_workspace_bytes`)."""
 
 
-def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str], Any] | None = None) -> BuiltCase:
-    """Trace (cached per family, seq_len and size in `graphs`), simulate and plan one case on `cluster`."""
+def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str, str], Any] | None = None) -> BuiltCase:
+    """Trace (cached per family, seq_len, size and trace dtype in `graphs`), simulate and plan one case on `cluster`."""
     import tracer
     from costmodel.simulator import simulate
     from planner.plan import ModelSpecRecord, config_hash, plan_from_simulation
+    from planner.regimes import regime_dtype
 
     graphs = {} if graphs is None else graphs
     config = hf_config(case)
-    key = (case.family, case.seq_len, case.size)
+    strategy = case_strategy(case)
+    dtype = regime_dtype(strategy.dims, strategy.train, cluster.device)  # the trace of the run's precision regime
+    key = (case.family, case.seq_len, case.size, dtype)
     if key not in graphs:
         from transformers import AutoConfig
 
         fields = case.model_fields()
         graphs[key] = tracer.trace(AutoConfig.for_model(fields.pop("model_type"), **fields),
-                                   task=TASKS[case.family], seq_len=case.seq_len)
+                                   task=TASKS[case.family], seq_len=case.seq_len, dtype=dtype)
     graph = graphs[key]
-    strategy = case_strategy(case)
     result = simulate(graph, strategy, cluster)
     model = ModelSpecRecord(name=f"suite-{case.family}", source="file", task=TASKS[case.family], config=config,
                             config_hash=config_hash(config))
@@ -193,6 +195,6 @@ def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str],
     return BuiltCase(case=case, plan=plan, result=result, workspace_bytes=cluster.device.runtime_workspace_bytes)
 
 
-def resimulate(built: BuiltCase, cluster: Any, graphs: dict[tuple[str, int, str], Any]) -> Any:
+def resimulate(built: BuiltCase, cluster: Any, graphs: dict[tuple[str, int, str, str], Any]) -> Any:
     """The SimResult of an already built case under another cluster profile (same plan)."""
     return build_case(built.case, cluster, graphs).result
