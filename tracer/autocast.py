@@ -22,10 +22,15 @@ saves for backward is its cast input (gpt2's MLP saves the 16-bit cast of its fp
 Parameters are cast once per forward (autocast's weight cache): the cast is parameter-derived, so the
 graph counts it as a weight, not as an activation.
 
-`autocast_mode.CudaAutocastEmulation` is a TorchFunctionMode; `emulate_cuda_autocast(model, dtype)` pushes it when
-the model's forward starts, above the capture front-end's own function mode, so the casts it issues
-are captured like the model's ops and every op receives the tensors a CUDA autocast run gives it.
-Only the dispatch front-end runs the forward eagerly enough for that (`TRACE_FRONTEND`).
+`autocast_mode.CudaAutocastEmulation` is a TorchFunctionMode; `emulate_cuda_autocast(model, dtype)`
+pushes it when the model's forward starts, above the capture front-end's own function mode, so the
+casts it issues are captured like the model's ops and every op receives the tensors a CUDA autocast
+run gives it. Only the dispatch front-end runs the forward eagerly enough for that (`TRACE_FRONTEND`).
+The policy is applied per torch function, where CUDA applies it per ATen op: a function that is on no
+list but decomposes in C++ into listed ops (none in the supported models; F.cross_entropy is listed
+here for that reason) would keep its inputs' dtypes. Checked: on gpt2 32 x 1024 the emulation run on
+real CPU tensors saves what an H100 saved under torch.autocast, to 0.01 GiB per dtype
+(docs/benchmarks.md, amp-memory; tests/test_autocast_gpu.py compares op by op on a GPU).
 
 `trace_dtype_for(precision, fsdp)` names the trace regime of a plan the way executor/precision.py
 runs it: fp32/tf32 on the fp32 trace, bf16 under FSDP (MixedPrecisionPolicy, bf16 parameters, no
