@@ -6,23 +6,19 @@
   counts inside each block equal those `costmodel.placement.block_placements` schedules per block.
 - Resume: 6 steps straight equal 3 steps + resume + 3 steps (losses and final weights).
 
-Spawning is the expensive part, so everything at 2 ranks runs inside one spawned group and everything
-at 4 ranks inside another; each returns its results to the parent through a file.
-Not covered: TP x PP x DP together (needs 8 ranks); the 4-rank group covers TP x PP, FSDP x TP,
-PP x DP, HSDP and CP x FSDP pairwise.
+Starting ranks is the expensive part, so everything at 2 ranks runs inside one group, everything at 4
+ranks inside another and TP x PP x DP (8 ranks, one thread each on however few cores) in a third;
+each returns its results to the parent through a file (`exec_helpers.spawn_cases`).
 """
 
 from __future__ import annotations
 
 import collections
-import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from exec_helpers import init_single_process_group, make_plan, run_cases, tiny_config
+from exec_helpers import init_single_process_group, make_plan, spawn_cases, tiny_config
 
 from executor.train import RunConfig, train
 
@@ -78,12 +74,18 @@ def _cases_4_ranks() -> dict[str, tuple[str, dict]]:
     return cases
 
 
+def _cases_8_ranks() -> dict[str, tuple[str, dict]]:
+    return {
+        "llama-tp-x-pp-x-fsdp": ("llama", dict(tp=2, pp=2, dp_shard=2, zero=3, micro_batch=1, num_microbatches=2,
+                                               **UNTIED["llama"])),
+        "gpt2-tp-sp-x-pp-x-ddp": ("gpt2", dict(tp=2, pp=2, dp_replicate=2, sequence_parallel=True, micro_batch=1,
+                                               num_microbatches=2, **UNTIED["gpt2"])),
+    }
+
+
 def _spawn(world: int, cases: dict[str, tuple[str, dict]], extra: tuple[dict, ...] = ()) -> dict:
-    out, store = tempfile.mktemp(prefix="soap-out-"), tempfile.mktemp(prefix="soap-store-")
     payload = [{"name": n, "family": f, "plan": kw, "run": RUN} for n, (f, kw) in cases.items()] + list(extra)
-    mp.spawn(run_cases, args=(world, store, payload, out), nprocs=world)
-    with open(out) as f:
-        return json.load(f)
+    return spawn_cases(world, payload)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +161,11 @@ def four_rank_losses() -> dict:
     return _spawn(4, _cases_4_ranks())
 
 
+@pytest.fixture(scope="module")
+def eight_rank_losses() -> dict:
+    return _spawn(8, _cases_8_ranks())
+
+
 def _reference(name: str, family: str, kwargs: dict, refs: dict) -> list[float]:
     return refs[f"{family}-untied"] if "config" in kwargs else refs[family]
 
@@ -178,6 +185,12 @@ def test_two_rank_layout_matches_single_process(name, two_rank_losses, single_pr
 def test_four_rank_layout_matches_single_process(name, four_rank_losses, single_process_losses):
     family, kwargs = _cases_4_ranks()[name]
     _check(name, four_rank_losses[name], _reference(name, family, kwargs, single_process_losses))
+
+
+@pytest.mark.parametrize("name", list(_cases_8_ranks()))
+def test_tp_x_pp_x_dp_matches_single_process(name, eight_rank_losses, single_process_losses):
+    family, kwargs = _cases_8_ranks()[name]
+    _check(name, eight_rank_losses[name], _reference(name, family, kwargs, single_process_losses))
 
 
 def test_losses_change_between_steps(single_process_losses):
