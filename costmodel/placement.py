@@ -376,10 +376,11 @@ def _is_linear(op: OpNode) -> bool:
 
 
 def split_with_degrees(op: OpNode, dims: ParallelDims, degrees: Mapping[str, int]) -> OpSplit:
-    """The candidate split of `op` whose SOAP degrees are `degrees` (the form `Strategy.op_splits` keeps)."""
-    wanted = {k: v for k, v in degrees.items() if v > 1}
+    """The candidate split of `op` whose attribute and parameter degrees are `degrees` (the form
+    `Strategy.op_splits` keeps; the sample degree always follows the mesh's dp)."""
+    wanted = {k: v for k, v in degrees.items() if v > 1 and k != "sample"}
     for split in candidate_splits(op, dims):
-        if split.soap() == wanted:
+        if {k: v for k, v in split.soap().items() if k != "sample"} == wanted:
             return split
     raise SoapError(f"op {op.name} cannot take the split {wanted} on this mesh; "
                     f"its candidates are {', '.join(s.describe() for s in candidate_splits(op, dims))}")

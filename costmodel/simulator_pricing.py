@@ -43,7 +43,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, activation_parts, buffer_bytes, model_state_bytes, stage_params
+from costmodel.memory import (
+    GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, ParamSet, activation_parts, buffer_bytes, model_state_bytes, stage_params,
+)
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
@@ -161,7 +163,9 @@ def price_step(
         schedule, passes = build_schedule("1F1B", 1, t.num_microbatches), 1
     else:
         schedule, passes = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages), t.grad_accum
-    all_params = stage_params(graph.ops, block_counts={b.id: b.count for b in graph.blocks}, tensor_parallel=d.tp)
+    # buffers hold one stage's parameters or gradients: the largest stage's bound every rank
+    buffers = max(buffer_bytes(params=_stage_param_set(layers[bounds[k]:bounds[k + 1]], d.tp), precision=t.precision,
+                               zero=t.zero, dp=d.dp, dp_shard=d.dp_shard) for k in range(n_stages))
     costs = StepCosts(
         stages=stages, schedule=schedule, grad_accum=passes,
         grad_sync_every_microbatch=t.zero == 3 and d.dp_shard > 1,
@@ -170,8 +174,8 @@ def price_step(
             "dp-comm": "inter_node" if _spans(groups.dp) else "intra_node",
             "pp-p2p": "inter_node" if _spans(groups.pp_pair) else "intra_node",
         },
-        buffer_bytes=buffer_bytes(params=all_params, precision=t.precision, zero=t.zero, dp=d.dp, dp_shard=d.dp_shard) if t.zero < 3 else 0,
-        overhead_bytes=cluster.device.context_bytes,
+        buffer_bytes=buffers if t.zero < 3 else 0,
+        overhead_bytes=cluster.device.context_bytes + cluster.device.runtime_workspace_bytes,
     )
     return costs, _facts(graph, strategy, cluster)
 
@@ -271,13 +275,7 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                  groups: MeshGroups, shape: ActivationShape) -> StageCost:
     d, t = strategy.dims, strategy.train
     chunks = tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers)
-    counts: dict[str, int] = {}
-    for layer in layers:
-        if layer.block_id is not None:
-            counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
-    seen_segments = {layer.segment: layer for layer in layers}
-    ops = [op for layer in seen_segments.values() for op in layer.ops]
-    params = stage_params(ops, block_counts=counts, tensor_parallel=d.tp)
+    params = _stage_param_set(layers, d.tp)
     state = model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
                               dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen)
@@ -291,6 +289,17 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                             if t.zero in (1, 2) and d.dp_shard > 1 else 0.0),
         weights_bytes=state.weights, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
     )
+
+
+def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int) -> ParamSet:
+    """The parameters one rank of a stage holds (its layers, each block instance counted)."""
+    counts: dict[str, int] = {}
+    for layer in layers:
+        if layer.block_id is not None:
+            counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
+    seen_segments = {layer.segment: layer for layer in layers}
+    ops = [op for layer in seen_segments.values() for op in layer.ops]
+    return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel)
 
 
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:

@@ -117,8 +117,8 @@ def chosen_op_splits(
         index = [next((k for k, c in enumerate(cs) if c.soap() == want), None) for cs, want in zip(choices, default)]
         if None not in index and assignment_cost(picked, nodes, edges) >= assignment_cost(index, nodes, edges) * (1 - 1e-9):
             continue
-        out += [(op.name, tuple(sorted({"sample": s.sample, "attribute": s.attribute, "parameter": s.parameter}.items())))
-                for op, s in ((op, cs[k]) for op, cs, k in zip(unit.ops, choices, picked))]
+        out += [(op.name, (("attribute", cs[k].attribute), ("parameter", cs[k].parameter)))
+                for op, cs, k in zip(unit.ops, choices, picked)]
     return tuple(out)
 
 

@@ -32,7 +32,9 @@ Memory of pipeline rank r (`_rank_memory`):
     state(params_r / tp; precision, optimizer, zero, dp_shard, offload)   costmodel.memory
     + in_flight_r x activations_r(mb, recompute)                          costmodel.memory
     + one block's recompute window while it recomputes (selective and full recompute)
-    + ZeRO-3 gathered parameters of the two largest units + context overhead.
+    + ZeRO-3 gathered parameters of the two largest units, or the data-parallel buffers of
+      `costmodel.memory.buffer_bytes` (ZeRO 0-2) + context overhead and runtime workspace.
+(TP shards the blocks' weights; the embedding and LM head stay replicated, as `memory.stage_params`.)
 In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
 (v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
 """
@@ -46,7 +48,7 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import model_state_bytes
+from costmodel.memory import ParamSet, buffer_bytes, model_state_bytes
 from costmodel.memory_activations import activation_parts
 from costmodel.opcost import op_time
 from costmodel.profiles import ClusterSpec
@@ -69,7 +71,7 @@ class MemoryParts:
     optimizer: float
     activations: float
     other: float
-    """ZeRO-3 gathered parameters and the framework/context overhead."""
+    """ZeRO-3 gathered parameters, communication buffers, and the framework/context overhead."""
 
     @property
     def total(self) -> float:
@@ -226,7 +228,9 @@ class Estimator:
         compute_unit, per_unit, bwd_unit, act_unit, transient_unit = costs.T
 
         # memory shards expert weights like every matmul weight, by tp, as `costmodel.memory.stage_params` does
-        params_unit = np.array([unit.params / d.tp for unit in self.units], dtype=float)
+        # TP shards the blocks' weights; the embedding and LM head stay replicated (costmodel.memory.stage_params)
+        params_unit = np.array([unit.params / (1 if unit.id.startswith("<") else d.tp) for unit in self.units],
+                               dtype=float)
         p2p = self._p2p(mesh, t.micro_batch, t.precision, t.virtual_stages)
         rank_time = counts @ per_unit + p2p
         rank_compute = counts @ compute_unit
@@ -259,7 +263,7 @@ class Estimator:
         step = pipeline + dp_exposed + zero3_exposed + optimizer_s
         compute_s = m * float(rank_compute.max())
 
-        memory = self._rank_memory(mesh, t, rank_act, rank_transient, state)
+        memory = self._rank_memory(mesh, t, rank_act, rank_transient, state, params_local)
         return Estimate(
             step_time_s=step, memory=memory, compute_s=compute_s,
             comm_s=max(0.0, pipeline - bubble - compute_s) + dp_exposed + zero3_exposed,
@@ -294,7 +298,7 @@ class Estimator:
         return dp_exposed, zero3
 
     def _rank_memory(self, mesh: MeshChoice, t: TrainingConfig, rank_act: np.ndarray, rank_transient: np.ndarray,
-                     state) -> MemoryParts:
+                     state, params_local: float) -> MemoryParts:
         d = mesh.dims
         pp, v, m = d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum
         ranks = np.arange(pp)
@@ -307,11 +311,17 @@ class Estimator:
         else:
             in_flight = np.minimum(m, pp - ranks).astype(float)
         activations = float((in_flight * rank_act + rank_transient).max())
-        gathered = 0.0
+        gathered = buffers = 0.0
+        largest_unit = max((u.params for u in self.units), default=0) / d.tp
         if t.zero == 3 and d.dp_shard > 1:
             largest = sorted((u.params for u in self.units), reverse=True)[:2]
             gathered = sum(largest) / d.tp * ACTIVATION_BYTES[t.precision]
+        elif d.dp > 1:
+            buffers = float(buffer_bytes(params=ParamSet(int(params_local), 0, (), int(largest_unit)),
+                                         precision=t.precision, zero=t.zero, dp=d.dp, dp_shard=d.dp_shard))
+        device = self.cluster.device
         return MemoryParts(
             weights=float(state.weights), grads=float(state.grads), optimizer=float(state.optimizer),
-            activations=activations, other=gathered + self.cluster.device.context_bytes,
+            activations=activations,
+            other=gathered + buffers + device.context_bytes + device.runtime_workspace_bytes,
         )

@@ -115,7 +115,9 @@ class Pricer:
         d, t = candidate.mesh.dims, candidate.train
         if d.tp == 1:
             return ()
-        key = (id(graph), d.dp, d.cp, d.tp, d.ep, t.micro_batch, t.precision, t.sequence_parallel)
+        # solved once per block layout question (degrees, precision, sequence parallelism), at the first
+        # candidate's micro-batch: costs scale with it nearly uniformly, and each use is re-simulated
+        key = (id(graph), d.cp, d.tp, d.ep, t.precision, t.sequence_parallel)
         if key not in self._splits:
             units = self.estimator.for_strategy(candidate.strategy).units
             self._splits[key] = chosen_op_splits(units, graph, candidate.strategy, self.request.cluster, self._cache)
