@@ -63,7 +63,8 @@ def run(models, gpus, clusters) -> tuple[str, int]:
         "Simulated throughput (tokens/s) of the plan `soap plan MODEL --gpus N --cluster C` chooses, against "
         "each baseline's best configuration that fits (in parentheses: the chosen plan's speedup over it). "
         "Defaults: sequence min(max positions, 4096), global batch ~4M tokens rounded up to a multiple of the "
-        "GPU count; baselines at the chosen plan's precision and optimizer, without optimizer offload.\n\n"
+        "GPU count, bf16 (fp8 is opt-in with `--precision auto` or `fp8`), adamw; baselines at the chosen plan's "
+        "precision and optimizer, without optimizer offload.\n\n"
         f"{header}\n" + "\n".join(rows) + f"\n\nCombinations where a baseline beat the chosen plan: {violations}."
     )
     return body, violations
