@@ -84,7 +84,8 @@ def explain(
     if t.offload_optimizer:
         lines.append("Optimizer state is offloaded to host memory because nothing fits on the GPUs with it.")
     if t.precision == "fp8":
-        lines.append("FP8 matmuls, since this device runs them at twice the bf16 rate.")
+        ratio = cluster.device.effective_peak("fp8") / cluster.device.effective_peak("bf16")
+        lines.append(f"FP8 matmuls, which this device runs at {ratio:.2g}x its bf16 rate.")
     if breakdown:
         total = sum(breakdown.values()) or 1.0
         part = max(breakdown, key=lambda k: (breakdown[k], k))
