@@ -28,7 +28,8 @@ from executor.context_parallel import apply_cp
 from executor.data_parallel import apply_ddp, apply_fsdp, uses_ddp, uses_fsdp
 from executor.mesh import MeshView, build_mesh
 from executor.model import materialize, normalize_for_tp
-from executor.pipeline import build_schedule, set_position_ids, split_stage, stages_of_rank
+from executor.pipeline import (TiedAcrossStages, build_schedule, set_position_ids, split_stage, stages_of_rank,
+                               tied_across_stages)
 from executor.tensor_parallel import apply_tp, find_block_list
 from planner.plan import Plan
 from tracer.errors import SoapError
@@ -46,6 +47,14 @@ class ParallelModel:
     """For pp > 1: the torch.distributed.pipelining schedule to `step(...)`."""
     stage_indices: list[int] = field(default_factory=list)
     precision: precision_mod.PrecisionRuntime = field(default_factory=precision_mod.PrecisionRuntime)
+    tied: TiedAcrossStages | None = None
+    """For pp > 1 with tied embeddings: call `sum_tied_gradients()` after each step's backward."""
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of weights tied across pipeline stages (a no-op without any); a training
+        loop calls it between the schedule's step and the optimizer's."""
+        if self.tied is not None:
+            self.tied.sum_gradients()
 
     @property
     def model(self) -> nn.Module:
@@ -108,14 +117,16 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     elif device.type != "cpu":
         for part in parts:
             part.to(device)
+    tied = tied_across_stages(template, parts, mesh, mesh.pp_rank, p.pp) if p.pp > 1 else None
     if uses_ddp(plan):
         parts = [apply_ddp(part, plan, mesh) for part in parts]
     for part in parts:
         part.train()
     runtime = precision_mod.runtime_for(plan, device, fsdp=uses_fsdp(plan))
-    result = ParallelModel(parts=parts, plan=plan, mesh=mesh, stage_indices=stage_indices, precision=runtime)
+    result = ParallelModel(parts=parts, plan=plan, mesh=mesh, stage_indices=stage_indices, precision=runtime,
+                           tied=tied)
     if p.pp > 1:
-        result.schedule = _pipeline(result, device, loss_fn or _mean_loss())
+        result.schedule = _pipeline(result, device, runtime.scaled_loss(loss_fn or _mean_loss()))
     return result
 
 

@@ -1,17 +1,21 @@
 """Data parallelism (the Sample dimension) and the optimizer.
 
 Which engine runs the plan's `zero` stage:
-    zero 3      FSDP2 `fully_shard` per block and on the root, reshard_after_forward=True
+    zero 3      FSDP2 `fully_shard` per block (reshard_after_forward=True) and on the root (False, as
+                FSDP2 defaults: the root's embedding, norm and head are needed again as soon as backward
+                starts, so resharding them would only add one all-gather per step)
     zero 2      FSDP2 with reshard_after_forward=False (parameters stay gathered between forward and
                 backward, ZeRO-2-like memory)
     zero 1      DDP + torch's ZeroRedundancyOptimizer (optimizer state sharded)
     zero 0      DDP
-With TP (DTensor parameters) or PP (DDP's reducer breaks under the pipeline's many micro-batch
-backwards) DDP cannot run: zero 0/1 then use FSDP2 without resharding over the plan's
-(dp_replicate, dp_shard) mesh, which is pure replication when dp_shard is 1.
+With TP (DTensor parameters), PP (DDP's reducer breaks under the pipeline's many micro-batch
+backwards) or optimizer offload (only FSDP2 offloads) DDP cannot run: zero 0/1 then use FSDP2 without
+resharding over the plan's (dp_replicate, dp_shard) mesh, which is pure replication when dp_shard is 1
+(and a mesh of one rank when dp is 1).
 FSDP shards over `dp_shard x cp` (HSDP adds `dp_replicate` as the replicate dimension); DDP reduces
 over `dp x cp`. bf16 under FSDP is its MixedPrecisionPolicy (bf16 params, fp32 reductions), and
-`offload_optimizer` is FSDP's CPUOffloadPolicy.
+`offload_optimizer` is FSDP's CPUOffloadPolicy: parameters, gradients and optimizer state live in host
+memory, each unit is copied to the device for its forward/backward, and the optimizer steps on the CPU.
 
 FSDP is applied on the meta model (before materialization); DDP wraps the materialized model.
 
@@ -35,6 +39,8 @@ from tracer.errors import SoapError
 
 def uses_fsdp(plan: Plan) -> bool:
     p = plan.parallelism
+    if p.offload_optimizer:
+        return True
     if p.dp * p.cp == 1:
         return False
     return p.zero >= 2 or p.tp > 1 or p.pp > 1
@@ -54,18 +60,17 @@ def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
     if p.precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if p.offload_optimizer:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory speeds up the copies to an accelerator; without one it cannot be allocated
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.mesh.device_type != "cpu")
     _, blocks = find_block_list(model)
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
 def apply_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
-    if plan.parallelism.offload_optimizer:
-        raise SoapError("optimizer CPU offload needs FSDP (zero 2 or 3); re-plan with --zero 3")
     return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
 
 

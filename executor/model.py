@@ -18,7 +18,9 @@ kept (the slice comes from the parameter's DTensor placements; no communication)
 - `CheckpointWeights(dir)`: a local HF checkpoint (`*.safetensors`), read tensor by tensor, with the
   normalization's renames and transposes.
 Buffers (rotary frequencies, BERT's position ids) are re-created by HF's `_init_weights` on the real
-module that owns them.
+module that owns them. A parameter that the template ties to an earlier one (GPT-2's LM head, tied to
+the token embedding) but that is its own tensor here (the pipeline split put the two on different
+stages) is filled from the earlier one's source, so both copies start equal.
 """
 
 from __future__ import annotations
@@ -198,15 +200,19 @@ def materialize(model: nn.Module, template: nn.Module, device: torch.device, *, 
         setattr(module, name, getattr(owner, owner_name))
     source: Any = (CheckpointWeights(weights_dir, getattr(template, "soap_checkpoint_keys", {}))
                    if weights_dir else SeededInit(template, seed))
+    aliases = tied_aliases(template)
     seen: set[int] = set()
     with torch.no_grad():
         for fqn, module in model.named_modules():
             names = [n for n, p in module._parameters.items() if p is not None and id(p) not in seen]
             seen.update(id(module._parameters[n]) for n in names)
-            if names:
-                full = source.module_params(fqn, names)
-                for name in names:
-                    _copy_local_slice(getattr(module, name), full[name], DTensor)
+            prefix = f"{fqn}." if fqn else ""
+            own = [n for n in names if prefix + n not in aliases]
+            full = source.module_params(fqn, own) if own else {}
+            for name in names:
+                owner_module, _, owner_name = aliases.get(prefix + name, "").rpartition(".")
+                value = full[name] if name in full else source.module_params(owner_module, [owner_name])[owner_name]
+                _copy_local_slice(getattr(module, name), value, DTensor)
             if module._buffers and not names:
                 template._init_weights(module)
 
@@ -220,6 +226,19 @@ def _copy_local_slice(param: torch.Tensor, full: torch.Tensor, dtensor_cls: type
         param.to_local().copy_(local)
     else:
         param.copy_(full)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{parameter FQN: FQN of the parameter it is tied to, registered first} (e.g. lm_head.weight ->
+    transformer.wte.weight); empty when nothing is tied."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[fqn] = first[id(param)]
+        else:
+            first[id(param)] = fqn
+    return aliases
 
 
 def _tied_pairs(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:

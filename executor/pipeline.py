@@ -12,6 +12,12 @@ Stage modules are the HF models themselves: a pre-hook turns the stage input int
 stage) or `inputs_embeds` (later stages) plus the position ids, and a hook returns `.logits` (the hidden
 states on all but the last stage, whose norm and head are identities).
 
+Tied embeddings (GPT-2's LM head shares the token embedding's weight): the first stage holds the
+embedding, the last the head, each as its own copy, filled from the same source (`executor.model`).
+After each backward the two copies' gradients are summed between the first and the last pipeline rank
+of each (dp, cp, tp) coordinate (`TiedAcrossStages`, Megatron's embedding group), so both receive
+the tied weight's full gradient and their optimizer steps keep them equal.
+
 Schedules come from `get_schedule_class(plan.parallelism.schedule)`, with `scale_grads=False`: the loss
 is already scaled so that gradients sum to the global mean (see `executor.data`). Ranks own stages
 `s` with `s % pp == pp_rank` (looped), one per rank unless the plan has virtual stages.
@@ -20,11 +26,14 @@ is already scaled so that gradients sum to the global mean (see `executor.data`)
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from executor.model import tied_aliases
 from executor.tensor_parallel import find_block_list
 from planner.plan import Plan
 from tracer.errors import SoapError
@@ -50,9 +59,6 @@ def stages_of_rank(plan: Plan, pp_rank: int) -> list[int]:
 
 def split_stage(model: nn.Module, plan: Plan, stage_index: int) -> nn.Module:
     """A copy of meta `model` holding only stage `stage_index`'s modules (see the module docstring)."""
-    if plan.model.config.get("tie_word_embeddings", False) and plan.model.task == "causal-lm":
-        raise SoapError("pipeline parallelism needs untied input/output embeddings (they live on different "
-                        "stages); set tie_word_embeddings=false in the config or plan with pp=1")
     stages = sorted(plan.stages, key=lambda s: s.index)
     mine = set(stages[stage_index].modules)
     first, last = stage_index == 0, stage_index == len(stages) - 1
@@ -120,3 +126,44 @@ def build_schedule(plan: Plan, stages: list[Any], loss_fn: Callable) -> Any:
             raise SoapError(f"schedule {p.schedule} runs one stage per rank; the plan has {len(stages)}")
         return cls(stages[0], n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
+
+
+@dataclass(frozen=True)
+class TiedAcrossStages:
+    """This rank's copies of parameters tied across the first and last stage, and the group that holds
+    the other copies (see the module docstring)."""
+
+    params: list[nn.Parameter]
+    """One per tied pair, ordered by the first copy's FQN (the same order on both ranks)."""
+    group: Any
+
+    def sum_gradients(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for param in self.params:
+            grad = param.grad
+            # under FSDP both copies are sharded alike, so the local shards hold the same rows
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+
+def tied_across_stages(template: nn.Module, parts: list[nn.Module], mesh: Any, pp_rank: int,
+                       pp: int) -> TiedAcrossStages | None:
+    """The tied pairs that the pipeline split separated (None when there are none); collective: every
+    rank calls it."""
+    pairs = sorted((owner, alias) for alias, owner in tied_aliases(template).items())
+    if not pairs:
+        return None
+    held = {fqn: param for part in parts for fqn, param in part.named_parameters(remove_duplicate=False)}
+    split = [(o, a) for o, a in pairs if (o in held) != (a in held) or (o in held and held[o] is not held[a])]
+    ranks = mesh.mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) global ranks
+    group = None
+    for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
+        created = dist.new_group([first, last])
+        if dist.get_rank() in (first, last):
+            group = created
+    for owner, alias in split:
+        expected = owner if pp_rank == 0 else alias if pp_rank == pp - 1 else None
+        if expected is None or expected not in held or (owner in held and alias in held):
+            raise SoapError(f"{alias} is tied to {owner}, and the pipeline split puts them on stages other than "
+                            "the first and the last; untie them (tie_word_embeddings=false) or plan with pp=1")
+    return TiedAcrossStages([held[o] if o in held else held[a] for o, a in split], group)

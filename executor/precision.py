@@ -4,7 +4,10 @@
     tf32   TF32 matmuls and convolutions (CUDA flags; no effect on CPU)
     bf16   FSDP: MixedPrecisionPolicy(param bf16, reduce fp32) (see executor.data_parallel);
            otherwise autocast to bf16 around forward and loss
-    fp16   autocast to fp16 and a GradScaler (ShardedGradScaler under FSDP); not with pipelining
+    fp16   autocast to fp16 and a GradScaler; with more than one rank torch's ShardedGradScaler, whose
+           inf/NaN check is all-reduced over all ranks, so every rank skips the same steps (TP and
+           pipeline ranks hold different gradients). Under pipelining the schedule's loss function
+           returns the scaled loss (`PrecisionRuntime.scaled_loss`).
     fp8    torchao float8 training (Linear layers) on GPUs with compute capability >= 8.9, applied
            before compile and FSDP; anywhere else a SoapError
 """
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from planner.plan import Plan
@@ -35,6 +39,23 @@ class PrecisionRuntime:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
+    def scaled_loss(self, loss_fn: Any) -> Any:
+        """`loss_fn` whose loss is multiplied by the scaler's scale (itself without a scaler)."""
+        if self.scaler is None:
+            return loss_fn
+
+        def scaled(*args: Any) -> torch.Tensor:
+            loss = loss_fn(*args)
+            # a pipeline stage's shape inference runs the loss on meta tensors: the scale must not live there
+            return loss if loss.device.type == "meta" else self.scaler.scale(loss)
+
+        return scaled
+
+    @property
+    def loss_scale(self) -> float:
+        """What `scaled_loss` multiplies by (1 without a scaler)."""
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
 
 def runtime_for(plan: Plan, device: torch.device, *, fsdp: bool) -> PrecisionRuntime:
     p = plan.parallelism
@@ -44,14 +65,14 @@ def runtime_for(plan: Plan, device: torch.device, *, fsdp: bool) -> PrecisionRun
     if p.precision == "bf16" and not fsdp:
         return PrecisionRuntime(device.type, torch.bfloat16)
     if p.precision == "fp16":
-        if p.pp > 1:
-            raise SoapError("fp16 loss scaling is not supported with pipeline parallelism; re-plan with --precision bf16")
-        if fsdp:
+        if fsdp or (dist.is_initialized() and dist.get_world_size() > 1):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             scaler: Any = ShardedGradScaler(device.type)
         else:
             scaler = torch.amp.GradScaler(device.type)
+        # the scale is created on first use; a pipeline rank without the loss never scales anything itself
+        scaler.scale(torch.zeros((), device=device))
         return PrecisionRuntime(device.type, torch.float16, scaler)
     return PrecisionRuntime(device.type)
 

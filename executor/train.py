@@ -163,7 +163,9 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
                 parallel.schedule.step(*args, target=target, losses=run_losses if target is not None else None)
             losses.extend(run_losses)
         # the schedule's own losses: the loss function may also run during the stages' shape inference
-        loss_fn.unscaled_sum = sum((l.detach().cpu() for l in losses), torch.zeros(())) / loss_fn.factor
+        loss_fn.unscaled_sum = (sum((l.detach().cpu() for l in losses), torch.zeros(()))
+                                / (loss_fn.factor * runtime.loss_scale))
+    parallel.sum_tied_gradients()
     _reduce_partial_grads(parallel.parameters())
     for optimizer in optimizers:
         if runtime.scaler:

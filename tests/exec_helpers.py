@@ -50,8 +50,9 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
               grad_accum: int | None = None, schedule: str = "1F1B", virtual_stages: int = 1,
               recompute: str = "none", precision: str = "fp32", optimizer: str = "adamw", seq_len: int = 16,
               config: dict[str, Any] | None = None, predicted: dict[str, Any] | None = None,
-              tp_plan: dict[str, str] | None = None) -> Plan:
-    """A valid Plan for a tiny model, built directly (no search)."""
+              tp_plan: dict[str, str] | None = None, **parallelism: Any) -> Plan:
+    """A valid Plan for a tiny model, built directly (no search); `parallelism` sets further plan fields
+    (offload_optimizer, compile, ...)."""
     config = config or tiny_config(family)
     dp = dp_replicate * dp_shard
     world = pp * dp * cp * tp
@@ -71,7 +72,7 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
             "cp": cp, "sequence_parallel": sequence_parallel, "micro_batch": micro_batch,
             "grad_accum": grad_accum, "num_microbatches": num_microbatches, "schedule": schedule,
             "virtual_stages": virtual_stages, "recompute": recompute, "precision": precision,
-            "optimizer": optimizer,
+            "optimizer": optimizer, **parallelism,
         },
         "tp_plan": (tp_plan or TP_PLANS[family]) if tp > 1 else {},
         "stages": _stages(family, config, pp * virtual_stages, pp) if pp > 1 else [],

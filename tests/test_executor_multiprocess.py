@@ -1,7 +1,9 @@
 """Multi-process executor behaviour on CPU gloo, at 2 and 4 ranks.
 
 - Equivalence: every parallel layout trains exactly like one process: losses over 3 steps from the
-  same seed match a single-process run (fp32, relative 1e-4) on tiny llama, gpt2 and bert.
+  same seed match a single-process run (fp32, relative 1e-4) on tiny llama, gpt2 and bert; also GPT-2's
+  tied embeddings split across pipeline stages, optimizer CPU offload, and fp16 loss scaling through a
+  pipeline (against a single-process fp16 run).
 - Communication: for a TP+SP plan (using the simulator's own tp_plan), the collectives CommDebugMode
   counts inside each block equal those `costmodel.placement.block_placements` schedules per block.
 - Resume: 6 steps straight equal 3 steps + resume + 3 steps (losses and final weights).
@@ -49,6 +51,12 @@ def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
             f"{f}-grad-accum": (f, dict(dp_replicate=2, micro_batch=1, num_microbatches=2)),
         }
     cases |= {
+        "gpt2-pp-tied": ("gpt2", dict(pp=2, micro_batch=2, num_microbatches=2)),
+        "gpt2-pp-tied-interleaved": ("gpt2", dict(pp=2, virtual_stages=2, micro_batch=2, num_microbatches=2,
+                                                  schedule="Interleaved1F1B")),
+        "llama-zero3-offload": ("llama", dict(dp_shard=2, zero=3, micro_batch=2, offload_optimizer=True)),
+        "llama-pp-fp16": ("llama", dict(pp=2, micro_batch=2, num_microbatches=2, precision="fp16", optimizer="sgd",
+                                        **UNTIED["llama"])),
         "bert-ddp": ("bert", dict(dp_replicate=2, micro_batch=2)),
         "bert-zero3": ("bert", dict(dp_shard=2, zero=3, micro_batch=2)),
         "bert-tp": ("bert", dict(tp=2, micro_batch=4)),
@@ -70,6 +78,8 @@ def _cases_4_ranks() -> dict[str, tuple[str, dict]]:
         "llama-hsdp": ("llama", dict(dp_replicate=2, dp_shard=2, zero=3, micro_batch=1)),
         "llama-cp-x-fsdp": ("llama", dict(cp=2, dp_shard=2, zero=3, micro_batch=2)),
         "bert-fsdp-x-tp": ("bert", dict(dp_shard=2, zero=3, tp=2, micro_batch=2)),
+        "gpt2-pp-tied-x-fsdp": ("gpt2", dict(pp=2, dp_shard=2, zero=3, micro_batch=1, num_microbatches=2)),
+        "gpt2-tp-x-pp-tied": ("gpt2", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2)),
     }
     return cases
 
@@ -96,6 +106,9 @@ def single_process_losses() -> dict[str, list[float]]:
                 for f in ("llama", "gpt2", "bert")}
         for f in ("llama", "gpt2"):
             refs[f"{f}-untied"] = train(make_plan(f, micro_batch=4, **UNTIED[f]), RunConfig(progress=False, **RUN)).losses
+        # SGD, unlike AdamW, would show gradients left multiplied by the loss scale
+        refs["llama-untied-fp16-sgd"] = train(make_plan("llama", micro_batch=4, precision="fp16", optimizer="sgd",
+                                                        **UNTIED["llama"]), RunConfig(progress=False, **RUN)).losses
     finally:
         dist.destroy_process_group()
     return refs
@@ -167,7 +180,10 @@ def eight_rank_losses() -> dict:
 
 
 def _reference(name: str, family: str, kwargs: dict, refs: dict) -> list[float]:
-    return refs[f"{family}-untied"] if "config" in kwargs else refs[family]
+    key = f"{family}-untied" if "config" in kwargs else family
+    if kwargs.get("precision") == "fp16":
+        key += f"-fp16-{kwargs['optimizer']}"
+    return refs[key]
 
 
 def _check(name: str, got, expected: list[float]) -> None:

@@ -36,6 +36,20 @@ def test_fp16_trains_with_a_gradient_scaler():
     assert all(np.isfinite(losses))
 
 
+def test_optimizer_offload_trains_like_keeping_it_on_the_device():
+    """offload_optimizer runs FSDP2's CPUOffloadPolicy (here on a one-rank mesh: no data parallelism)."""
+    plain = train(make_plan("llama", micro_batch=4), RUN).losses
+    offloaded = train(make_plan("llama", micro_batch=4, offload_optimizer=True), RUN).losses
+    assert offloaded == pytest.approx(plain, rel=1e-5)
+
+
+def test_compiled_blocks_train_like_eager():
+    """compile=True compiles every block with torch.compile (inductor's C++ backend on the CPU)."""
+    eager = train(make_plan("llama", micro_batch=4), RUN).losses
+    compiled = train(make_plan("llama", micro_batch=4, compile=True), RUN).losses
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
 def test_fp8_without_a_capable_gpu_is_refused():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
         pytest.skip("this machine can run fp8")
