@@ -29,7 +29,8 @@ def main() -> None:
     body = (
         "Every third point of each sweep (shapes, message sizes) is held out; the profile is fitted on the rest "
         "(one torch thread per rank, each case the faster of two rounds; curves shaped by fp32 matmuls and fp32 "
-        "add/mul; collectives on gloo, 2 and 4 ranks, one link level). Predictions go through the simulator's "
+        "add/mul; memory-bound kernels at 1 to 4096 rows of 1024 and collectives at 4 KiB to 64 MiB, each a factor 2 "
+        "apart; collectives on gloo, 2 and 4 ranks, send/recv on one pair, one link level). Predictions go through the simulator's "
         "`op_time` and `collective_time`. Target: median ≤ 15%.\n\n"
         "Besides the shared curves, the profile carries factor curves fitted on the fit split only and read by "
         "the cost model: `kernel_factors` per kernel class and precision (device) and `collective_factors` per "
