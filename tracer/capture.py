@@ -6,11 +6,12 @@ Front-ends, tried in this order by `frontend="auto"`:
   (capture_dispatch.py).
 `hf-fx` (`transformers.utils.fx`) is used only when asked for, and only exists with transformers < 5.
 
-Shipped presets try `dispatch` first (PRESET_CHAIN): it is ten times faster than export (0.1 s against
-about 1 s, plus the 0.2-0.6 s import of torch.export), and on every preset it gives the same parameters
-and FLOPs as export and the same activation bytes to 0.1% (t5-base excepted, where dispatch is the one
-that matches autograd; tests/test_tracer_capture.py pins this). Every other model keeps the documented
-default, export then dispatch.
+Shipped presets try `dispatch` first (PRESET_CHAIN): it is ten times faster than export (0.05-0.15 s
+against 0.5-1 s, plus the import of torch.export's tracing machinery). On every preset it gives export's
+parameters and FLOPs exactly and its activation bytes to 0.1% (tests/test_tracer_capture.py), except
+t5-base, where it counts 19% fewer: export counts the position bias that every layer passes to SDPA once
+per layer, dispatch once (against autograd on a 4-layer t5-base at 512 tokens export is 21% high,
+dispatch 9% low). Every other model keeps the documented default, export then dispatch.
 
 Every front-end produces the same records: `Value`s (tensors, with parameters and inputs marked) and
 `RawOp`s (an ATen overload name, the module that called it, its arguments with `Value`s in place of
