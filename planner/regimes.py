@@ -1,7 +1,8 @@
 """Price each candidate on the graph of the precision regime it runs in.
 
 A 16-bit run is not one regime (executor/precision.py, executor/data_parallel.py):
-- bf16 under FSDP (a data-parallel group of zero 2/3, or zero 0/1 beside tp or pp): bf16 parameters
+- bf16 under FSDP (a data-parallel group of zero 2/3, or zero 0/1 beside tp or pp, or optimizer
+  offload, which FSDP2's CPUOffloadPolicy runs): bf16 parameters
   through MixedPrecisionPolicy and no autocast, so nearly every tensor is bf16 (the `bfloat16` trace);
 - bf16 otherwise, and fp16 always: fp32 parameters under CUDA autocast, where norms, the GELU's pow,
   the residual stream and the loss stay fp32 (the `autocast-bfloat16`/`autocast-float16` trace);
@@ -29,15 +30,19 @@ from tracer.autocast import is_autocast, trace_dtype_for
 from tracer.ir import OpGraph
 
 
-def runs_fsdp(dims: ParallelDims, zero: int) -> bool:
-    """Whether the executor wraps the model in FSDP2 (`executor.data_parallel.uses_fsdp`)."""
+def runs_fsdp(dims: ParallelDims, zero: int, offload_optimizer: bool) -> bool:
+    """Whether the executor wraps the model in FSDP2 (`executor.data_parallel.uses_fsdp`): optimizer
+    offload always does (CPUOffloadPolicy), and a data-parallel group of zero 2/3 or beside tp or pp."""
+    if offload_optimizer:
+        return True
     if dims.dp * dims.cp == 1:
         return False
     return zero >= 2 or dims.tp > 1 or dims.pp > 1
 
 
 def regime_dtype(dims: ParallelDims, train: TrainingConfig, device: DeviceProfile) -> str:
-    return _on_device(trace_dtype_for(train.precision, runs_fsdp(dims, train.zero)), device)
+    fsdp = runs_fsdp(dims, train.zero, train.offload_optimizer)
+    return _on_device(trace_dtype_for(train.precision, fsdp), device)
 
 
 def _on_device(dtype: str, device: DeviceProfile) -> str:
@@ -84,5 +89,8 @@ class RegimeEstimator:
 
     def time_floor(self, mesh: MeshChoice, mb: int, num_microbatches: int, grad_accum: int, precision: str,
                    bubble_factor: float) -> float:
-        dtype = _on_device(trace_dtype_for(precision, runs_fsdp(mesh.dims, mesh.zero)), self.device)
-        return self.for_dtype(dtype).time_floor(mesh, mb, num_microbatches, grad_accum, precision, bubble_factor)
+        """The smaller floor of the regimes the mesh runs `precision` in, with and without offload."""
+        dtypes = {_on_device(trace_dtype_for(precision, runs_fsdp(mesh.dims, mesh.zero, offload)), self.device)
+                  for offload in (False, True)}
+        return min(self.for_dtype(d).time_floor(mesh, mb, num_microbatches, grad_accum, precision, bubble_factor)
+                   for d in dtypes)

@@ -103,6 +103,8 @@ def test_autocast_regime_is_chosen_by_precision_and_fsdp():
     assert regime_dtype(ParallelDims(dp_replicate=8), train("bf16", zero=0), gpu) == "autocast-bfloat16"
     assert regime_dtype(ParallelDims(dp_shard=8), train("fp16", zero=3), gpu) == "autocast-float16"
     assert regime_dtype(ParallelDims(), train("fp32"), gpu) == "float32"
+    offloaded = TrainingConfig(global_batch=8, seq_len=128, precision="bf16", offload_optimizer=True)
+    assert regime_dtype(ParallelDims(), offloaded, gpu) == "bfloat16"  # offload runs through FSDP2
     assert regime_dtype(ParallelDims(), train("bf16"), cpu) == "float32"  # CPU autocast has other op lists
 
 
@@ -150,3 +152,17 @@ def test_autocast_trace_counts_what_autograd_keeps_under_the_emulation(make):
     traced = _saved_split(tracer.trace(config, batch=2, seq_len=32, dtype="autocast-bfloat16"))
     for dtype in ("float32", "bfloat16"):  # up to a few 0-dim scalars autograd keeps (the loss's total weight)
         assert traced[dtype] == pytest.approx(real.by_storage[dtype], abs=64), dtype
+
+
+def test_regime_fsdp_rule_matches_the_executor():
+    from itertools import product
+    from types import SimpleNamespace
+
+    from costmodel.strategy import ParallelDims
+    from executor.data_parallel import uses_fsdp
+    from planner.regimes import runs_fsdp
+
+    for dp, cp, tp, pp, zero, offload in product((1, 2), (1, 2), (1, 2), (1, 2), (0, 1, 2, 3), (False, True)):
+        dims = ParallelDims(dp_shard=dp, cp=cp, tp=tp, pp=pp)
+        plan = SimpleNamespace(parallelism=SimpleNamespace(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, offload_optimizer=offload))
+        assert runs_fsdp(dims, zero, offload) == uses_fsdp(plan), (dp, cp, tp, pp, zero, offload)
