@@ -280,10 +280,24 @@ def default_paths(name: str) -> tuple[Path, Path]:
     return PROFILES_DIR / "devices" / f"{name}.json", PROFILES_DIR / "clusters" / f"{name}.json"
 
 
+KEPT_FROM_RUNS = ("runtime_workspace_mib",)
+"""Device fields microbenchmarks do not measure but `soap calibrate --from-runs` fits from real training runs:
+a recalibration keeps them from the profile it replaces."""
+
+
+def _kept_from_runs(device_path: Path) -> dict:
+    try:
+        old = json.loads(device_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: old[k] for k in KEPT_FROM_RUNS if isinstance(old, dict) and k in old}
+
+
 def write_profiles(result: CalibrationResult, output: Path | None) -> list[Path]:
     """Write the fitted profiles atomically and return the paths written.
 
-    Without `output`: the device and cluster files under profiles/ (cluster's device by name). With
+    Without `output`: the device and cluster files under profiles/ (cluster's device by name), keeping the
+    replaced device's `KEPT_FROM_RUNS` fields. With
     `output`: one self-contained file, the cluster with its device inline (device only for nproc 1).
     """
     name = result.device_json["name"]
@@ -291,7 +305,7 @@ def write_profiles(result: CalibrationResult, output: Path | None) -> list[Path]
         write_json_atomic(output, result.cluster_json or result.device_json)
         return [output]
     device_path, cluster_path = default_paths(name)
-    write_json_atomic(device_path, result.device_json)
+    write_json_atomic(device_path, {**result.device_json, **_kept_from_runs(device_path)})
     if result.cluster_json is None:
         return [device_path]
     write_json_atomic(cluster_path, {**result.cluster_json, "device": name})

@@ -256,3 +256,20 @@ def test_full_collective_sweep_holds_out_sizes_between_fitted_ones_and_measures_
     send_recv = {c.group_size for s in comm_sweeps(4, quick=False) for c in s.cases if c.kind == "send_recv"}
     assert send_recv == {2}
     assert {c.group_size for s in comm_sweeps(4, quick=False) for c in s.cases if c.kind == "all_reduce"} == {2, 4}
+
+
+def test_recalibrating_keeps_the_runtime_workspace_fitted_from_runs(synthetic_fit, tmp_path, monkeypatch):
+    import costmodel.calibrate as calibrate
+    from costmodel.profiles_json import device_from_json
+
+    device_path, cluster_path = tmp_path / "device.json", tmp_path / "cluster.json"
+    monkeypatch.setattr(calibrate, "default_paths", lambda name: (device_path, cluster_path))
+    workspace = {"value": 3.1, "source": "fitted by soap calibrate --from-runs"}
+    device_path.write_text(json.dumps({**synthetic_fit.device_json, "runtime_workspace_mib": workspace}))
+    write_profiles(synthetic_fit, None)
+    written = json.loads(device_path.read_text())
+    assert written["runtime_workspace_mib"] == workspace
+    assert device_from_json(written, str(device_path)).runtime_workspace_bytes == int(3.1 * 2**20)
+    device_path.unlink()
+    write_profiles(synthetic_fit, None)  # nothing to keep: the fitted profile as is
+    assert "runtime_workspace_mib" not in json.loads(device_path.read_text())
