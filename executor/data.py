@@ -126,5 +126,6 @@ class ScaledTokenLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-        self.unscaled_sum = self.unscaled_sum + total.detach().cpu()
+        # stays on the device: a copy to the host here would wait for the GPU once per micro-batch
+        self.unscaled_sum = self.unscaled_sum + total.detach()
         return total * self.factor
