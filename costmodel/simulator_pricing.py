@@ -175,7 +175,7 @@ def price_step(
             "pp-p2p": "inter_node" if _spans(groups.pp_pair) else "intra_node",
         },
         buffer_bytes=buffers if t.zero < 3 else 0,
-        overhead_bytes=cluster.device.context_bytes + cluster.device.runtime_workspace_bytes,
+        overhead_bytes=cluster.device.context_bytes,
     )
     return costs, _facts(graph, strategy, cluster)
 

@@ -33,7 +33,7 @@ Memory of pipeline rank r (`_rank_memory`):
     + in_flight_r x activations_r(mb, recompute)                          costmodel.memory
     + one block's recompute window while it recomputes (selective and full recompute)
     + ZeRO-3 gathered parameters of the two largest units, or the data-parallel buffers of
-      `costmodel.memory.buffer_bytes` (ZeRO 0-2) + context overhead and runtime workspace.
+      `costmodel.memory.buffer_bytes` (ZeRO 0-2) + context overhead (as the simulator).
 (TP shards the blocks' weights; the embedding and LM head stay replicated, as `memory.stage_params`.)
 In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
 (v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
@@ -323,5 +323,5 @@ class Estimator:
         return MemoryParts(
             weights=float(state.weights), grads=float(state.grads), optimizer=float(state.optimizer),
             activations=activations,
-            other=gathered + buffers + device.context_bytes + device.runtime_workspace_bytes,
+            other=gathered + buffers + device.context_bytes,
         )
