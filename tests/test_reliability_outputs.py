@@ -146,27 +146,12 @@ def _validate_cmd(tmp: Path, out: str, monkeypatch) -> list[str]:
     return ["validate", "--quick", "--png", out]
 
 
-def _open(owner_fix: str):
-    return pytest.mark.xfail(strict=True, raises=Reached, reason=f"open: {owner_fix}")
-
-
 OTHER_WRITERS = [
-    pytest.param(_plan_cmd, "-o", id="plan -o", marks=_open(
-        "soap/commands/plan.py searches before it looks at -o, then Plan.save fails with the catch-all "
-        "`error: FileExistsError ...`; fix: tracer.files.check_writable(args.output, what='-o') before the search")),
-    pytest.param(_execute_cmd, "--report", id="execute --report", marks=_open(
-        "soap/commands/execute.py trains before it looks at --report, then write_atomic fails with the catch-all; "
-        "fix: tracer.files.check_writable(report, what='--report') before run_plan")),
-    pytest.param(_checkpoint_cmd, "--checkpoint-dir", id="execute --checkpoint-dir", marks=_open(
-        "soap/commands/execute.py launches before it looks at --checkpoint-dir; rank 0 then fails in "
-        "executor.checkpoint.save_checkpoint at the first save, after training; fix: a check like "
-        "tracer.files.check_writable on the directory before run_plan")),
-    pytest.param(_calibrate_cmd, "-o", id="calibrate -o", marks=_open(
-        "soap/commands/calibrate.py measures before it looks at -o, then write_json_atomic fails with the "
-        "catch-all; fix: tracer.files.check_writable(args.output, what='-o') before calibrate()")),
-    pytest.param(_validate_cmd, "--png", id="validate --png", marks=_open(
-        "soap/commands/validate.py runs the suite before it looks at --png, then savefig fails with the "
-        "catch-all; fix: tracer.files.check_writable(args.png, what='--png') before run_validation")),
+    pytest.param(_plan_cmd, "-o", id="plan -o"),
+    pytest.param(_execute_cmd, "--report", id="execute --report"),
+    pytest.param(_checkpoint_cmd, "--checkpoint-dir", id="execute --checkpoint-dir"),
+    pytest.param(_calibrate_cmd, "-o", id="calibrate -o"),
+    pytest.param(_validate_cmd, "--png", id="validate --png"),
 ]
 
 
@@ -198,3 +183,9 @@ def test_the_catch_all_error_line_stays_one_line(monkeypatch):
     code, _, err = cli(["simulate", "p.json"])
     line = assert_one_error_line(code, err, "RuntimeError", "(rerun with --debug")
     assert "first\\x1bsecond" in line and "third" not in line
+
+
+def test_a_file_given_as_the_checkpoint_directory_is_refused_before_training(tmp_path, monkeypatch):
+    argv = _checkpoint_cmd(tmp_path, str(_blocker(tmp_path)), monkeypatch)
+    code, _, err = cli(argv)
+    assert_one_error_line(code, err, "--checkpoint-dir", "is not a directory")

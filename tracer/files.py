@@ -61,6 +61,20 @@ def check_writable(path: str | os.PathLike[str], *, what: str) -> None:
         raise SoapError(f"cannot write {what} {target}: no permission to write in {folder}; pick another path")
 
 
+def check_writable_dir(path: str | os.PathLike[str], *, what: str) -> None:
+    """Raise a SoapError now if the directory `path` cannot be created or written in later."""
+    target = Path(path)
+    if _exists(target, what) and not _is_dir(target, what):
+        raise SoapError(f"cannot use {what} {target}: it is not a directory; pick another path")
+    folder = target
+    while not _exists(folder, what):  # the nearest existing ancestor is where the missing folders get created
+        folder = folder.parent
+    if not _is_dir(folder, what):
+        raise SoapError(f"cannot create {what} {target}: {folder} is not a directory; pick another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SoapError(f"cannot write {what} {target}: no permission to write in {folder}; pick another path")
+
+
 def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, what: str) -> Path:
     """Write `data` to `path` so that a crash leaves the old file or the new one, never half of one."""
     target = Path(path)

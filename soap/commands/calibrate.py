@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from costmodel.calibrate import CalibrationConfig, calibrate, check_config, planned_points, write_profiles
 from costmodel.calibrate_predict import summarize
+from tracer.files import check_writable
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,6 +56,8 @@ def _config(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output is not None:
+        check_writable(args.output, what="-o")
     if args.from_runs is not None:
         return _from_runs(args)
     config = _config(args)

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from executor.launch import LaunchOptions, run_plan
     from executor.train import RunConfig
     from planner.plan import load_plan, write_atomic
+    from tracer.files import check_writable, check_writable_dir
 
     plan = load_plan(args.plan)
     if args.steps < 1:
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     for path, flag in ((args.data, "--data"), (args.weights, "--weights")):
         if path and not os.path.exists(path):
             raise SoapError(f"{flag} {path}: no such file or directory")
+    report = Path(args.report) if args.report else Path(args.plan).with_suffix(".run.json")
+    check_writable(report, what="--report")
+    if args.checkpoint_dir:
+        check_writable_dir(args.checkpoint_dir, what="--checkpoint-dir")
     config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=args.data, weights=args.weights,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, progress=True)
@@ -75,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     result = run_plan(plan, config, launch)
     if result is None:  # not global rank 0
         return 0
-    report = Path(args.report) if args.report else Path(args.plan).with_suffix(".run.json")
     write_atomic(report, json.dumps(result, indent=2, sort_keys=True) + "\n")
     # Every run feeds `soap calibrate --from-runs`.
     from executor.runs_log import append_run

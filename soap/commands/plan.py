@@ -50,9 +50,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from planner.api import plan_report
     from planner.report import render_summary, report_json
+    from tracer.files import check_writable
 
     pins = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum",
                                           "recompute", "schedule", "precision", "optimizer")}
+    if args.output:
+        check_writable(args.output, what="-o")
     report = plan_report(
         args.model, gpus=args.gpus, cluster=args.cluster, gpus_per_node=args.gpus_per_node, task=args.task,
         global_batch=args.global_batch, seq_len=args.seq_len, mem_limit_gib=args.mem_limit,

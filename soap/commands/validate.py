@@ -39,10 +39,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from executor.validation import ValidationConfig, check_config, run_validation
+    from tracer.files import check_writable
 
     config = ValidationConfig(device=args.device, nproc=args.nproc, steps=args.steps, quick=args.quick,
                               cluster=args.cluster or f"local-{args.device}", runs_log=args.runs_log)
     check_config(config)
+    if args.png:
+        check_writable(args.png, what="--png")
     console = Console(stderr=True)
     report = run_validation(config, log=lambda message: console.print(message, style="dim"))
     console.print(render_table(report))
