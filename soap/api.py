@@ -34,8 +34,14 @@ def plan(model: Any, *, gpus: int, cluster: str = "dgx-h100", **pins: Any) -> Pl
 
 
 def parallelize(model: Any, plan: Plan | str, **kwargs: Any) -> Any:
-    """Apply `plan` to `model` inside an initialized process group; returns the parallelized model
-    (and, for pp > 1, the pipeline schedule to step)."""
+    """Apply `plan` to `model` inside an initialized process group; returns an `executor.api.ParallelModel`.
+
+    Its `.model` (pp == 1) or `.parts` (this rank's pipeline stages) are the modules to train; for
+    pp > 1, step `.schedule` (torch.distributed.pipelining) instead of calling the model. A model
+    whose embeddings are tied to its LM head and whose pipeline puts them on different stages needs
+    `.sum_tied_gradients()` between the backward (or `schedule.step`) and `optimizer.step()`; it is a
+    no-op otherwise, so a training loop can always call it.
+    """
     from executor.api import parallelize as _parallelize
     from planner.plan import load_plan
 
