@@ -16,12 +16,12 @@ encoders and causal-lm for decoders.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tracer.errors import SoapError
+from tracer.files import read_json
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 TASKS = ("causal-lm", "masked-lm", "seq-cls", "seq2seq-lm", "image-cls")
@@ -104,14 +104,7 @@ def _looks_like_path(model: str) -> bool:
 
 
 def _config_from_file(path: Path, trust_remote_code: bool) -> Any:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SoapError(f"cannot read {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise SoapError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
-    except RecursionError:
-        raise SoapError(f"{path} is nested too deeply to be a config.json; fix or re-download it") from None
+    data = read_json(path, what="config", fix="fix or re-download it")
     if not isinstance(data, dict) or "model_type" not in data:
         raise SoapError(f"{path} has no `model_type`; it must be a Hugging Face config.json")
     _check_remote_code(data, str(path), trust_remote_code)
