@@ -14,11 +14,12 @@ torch dependency, and prints the same way (`2F0` = stage 2 forward of micro-batc
 `PipelineSchedule.to_torch()` turns it into `{rank: [torch _Action, ...]}` for
 `_PipelineScheduleRuntime`, so the executor runs exactly the order the simulator priced.
 
-Compute orders come from torch's own generators where they are correct as data (GPipe,
-Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble: their `_calculate_single_rank_
-operations` run on a plain namespace, no process group). 1F1B is generated here in the order torch's
-`Schedule1F1B` runtime executes (warm-up of `pp - rank` forwards, then backward/forward pairs):
-torch's `Schedule1F1B._get_pipeline_order` is a display helper that is off by one.
+Compute orders are torch's own (GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+ZBVZeroBubble), ported to `costmodel.schedule_orders` so that planning never imports
+torch.distributed.pipelining; tests/test_schedule.py checks them against torch's generators. 1F1B is
+generated here in the order torch's `Schedule1F1B` runtime executes (warm-up of `pp - rank` forwards,
+then backward/forward pairs): torch's `Schedule1F1B._get_pipeline_order` is a display helper that is
+off by one.
 
 Communication is inserted by `_with_comms`: a RECV right before the compute that consumes it, a SEND
 right after the compute that produces it, and none between two stages on the same rank (the turn of
@@ -34,7 +35,6 @@ import functools
 import re
 from dataclasses import dataclass
 from enum import Enum
-from types import SimpleNamespace
 
 from tracer.errors import SoapError
 
@@ -116,13 +116,6 @@ class PipelineSchedule:
 # --- generators ----------------------------------------------------------------------------------
 
 
-def _gpipe(pp: int, m: int) -> list[list[Action]]:
-    from torch.distributed.pipelining.schedules import ScheduleGPipe
-
-    order = ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=pp, _n_microbatches=m))
-    return [_from_torch(order[rank]) for rank in range(pp)]
-
-
 def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
     ranks = []
     for rank in range(pp):
@@ -136,32 +129,6 @@ def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
                 fwd += 1
         ranks.append(acts)
     return ranks
-
-
-def _torch_multi_stage(name: str, pp: int, m: int, v: int) -> list[list[Action]]:
-    from torch.distributed.pipelining import schedules as ts
-
-    cls = ts.get_schedule_class(name)
-    rounds = max(1, m // pp)
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
-        raise SoapError(f"{name} needs num_microbatches ({m}) divisible by max(1, m // pp) = {rounds}")
-    ns = SimpleNamespace(
-        pp_group_size=pp, n_local_stages=v, _n_microbatches=m, num_stages=pp * v, _num_stages=pp * v,
-        _stages=[None] * v, number_of_rounds=rounds, microbatches_per_round=m // rounds,
-    )
-    ns.pipeline_order = {rank: cls._calculate_single_rank_operations(ns, rank) for rank in range(pp)}
-    if name == "InterleavedZeroBubble":
-        ns.pipeline_order = cls._add_bubbles_to_actions(ns, pp * v)
-    return [_from_torch(ns.pipeline_order[rank]) for rank in range(pp)]
-
-
-def _from_torch(actions: list) -> list[Action]:
-    out = []
-    for a in actions:
-        if a is None or a.computation_type.value not in {"F", "B", "I", "W"}:
-            continue  # bubbles (None) and REDUCE_GRAD: the simulator schedules the DP reduction itself
-        out.append(Action(a.stage_index, ActionKind(a.computation_type.value), a.microbatch_index))
-    return out
 
 
 def _stage_to_rank(name: str, pp: int, v: int) -> tuple[int, ...]:
@@ -196,14 +163,20 @@ def build_schedule(name: str, pp: int, num_microbatches: int, stages_per_rank: i
     m, v = num_microbatches, stages_per_rank
     if pp < 1 or m < 1 or v < 1:
         raise SoapError(f"pipeline needs pp, micro-batches and stages per rank >= 1 (got {pp}, {m}, {v})")
+    from costmodel import schedule_orders  # imports this module's Action
+
     if name in ("GPipe", "1F1B"):
         if v != 1:
             raise SoapError(f"{name} runs one stage per rank; use Interleaved1F1B for {v} virtual stages")
-        compute = _gpipe(pp, m) if name == "GPipe" else _one_f_one_b(pp, m)
-    elif name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"):
-        if name == "ZBVZeroBubble" and v != 2:
+        compute = schedule_orders.gpipe(pp, m) if name == "GPipe" else _one_f_one_b(pp, m)
+    elif name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        compute = schedule_orders.interleaved(name, pp, m, v)
+    elif name == "LoopedBFS":
+        compute = schedule_orders.looped_bfs(pp, m, v)
+    elif name == "ZBVZeroBubble":
+        if v != 2:
             raise SoapError(f"ZBVZeroBubble needs exactly 2 stages per rank (got {v})")
-        compute = _torch_multi_stage(name, pp, m, v)
+        compute = schedule_orders.zbv(pp, m)
     else:
         raise SoapError(
             f"unknown schedule {name!r}; choose GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "

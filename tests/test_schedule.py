@@ -1,5 +1,9 @@
 """The pipeline schedule IR: generation, torch agreement, and deadlock dry-runs."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from costmodel.schedule import (
@@ -25,16 +29,59 @@ def test_every_schedule_runs_to_completion_without_deadlock(name, v, pp, m):
     assert result.actions_run == sum(len(a) for a in schedule.actions)
 
 
-def test_gpipe_compute_order_matches_torch():
+def _torch_compute_order(name: str, pp: int, m: int, v: int) -> list[list[str]]:
+    """torch's own generator for `name`, run on a plain namespace (no process group)."""
     from types import SimpleNamespace
 
-    from torch.distributed.pipelining.schedules import ScheduleGPipe
+    from torch.distributed.pipelining import schedules
 
-    torch_order = ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=4, _n_microbatches=6))
-    ours = build_schedule("GPipe", 4, 6)
-    for rank in range(4):
-        expected = [str(a) for a in torch_order[rank] if a is not None and a.computation_type.value in "FB"]
-        assert [str(a) for a in ours.actions[rank] if a.is_compute] == expected
+    cls = schedules.get_schedule_class(name)
+    rounds = max(1, m // pp)
+    ns = SimpleNamespace(
+        pp_group_size=pp, n_local_stages=v, _n_microbatches=m, num_stages=pp * v, _num_stages=pp * v,
+        _stages=[None] * v, number_of_rounds=rounds, microbatches_per_round=m // rounds,
+    )
+    if name == "GPipe":
+        ns.pipeline_order = cls._get_pipeline_order(ns)
+    else:
+        ns.pipeline_order = {rank: cls._calculate_single_rank_operations(ns, rank) for rank in range(pp)}
+    if name == "InterleavedZeroBubble":
+        ns.pipeline_order = cls._add_bubbles_to_actions(ns, pp * v)
+    return [
+        [str(a) for a in ns.pipeline_order[rank] if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
+        for rank in range(pp)
+    ]
+
+
+GRID = [(pp, m) for pp in range(1, 7) for m in range(1, 15)] + [(8, 8), (8, 16), (8, 24), (16, 32), (16, 40)]
+
+
+@pytest.mark.parametrize("name,vs", [
+    ("GPipe", (1,)), ("LoopedBFS", (1, 2, 3, 4)), ("Interleaved1F1B", (1, 2, 3, 4)),
+    ("InterleavedZeroBubble", (1, 2, 3, 4)), ("ZBVZeroBubble", (2,)),
+])
+def test_native_compute_orders_equal_torch_generators(name, vs):
+    """The ported generators (costmodel.schedule_orders) give torch's orders exactly, bubbles aside."""
+    for pp, m in GRID:
+        for v in vs:
+            if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
+                with pytest.raises(SoapError, match="divisible"):
+                    build_schedule(name, pp, m, v)
+                continue
+            ours = [[str(a) for a in acts if a.is_compute] for acts in build_schedule(name, pp, m, v).actions]
+            assert ours == _torch_compute_order(name, pp, m, v), (name, pp, m, v)
+
+
+def test_planning_schedules_do_not_import_torch_pipelining():
+    code = (
+        "import sys\n"
+        "from costmodel.schedule import build_schedule\n"
+        "for name, v in [('GPipe', 1), ('1F1B', 1), ('Interleaved1F1B', 2), ('LoopedBFS', 2),\n"
+        "                ('InterleavedZeroBubble', 2), ('ZBVZeroBubble', 2)]:\n"
+        "    build_schedule(name, 4, 8, v)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_1f1b_follows_torch_runtime_order_warmup_then_alternation():
