@@ -24,8 +24,20 @@ Model state (`model_state_bytes`), per parameter element (shared/reference/techn
 
 ZeRO over the `dp_shard` ranks: stage 1 shards the optimizer state, 2 also the gradients, 3 also the
 weights (both the master and the low-precision copy): each sharded term is ceil(bytes / dp_shard).
-`offload_optimizer` moves the (sharded) optimizer state to host memory: it is reported as `offloaded`
-and not counted on the device.
+
+Offload (`offload_optimizer`) is what the executor runs: FSDP2 with `CPUOffloadPolicy` over the
+dp_shard ranks, whatever the ZeRO stage (`executor.data_parallel`), as ZeRO-Offload does. Per element:
+- host (`offloaded`, not on the device): the fp32 parameter shard, its fp32 gradient and the
+  optimizer state, each / dp_shard: (FSDP_MASTER_BYTES + FSDP_MASTER_BYTES) / dp_shard + state / dp_shard;
+- device weights: FSDP's gathered compute copy (`fsdp_param_bytes`: bf16 under MixedPrecisionPolicy,
+  the fp32 parameters otherwise). ZeRO 0/1/2 do not reshard after forward, so every unit stays
+  gathered from its forward to its backward (trainable x width); ZeRO 3 reshards, so only the units in
+  flight are gathered (a buffer, below) and the weights term is 0. Frozen tensors stay on the device;
+- device gradients: without a pipeline 0, each unit's gradients exist on the device only between its
+  backward and the copy to the host (a buffer, below); with one (`pipeline`), torch's pipeline stage
+  turns FSDP's gradient sync off until each schedule run's last backward, so the stage's unsharded
+  gradients accumulate on the device in fp32 (FSDP's reduce dtype): trainable x FSDP_GRAD_BYTES;
+- device optimizer state: 0.
 
 Activations: `costmodel.memory_activations.activation_bytes` (re-exported here) and `activation_parts`
 (its terms: prologue, blocks kept, epilogue, recompute window; re-exported).
@@ -41,6 +53,9 @@ Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parall
 - ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at compute width (the
   current unit and the prefetched next one, 2x) plus that unit's fp32 gradients before their
   reduce-scatter.
+- Offload (FSDP2 on every rank, even alone): ZeRO 3, the zero-3 term above at `fsdp_param_bytes`
+  whatever dp_shard; otherwise the unsharded fp32 gradients of one unit and their reduce-scatter
+  input before the copy to the host (2 x largest unit x 4).
 A unit is one block instance, or the non-block parameters together (the root FSDP unit).
 
 Tensor parallelism shards the weights of matmuls and embeddings inside the repeated blocks; the
@@ -75,10 +90,13 @@ FP8_ADAM_BYTES = 3
 ADAFACTOR_ASSUMED_SIDE = 1024
 FSDP_MASTER_BYTES = 4
 """FSDP2 keeps each parameter's shard in fp32 and reduce-scatters fp32 gradients."""
+FSDP_GRAD_BYTES = 4
+"""FSDP2's sharded gradients are in the parameters' dtype (fp32), also when offloaded."""
 TENSOR_PARALLEL_KINDS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING})
 __all__ = [
     "ActivationParts", "MemoryEstimate", "ParamSet", "StateBytes", "activation_bytes", "activation_parts",
-    "adafactor_bytes", "buffer_bytes", "estimate_memory", "model_state_bytes", "optimizer_state_bytes", "stage_params",
+    "adafactor_bytes", "buffer_bytes", "estimate_memory", "fsdp_param_bytes", "model_state_bytes", "optimizer_state_bytes",
+    "stage_params",
 ]
 
 
@@ -88,7 +106,7 @@ class StateBytes:
     grads: int
     optimizer: int
     offloaded: int
-    """Bytes moved to host memory (not counted on the device)."""
+    """Bytes in host memory (not counted on the device)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +118,7 @@ class MemoryEstimate:
     buffers: int
     overhead: int
     offloaded: int = 0
-    """Host bytes (offloaded optimizer state); not part of `total`."""
+    """Host bytes (offload: fp32 parameter shards, their gradients and the optimizer state); not part of `total`."""
 
     @property
     def total(self) -> int:
@@ -150,11 +168,12 @@ def model_state_bytes(
     offload_optimizer: bool,
     param_shapes: Iterable[Sequence[int]] | None = None,
     frozen: int = 0,
+    pipeline: bool = False,
 ) -> StateBytes:
     """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding.
 
     `params` counts trainable elements (their shapes in `param_shapes`, for adafactor); `frozen`
-    elements add weights only."""
+    elements add weights only; `pipeline` (pp > 1) matters to offload only."""
     _check_state_args(precision, optimizer, zero, dp_shard)
     weights = params * WEIGHT_BYTES[precision] + frozen * FROZEN_WEIGHT_BYTES[precision]
     grads = params * GRAD_BYTES[precision]
@@ -164,12 +183,23 @@ def model_state_bytes(
         return math.ceil(nbytes / dp_shard) if zero >= stage else nbytes
 
     optimizer_local = shard(state, 1)
+    if offload_optimizer:
+        host = math.ceil(params * (FSDP_MASTER_BYTES + FSDP_GRAD_BYTES) / dp_shard) + math.ceil(state / dp_shard)
+        gathered = 0 if zero == 3 else params * fsdp_param_bytes(precision)
+        return StateBytes(weights=gathered + frozen * FROZEN_WEIGHT_BYTES[precision],
+                          grads=params * FSDP_GRAD_BYTES if pipeline else 0, optimizer=0, offloaded=host)
     return StateBytes(
         weights=shard(weights, 3),
         grads=shard(grads, 2),
-        optimizer=0 if offload_optimizer else optimizer_local,
-        offloaded=optimizer_local if offload_optimizer else 0,
+        optimizer=optimizer_local,
+        offloaded=0,
     )
+
+
+def fsdp_param_bytes(precision: str) -> int:
+    """Bytes per element of FSDP2's gathered parameters: bf16 under its MixedPrecisionPolicy; the fp32
+    parameters themselves for the other precisions (fp16 autocasts, fp8 casts inside torchao's linear)."""
+    return 2 if precision == "bf16" else 4
 
 
 @dataclass(frozen=True)
@@ -214,8 +244,12 @@ def stage_params(
     return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0))
 
 
-def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int) -> int:
+def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False) -> int:
     """Communication buffers (see the module docstring)."""
+    if offload:
+        if zero == 3:
+            return params.largest_unit * (2 * fsdp_param_bytes(precision) + FSDP_GRAD_BYTES)
+        return 2 * params.largest_unit * FSDP_GRAD_BYTES
     width = activation_itemsize(precision)
     if zero == 3 and dp_shard > 1:
         return params.largest_unit * (2 * width + 4)
@@ -284,7 +318,8 @@ def estimate_memory(
         grads=state.grads,
         optimizer=state.optimizer,
         activations=activations,
-        buffers=buffer_bytes(params=params, precision=train.precision, zero=train.zero, dp=dp, dp_shard=dp_shard),
+        buffers=buffer_bytes(params=params, precision=train.precision, zero=train.zero, dp=dp, dp_shard=dp_shard,
+                             offload=train.offload_optimizer),
         overhead=device.context_bytes + device.runtime_workspace_bytes,
         offloaded=state.offloaded,
     )

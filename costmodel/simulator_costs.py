@@ -66,6 +66,8 @@ class StageCost:
     weights_bytes: int = 0
     grads_bytes: int = 0
     optimizer_bytes: int = 0
+    host_bytes: int = 0
+    """Offloaded to host memory (fp32 parameter shards, their gradients, the optimizer state)."""
 
 
 @dataclass(frozen=True, kw_only=True)

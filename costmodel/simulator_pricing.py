@@ -25,9 +25,11 @@ every instance and every stage (`_UnitPricer.chunk`):
 Per stage: model state from `memory.model_state_bytes` over `memory.stage_params` (TP-sharded
 matmul/embedding weights); the optimizer step is memory-bound: local elements updated (the dp_shard
 share when zero >= 1) times bytes read (weights, gradients, state) and written (weights, state), at
-the device's memory bandwidth (`Pricer.memory_time`); with offload, gradients go down and 16-bit
-weights come back over the host link, and the CPU step is priced at the host-link rate too (the
-profiles carry no CPU memory bandwidth). Zero 1/2 all-gather the updated shards after the step.
+the device's memory bandwidth (`Pricer.memory_time`); with offload (FSDP2 CPUOffloadPolicy, see
+`costmodel.memory`), fp32 gradient shards go down and fp32 parameter shards come up over the host
+link for every sync and all-gather, and the CPU's gradient accumulation and step on the fp32 shards
+are priced at the host-link rate too (the profiles carry no CPU memory bandwidth): `offload_host_bytes`.
+The host-resident bytes are the stage's `host_bytes`. Zero 1/2 all-gather the updated shards after the step.
 Pipeline transfers: the hidden state [micro_batch, seq/cp, hidden] (/tp with SP) as a send_recv.
 
 Mesh groups follow torch DeviceMesh order (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a group
@@ -44,7 +46,8 @@ from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import (
-    GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, ParamSet, activation_parts, buffer_bytes, model_state_bytes, stage_params,
+    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, ParamSet, activation_parts, buffer_bytes,
+    model_state_bytes, stage_params,
 )
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
@@ -53,7 +56,7 @@ from costmodel.schedule import build_schedule
 from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
 from costmodel.simulator_result import StepFacts
 from costmodel.simulator_stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
-from costmodel.strategy import Strategy
+from costmodel.strategy import Strategy, TrainingConfig
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode
 
@@ -165,7 +168,8 @@ def price_step(
         schedule, passes = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages), t.grad_accum
     # buffers hold one stage's parameters or gradients: the largest stage's bound every rank
     buffers = max(buffer_bytes(params=_stage_param_set(layers[bounds[k]:bounds[k + 1]], d.tp), precision=t.precision,
-                               zero=t.zero, dp=d.dp, dp_shard=d.dp_shard) for k in range(n_stages))
+                               zero=t.zero, dp=d.dp, dp_shard=d.dp_shard, offload=t.offload_optimizer)
+                  for k in range(n_stages))
     costs = StepCosts(
         stages=stages, schedule=schedule, grad_accum=passes,
         grad_sync_every_microbatch=t.zero == 3 and d.dp_shard > 1,
@@ -174,7 +178,7 @@ def price_step(
             "dp-comm": "inter_node" if _spans(groups.dp) else "intra_node",
             "pp-p2p": "inter_node" if _spans(groups.pp_pair) else "intra_node",
         },
-        buffer_bytes=buffers if t.zero < 3 else 0,
+        buffer_bytes=0 if units.fsdp else buffers,  # FSDP's gathered units follow the memory events
         overhead_bytes=cluster.device.context_bytes,
     )
     return costs, _facts(graph, strategy, cluster)
@@ -235,11 +239,12 @@ class _UnitPricer:
             name=layer.name, fwd_s=fwd, bwd_input_s=bwd_in, bwd_weight_s=bwd_w, recompute_s=recompute_s,
             fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, grad_sync_s=self._grad_sync(params),
             param_gather_s=self._gather(params), activation_bytes=kept, recompute_bytes=recompute_bytes,
-            gathered_bytes=params * activation_itemsize(t.precision) if self._fsdp else 0,
+            gathered_bytes=params * activation_itemsize(t.precision) if self.fsdp else 0,
         )
 
     @property
-    def _fsdp(self) -> bool:
+    def fsdp(self) -> bool:
+        """ZeRO 3 over dp_shard > 1: parameters gathered per chunk (`ChunkCost.gathered_bytes`)."""
         return self.strategy.train.zero == 3 and self.strategy.dims.dp_shard > 1
 
     def _activations(self, placements: Sequence[OpPlacement], policy: str) -> int:
@@ -266,7 +271,7 @@ class _UnitPricer:
         return self.pricer.collective("all_reduce", nbytes, self.groups.dp)
 
     def _gather(self, params: int) -> float:
-        if not self._fsdp or params == 0:
+        if not self.fsdp or params == 0:
             return 0.0
         return self.pricer.collective("all_gather", params * activation_itemsize(self.strategy.train.precision), self.groups.dp_shard)
 
@@ -278,13 +283,15 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
     params = _stage_param_set(layers, d.tp)
     state = model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
                               dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
-                              param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen)
+                              param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
+                              pipeline=d.pp > 1)
     sp = t.sequence_parallel and d.tp > 1
     hidden = shape.hidden_bytes(d.cp) / (d.tp if sp else 1)
     p2p = pricer.collective("send_recv", hidden, groups.pp_pair) if d.pp > 1 else 0.0
     return StageCost(
         chunks=chunks, send_activation_s=p2p, send_gradient_s=p2p,
         optimizer_s=_optimizer_time(params.trainable, strategy, pricer),
+        host_bytes=state.offloaded,
         post_step_gather_s=(pricer.collective("all_gather", params.trainable * activation_itemsize(t.precision), groups.dp_shard)
                             if t.zero in (1, 2) and d.dp_shard > 1 else 0.0),
         weights_bytes=state.weights, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
@@ -304,13 +311,34 @@ def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int) -> ParamSet:
 
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:
     d, t = strategy.dims, strategy.train
-    elems = params / (d.dp_shard if t.zero >= 1 else 1)
     opt_bytes = OPTIMIZER_BYTES.get(t.optimizer, 4)  # adafactor: a few bytes per element at most
-    touched = elems * (2 * WEIGHT_BYTES[t.precision] + GRAD_BYTES[t.precision] + 2 * opt_bytes)
     if t.offload_optimizer:
-        transfer = elems * (GRAD_BYTES[t.precision] + activation_itemsize(t.precision))
-        return pricer.host_time(transfer) + pricer.host_time(touched)
+        return pricer.host_time(offload_host_bytes(params / d.dp_shard, pp=d.pp, train=t))
+    elems = params / (d.dp_shard if t.zero >= 1 else 1)
+    touched = elems * (2 * WEIGHT_BYTES[t.precision] + GRAD_BYTES[t.precision] + 2 * opt_bytes)
     return pricer.memory_time(touched)
+
+
+def offload_host_bytes(elems: float, *, pp: int, train: TrainingConfig) -> float:
+    """Bytes one rank moves over its host link, or through host memory, per step under offload, for
+    `elems` elements of parameter shards (FSDP2 CPUOffloadPolicy, as `executor.data_parallel` runs it):
+
+        gradient syncs  s = num_microbatches without a pipeline (the training loop has no no_sync for
+                            FSDP2: every backward reduce-scatters), grad_accum with one (torch's stage
+                            defers the sync and the reshard to each schedule run's last backward)
+        all-gathers     g = 2 x num_microbatches with zero 3 (reshard after forward), else s
+        bytes/element   4 g (fp32 shards up) + 4 s (fp32 gradients down) + 12 (s - 1) (CPU gradient
+                        accumulation) + 2 x 4 + 4 + 2 x optimizer state (the CPU step)
+
+    All of it counts at the host-link rate and none of it overlaps compute: an upper bound, since FSDP2
+    copies on its all-gather and reduce-scatter streams."""
+    t = train
+    syncs = t.num_microbatches if pp == 1 else t.grad_accum
+    gathers = 2 * t.num_microbatches if t.zero == 3 else syncs
+    opt_bytes = OPTIMIZER_BYTES.get(t.optimizer, 4)
+    per_element = (FSDP_MASTER_BYTES * gathers + FSDP_GRAD_BYTES * syncs + 3 * FSDP_GRAD_BYTES * (syncs - 1)
+                   + 2 * FSDP_MASTER_BYTES + FSDP_GRAD_BYTES + 2 * opt_bytes)
+    return elems * per_element
 
 
 def _facts(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec) -> StepFacts:

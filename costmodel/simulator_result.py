@@ -54,6 +54,8 @@ class MemoryBreakdown:
     activations: int
     buffers: int
     overhead: int
+    host: int = 0
+    """Offloaded to host memory; not part of `total` (device bytes)."""
 
     @property
     def total(self) -> int:
@@ -217,6 +219,7 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
         weights = sum(costs.stages[s].weights_bytes for s in stages)
         grads = sum(costs.stages[s].grads_bytes for s in stages)
         opt = sum(costs.stages[s].optimizer_bytes for s in stages)
+        host = sum(costs.stages[s].host_bytes for s in stages)
         constant = weights + grads + opt + costs.buffer_bytes + costs.overhead_bytes
         current = {"activations": 0, "buffers": 0}
         best = dict(current)
@@ -233,7 +236,7 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
                 rank=rank, stages=stages, timeline=tuple(timeline),
                 at_peak=MemoryBreakdown(
                     weights=weights, grads=grads, optimizer=opt, activations=best["activations"],
-                    buffers=costs.buffer_bytes + best["buffers"], overhead=costs.overhead_bytes,
+                    buffers=costs.buffer_bytes + best["buffers"], overhead=costs.overhead_bytes, host=host,
                 ),
             )
         )

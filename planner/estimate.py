@@ -26,14 +26,14 @@ Step time:
                    overlaps with;
     zero3_exposed  per micro-batch parameter all-gathers (forward and backward) minus the compute
                    they prefetch behind;
-    optimizer      device state read and written once at memory bandwidth; offloaded state moves
-                   over the host link twice.
+    optimizer      device state read and written once at memory bandwidth; with offload the
+                   simulator's host traffic (`costmodel.simulator_pricing.offload_host_bytes`).
 Memory of pipeline rank r (`_rank_memory`):
     state(params_r / tp; precision, optimizer, zero, dp_shard, offload)   costmodel.memory
     + in_flight_r x activations_r(mb, recompute)                          costmodel.memory
     + one block's recompute window while it recomputes (selective and full recompute)
-    + ZeRO-3 gathered parameters of the two largest units, or the data-parallel buffers of
-      `costmodel.memory.buffer_bytes` (ZeRO 0-2) + context overhead (as the simulator).
+    + ZeRO-3 gathered parameters of the two largest units, or the data-parallel (and offload)
+      buffers of `costmodel.memory.buffer_bytes` (ZeRO 0-2) + context overhead (as the simulator).
 (TP shards the blocks' weights; the embedding and LM head stay replicated, as `memory.stage_params`.)
 In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
 (v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
@@ -52,6 +52,7 @@ from costmodel.memory import ParamSet, buffer_bytes, model_state_bytes
 from costmodel.memory_activations import activation_parts
 from costmodel.opcost import op_time
 from costmodel.profiles import ClusterSpec
+from costmodel.simulator_pricing import offload_host_bytes
 from costmodel.strategy import TrainingConfig
 from planner.space import MeshChoice
 from planner.stages import partition_stages
@@ -253,13 +254,15 @@ class Estimator:
         params_local = float(rank_params[worst])
         state = model_state_bytes(
             int(params_local), precision=t.precision, optimizer=t.optimizer, zero=t.zero if d.dp > 1 else 0,
-            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
+            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer, pipeline=d.pp > 1,
         )
         dp_exposed, zero3_exposed = self._dp_comm(mesh, t, params_local, state, float(rank_bwd[worst]),
                                                   float(rank_compute[worst]))
         device = self.cluster.device
-        resident = state.weights + state.grads + state.optimizer
-        optimizer_s = 2 * resident / device.memory_bandwidth + 2 * state.offloaded / device.host_bandwidth
+        if t.offload_optimizer:
+            optimizer_s = offload_host_bytes(params_local / d.dp_shard, pp=d.pp, train=t) / device.host_bandwidth
+        else:
+            optimizer_s = 2 * (state.weights + state.grads + state.optimizer) / device.memory_bandwidth
         step = pipeline + dp_exposed + zero3_exposed + optimizer_s
         compute_s = m * float(rank_compute.max())
 
@@ -316,9 +319,10 @@ class Estimator:
         if t.zero == 3 and d.dp_shard > 1:
             largest = sorted((u.params for u in self.units), reverse=True)[:2]
             gathered = sum(largest) / d.tp * ACTIVATION_BYTES[t.precision]
-        elif d.dp > 1:
+        elif d.dp > 1 or t.offload_optimizer:  # offload runs FSDP2 even on one rank
             buffers = float(buffer_bytes(params=ParamSet(int(params_local), 0, (), int(largest_unit)),
-                                         precision=t.precision, zero=t.zero, dp=d.dp, dp_shard=d.dp_shard))
+                                         precision=t.precision, zero=t.zero, dp=d.dp, dp_shard=d.dp_shard,
+                                         offload=t.offload_optimizer))
         device = self.cluster.device
         return MemoryParts(
             weights=float(state.weights), grads=float(state.grads), optimizer=float(state.optimizer),

@@ -82,7 +82,9 @@ def explain(
         reason = versus(lambda c: c.train.recompute == "none", f"activations do not fit in {limit} per GPU otherwise")
         lines.append(f"{t.recompute.capitalize()} activation recomputation {reason}.")
     if t.offload_optimizer:
-        lines.append("Optimizer state is offloaded to host memory because nothing fits on the GPUs with it.")
+        reason = versus(lambda c: not c.train.offload_optimizer, f"no plan without it fits in {limit} per GPU")
+        lines.append("Offload (FSDP2 CPUOffloadPolicy): fp32 master weights, gradients and optimizer state live in "
+                     f"host memory and the optimizer steps on the CPU, {reason}.")
     if t.precision == "fp8":
         ratio = cluster.device.effective_peak("fp8") / cluster.device.effective_peak("bf16")
         lines.append(f"FP8 matmuls, which this device runs at {ratio:.2g}x its bf16 rate.")

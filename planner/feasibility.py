@@ -1,7 +1,7 @@
 """Why nothing fits: the smallest GPU count (or memory per GPU) that would, and the term that dominates.
 
 For a GPU count N, the most memory-frugal configuration of each mesh (micro-batch 1, full recompute,
-optimizer state offloaded when allowed) gives the least memory any plan of that mesh can use; the
+model state offloaded when allowed: fp32 master weights, gradients and optimizer state on the host) gives the least memory any plan of that mesh can use; the
 minimum over meshes is N's floor (`memory_floor`). The error reports:
 - the smallest N, doubling from the request, whose floor fits the limit (`minimum_gpus`);
 - the request's own floor, as the memory per GPU it would need;
@@ -72,7 +72,8 @@ def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit:
     more = minimum_gpus(req, estimator, limit)
     gpus = f"at least {more} GPUs, or {need}" if more else need
     on = "1 GPU" if req.gpus == 1 else f"{req.gpus} GPUs"
-    frugal = f"smallest micro-batch, {recompute_choices(req)[-1]} recompute, optimizer state offloaded"
+    frugal = (f"smallest micro-batch, {recompute_choices(req)[-1]} recompute, "
+              "master weights, gradients and optimizer state offloaded")
     hint = "add GPUs or use a larger --mem-limit"
     if _optimizer(req) == "adamw" and term == "optimizer":
         hint += ", --optimizer adamw8bit"

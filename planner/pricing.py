@@ -72,7 +72,7 @@ class Pricer:
         units = est.units
         state = model_state_bytes(
             1_000_000, precision=t.precision, optimizer=t.optimizer, zero=candidate.mesh.zero if d.dp > 1 else 0,
-            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
+            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer, pipeline=True,
         )
         per_param = (state.weights + state.grads + state.optimizer) / 1_000_000
         times, static, acts = [], [], []

@@ -97,6 +97,11 @@ def report_json(report: PlanReport) -> dict[str, Any]:
     return out
 
 
+def _host_memory(p: Priced) -> str:
+    host = max(m.at_peak.host for m in p.result.memory)
+    return f" + {host / GIB:.1f} GiB host (offloaded) per GPU" if host else ""
+
+
 def render_summary(report: PlanReport, *, output: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -107,10 +112,11 @@ def render_summary(report: PlanReport, *, output: str | None = None) -> None:
     c = report.chosen
     m = contract(c)
     limit = report.memory_limit_bytes / GIB
-    console.print(f"[bold]{report.model}[/bold] on {report.gpus} GPUs ({report.cluster}): [bold]{describe(c)}[/bold]")
+    gpus = f"{report.gpus} GPU{'s' if report.gpus != 1 else ''}"
+    console.print(f"[bold]{report.model}[/bold] on {gpus} ({report.cluster}): [bold]{describe(c)}[/bold]")
     console.print(
         f"  step {m['step_time_s']:.3f} s · {m['tokens_per_s']:,.0f} tokens/s · MFU {100 * m['mfu']:.1f}% · "
-        f"memory {m['peak_memory_gib']:.1f} / {limit:.1f} GiB per GPU"
+        f"memory {m['peak_memory_gib']:.1f} / {limit:.1f} GiB per GPU" + _host_memory(c)
     )
     b = m["breakdown_s"]
     console.print("  breakdown: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in b.items()))

@@ -2,7 +2,7 @@
 
 Pipeline (`search`):
 1. Enumerate (`enumerate_candidates`): every mesh of `planner.space`. A mesh whose most
-   memory-frugal configuration (smallest micro-batch, full recompute, offloaded optimizer state)
+   memory-frugal configuration (smallest micro-batch, full recompute, offloaded model state)
    does not fit is dropped whole (the memory bound). The rest are visited by a lower bound on their
    estimated step time (the compute bound: `Estimator.time_floor`) and expanded until the bound
    exceeds the estimate of the `keep_meshes`-th best mesh found (branch and bound). Expanding a
@@ -153,7 +153,7 @@ def _bubble_factor(head: TrainingHead) -> float:
 def _frugal_fits(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: list[TrainingHead],
                  memory_limit: float) -> bool:
     """Whether the mesh's most memory-frugal configuration fits (smallest micro-batch, the strongest
-    recompute policy allowed, optimizer state offloaded)."""
+    recompute policy allowed, model state offloaded)."""
     smallest = min(h.micro_batch for h in heads)
     recompute = recompute_choices(req)[-1]
     return any(

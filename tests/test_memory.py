@@ -1,4 +1,4 @@
-"""Memory: exact model-state bytes, ZeRO and offload, activation policies on a hand-built graph."""
+"""Memory: exact model-state bytes, ZeRO and offload (and its host traffic), activation policies on a hand-built graph."""
 
 import pytest
 
@@ -98,9 +98,45 @@ def test_zero_stages_shard_optimizer_then_grads_then_weights():
     assert (z[2].weights, z[2].grads, z[2].optimizer) == (full.weights // d, full.grads // d, full.optimizer // d)
 
 
-def test_offload_moves_the_sharded_optimizer_state_to_the_host():
+def test_offload_keeps_master_weights_gradients_and_optimizer_state_on_the_host():
+    """FSDP2's CPUOffloadPolicy (the executor's offload): fp32 parameter shards, their fp32 gradients and
+    the optimizer state on the host; the device holds only the gathered bf16 compute copy."""
     s = model_state_bytes(8_000, precision="bf16", optimizer="adamw", zero=1, dp_shard=4, offload_optimizer=True)
-    assert s.optimizer == 0 and s.offloaded == 8_000 * 8 // 4
+    assert (s.weights, s.grads, s.optimizer) == (8_000 * 2, 0, 0)
+    assert s.offloaded == 8_000 * (4 + 4 + 8) // 4
+    alone = model_state_bytes(8_000, precision="bf16", optimizer="adamw", zero=0, dp_shard=1, offload_optimizer=True)
+    assert (alone.weights, alone.offloaded) == (8_000 * 2, 8_000 * 16)
+    resharded = model_state_bytes(8_000, precision="fp32", optimizer="adamw", zero=3, dp_shard=4, offload_optimizer=True,
+                                  frozen=100)
+    assert (resharded.weights, resharded.grads, resharded.optimizer) == (100 * 4, 0, 0)  # units gathered as buffers
+    # under a pipeline torch's stage defers FSDP's gradient sync: the unsharded fp32 gradients stay on the device
+    piped = model_state_bytes(8_000, precision="bf16", optimizer="adamw", zero=2, dp_shard=4, offload_optimizer=True,
+                              pipeline=True)
+    assert (piped.weights, piped.grads, piped.optimizer, piped.offloaded) == (8_000 * 2, 8_000 * 4, 0, s.offloaded)
+
+
+def test_offload_traffic_syncs_every_microbatch_without_a_pipeline_and_once_per_run_with_one():
+    from costmodel.simulator_pricing import offload_host_bytes
+
+    cpu_step = 2 * 4 + 4 + 2 * 8  # fp32 shard read and written, fp32 gradient read, two moments read and written
+    accum = TrainingConfig(global_batch=8, seq_len=T, num_microbatches=8, grad_accum=8, offload_optimizer=True)
+    assert offload_host_bytes(1_000, pp=1, train=accum) == 1_000 * (8 * 4 + 8 * 4 + 7 * 12 + cpu_step)
+    one_run = TrainingConfig(global_batch=8, seq_len=T, num_microbatches=8, grad_accum=1, offload_optimizer=True)
+    assert offload_host_bytes(1_000, pp=2, train=one_run) == 1_000 * (4 + 4 + cpu_step)
+    zero3 = TrainingConfig(global_batch=8, seq_len=T, num_microbatches=8, grad_accum=1, zero=3, offload_optimizer=True)
+    assert offload_host_bytes(1_000, pp=2, train=zero3) == 1_000 * (2 * 8 * 4 + 4 + cpu_step)
+
+
+def test_offload_buffers_are_one_unit_of_gradients_or_the_gathered_units():
+    graph = toy_graph()
+    device = load_device("h100-sxm")
+    largest_unit = H + 11 * H * H
+    for zero, expected in ((0, 2 * largest_unit * 4), (3, largest_unit * (2 * 2 + 4))):
+        train = TrainingConfig(global_batch=8, seq_len=T, micro_batch=B, precision="bf16", zero=zero,
+                               offload_optimizer=True)
+        est = estimate_memory(graph, device=device, train=train)
+        assert est.buffers == expected
+        assert est.grads == est.optimizer == 0 and est.offloaded > est.weights
 
 
 def test_adafactor_keeps_factored_row_and_column_statistics():
