@@ -203,10 +203,14 @@ class _UnitPricer:
         return self._chunks[layer.segment]
 
     def _placements(self, layer: Layer) -> tuple[OpPlacement, ...]:
-        named = {name for name, _ in self.strategy.op_splits}
-        if layer.block_id is not None and any(op.name in named for op in layer.ops):
+        """The Megatron default, unless `op_splits` names an op of the block with another split (a
+        loaded plan names every op of its blocks, the default ones too)."""
+        default = block_placements(layer.ops, self.strategy, self.shape)
+        named = dict(self.strategy.op_splits)
+        if layer.block_id is not None and any(p.op.name in named and _degrees(named[p.op.name]) != _degrees(p.split.soap())
+                                              for p in default):
             return chosen_placements(layer.ops, self.strategy, self.shape, batch_traced=self.graph.batch)
-        return block_placements(layer.ops, self.strategy, self.shape)
+        return default
 
     def _comm(self, placements: Sequence[OpPlacement], phase: str) -> float:
         group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
@@ -274,6 +278,12 @@ class _UnitPricer:
         if not self.fsdp or params == 0:
             return 0.0
         return self.pricer.collective("all_gather", params * activation_itemsize(self.strategy.train.precision), self.groups.dp_shard)
+
+
+def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int, int]:
+    """(attribute, parameter) degrees of a split: what `Strategy.op_splits` fixes (sample follows dp)."""
+    d = dict(split)
+    return d.get("attribute", 1), d.get("parameter", 1)
 
 
 def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy, pricer: Pricer,

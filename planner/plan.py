@@ -238,7 +238,18 @@ class Plan(_Strict):
             attention=p.attention,
             compile=p.compile,
         )
-        return Strategy(dims=dims, train=train)
+        return Strategy(dims=dims, train=train, op_splits=self.op_splits())
+
+    def op_splits(self) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+        """`Strategy.op_splits` from the per-op placements of the repeated blocks: every op named with its
+        (attribute, parameter) degrees, where the planner's per-op split search can choose them (tp > 1,
+        no expert parallelism; see `planner.block_splits.chosen_op_splits`). The simulator prices an op
+        named with its Megatron default as the default, so this reproduces the planned placements."""
+        p = self.parallelism
+        if p.tp == 1 or p.ep > 1:
+            return ()
+        return tuple((o.op, (("attribute", o.soap.get("attribute", 1)), ("parameter", o.soap.get("parameter", 1))))
+                     for block in self.blocks if not block.id.startswith("<") for o in block.ops)
 
     def to_json(self) -> str:
         """Deterministic JSON text: the same plan always gives the same bytes."""

@@ -203,3 +203,27 @@ def test_searched_op_splits_cost_no_more_than_megatron_and_the_plan_never_simula
     chosen = report.chosen.candidate.strategy
     megatron = simulate(graph, dataclasses.replace(chosen, op_splits=()), cluster)
     assert report.chosen.step_time_s <= megatron.step_time_s
+
+
+def test_saved_plan_simulates_with_its_searched_op_splits_after_loading(models, tmp_path):
+    """plan.json's per-op placements come back as `Strategy.op_splits`: save, load and simulate gives
+    the planner's step time, not the Megatron default's."""
+    import dataclasses
+
+    import tracer
+    from costmodel.simulator import simulate
+    from planner.plan import load_plan, stage_bounds
+
+    graph = tracer.trace(models["tiny-gpt2"], batch=1, seq_len=64)
+    cluster = load_cluster("dgx-h100")
+    report = plan_report(models["tiny-gpt2"], graph=graph, gpus=8, tp=2, global_batch=16, seq_len=64)
+    chosen = report.chosen.candidate.strategy
+    assert chosen.op_splits, "the search picks non-Megatron splits for the tiny GPT-2 at tp=2"
+    megatron = simulate(graph, dataclasses.replace(chosen, op_splits=()), cluster).step_time_s
+    assert megatron != pytest.approx(report.chosen.step_time_s, rel=1e-9)
+
+    report.plan.save(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert dict(loaded.strategy().op_splits).items() >= dict(chosen.op_splits).items()
+    result = simulate(graph, loaded.strategy(), cluster, stages=stage_bounds(loaded, graph))
+    assert result.step_time_s == pytest.approx(report.chosen.step_time_s, rel=1e-12)
