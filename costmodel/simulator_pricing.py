@@ -2,9 +2,10 @@
 
 Per segment of the graph (the non-block ops, or one instance of a block), priced once and reused for
 every instance and every stage (`_UnitPricer.chunk`):
-- placement: the Megatron rules (`placement.block_placements`), or, for a block whose ops the strategy
-  names in `op_splits` (the planner's per-op split search), those splits and the collectives and
-  resharding they imply (`placement.chosen_placements`);
+- placement: the Megatron rules (`placement.block_placements`), or, for a block where the strategy's
+  `op_splits` (the planner's per-op split search, or a loaded plan's placements) name an op with a split
+  other than that default, those splits and the collectives and resharding they imply
+  (`placement.chosen_placements`);
 - compute: sum over ops of `Pricer.op` at the op's local split (`costmodel.placement`) for one
   micro-batch; backward split into input gradient and weight gradient (half of a parametrized
   matmul's backward, its weight-gradient kernel);
