@@ -6,6 +6,16 @@ file store) and each rank runs every plan with `executor.train.train`, as `soap 
 Measured step time: the median of the steps after the first (the first pays lazy initialization:
 allocator growth, gloo connections, autograd graph caches).
 
+Time and memory come from two runs of each plan, because measuring memory on the CPU slows the step:
+the memory run allocates every tensor above 64 KiB as its own mmap (below), so each step page-faults
+its activations in afresh (the tiny suite's steps took 40-60% longer that way, and two ranks faulting
+at once more still). So each rank first runs every plan for
+`MEMORY_STEPS` steps (enough for the optimizer state to exist) with the 64 KiB threshold, measuring
+memory; then sets glibc's thresholds to where its dynamic defaults settle once a training step has
+freed its tensors (`HEAP_MMAP_THRESHOLD`, `HEAP_TRIM_THRESHOLD`), as in a plain `soap execute`, and
+runs every plan again for the timed steps. (Timing first would leave heap chunks that later memory
+runs reuse without returning them, inflating their peaks.)
+
 Measured peak memory, per rank, max over ranks (the simulator's `peak_memory_gib` is a max over ranks):
 - CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, i.e. what the caching
   allocator handed out (the simulator's context overhead is excluded on both sides).
@@ -30,6 +40,13 @@ from dataclasses import dataclass
 from typing import Any
 
 MEASURE_MMAP_THRESHOLD = "65536"
+HEAP_MMAP_THRESHOLD = 32 * 2**20
+"""glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: its dynamic threshold grows to the largest freed chunk, up to this."""
+HEAP_TRIM_THRESHOLD = 2 * HEAP_MMAP_THRESHOLD
+"""glibc keeps its trim threshold at twice the dynamic mmap threshold."""
+MEMORY_STEPS = 3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""mallopt(3) parameters."""
 
 
 @dataclass(frozen=True)
@@ -87,12 +104,20 @@ def _rank_main(rank: int, world: int, store: str, plan_jsons: list[str], steps: 
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    results: list[Any] = []
-    for text in plan_jsons:
+    memory: list[Any] = []
+    for text in plan_jsons:  # every plan's memory first, in a process whose heap the timed runs have not shaped
         try:
-            results.append(_run_one(text, steps, device))
+            memory.append(_peak_memory(text, steps, device))
         except Exception as exc:  # noqa: BLE001 - one failed plan is reported, the suite goes on
-            results.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            memory.append(_failure(exc))
+        dist.barrier()
+    _set_malloc_thresholds(HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD)
+    results: list[Any] = []
+    for text, peak in zip(plan_jsons, memory):
+        try:
+            results.append(peak if isinstance(peak, str) else _timed_run(text, steps, device, peak))
+        except Exception as exc:  # noqa: BLE001
+            results.append(_failure(exc))
         dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
@@ -100,9 +125,12 @@ def _rank_main(rank: int, world: int, store: str, plan_jsons: list[str], steps: 
     dist.destroy_process_group()
 
 
-def _run_one(plan_json: str, steps: int, device: str) -> dict[str, Any]:
-    import statistics
+def _failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
+
+def _peak_memory(plan_json: str, steps: int, device: str) -> int:
+    """Peak memory growth of `MEMORY_STEPS` steps of the plan, max over ranks."""
     import torch
     import torch.distributed as dist
 
@@ -111,13 +139,23 @@ def _run_one(plan_json: str, steps: int, device: str) -> dict[str, Any]:
 
     plan = plan_from_dict(json.loads(plan_json))
     base = _start_memory_window(device)
-    result = train(plan, RunConfig(steps=steps, progress=False))
+    train(plan, RunConfig(steps=min(steps, MEMORY_STEPS), progress=False))
     grown = _memory_window_peak(device) - base
     peak = torch.tensor(float(grown), dtype=torch.float64, device="cuda" if device == "cuda" else "cpu")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def _timed_run(plan_json: str, steps: int, device: str, peak_bytes: int) -> dict[str, Any]:
+    import statistics
+
+    from executor.train import RunConfig, train
+    from planner.plan import plan_from_dict
+
+    result = train(plan_from_dict(json.loads(plan_json)), RunConfig(steps=steps, progress=False))
     timed = result.step_times_s[1:] or result.step_times_s
     return {"step_time_s": statistics.median(timed), "step_times_s": list(result.step_times_s),
-            "peak_memory_bytes": int(peak.item()),
+            "peak_memory_bytes": peak_bytes,
             "peak_memory_source": "cuda max_memory_allocated" if device == "cuda" else "peak RSS growth (VmHWM)",
             "losses": list(result.losses)}
 
@@ -150,6 +188,16 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise OSError(f"/proc/self/status has no {field}")
+
+
+def _set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> None:
+    """glibc's mmap and trim thresholds (no-op where libc has no mallopt)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, mmap_bytes)
+        libc.mallopt(M_TRIM_THRESHOLD, trim_bytes)
+    except (OSError, AttributeError):
+        pass
 
 
 def _malloc_trim() -> None:
