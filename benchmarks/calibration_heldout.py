@@ -39,10 +39,26 @@ def main() -> None:
         + "\n\n".join(parts)
         + f"\n\nFitted factor curves: kernels {', '.join(f'`{k}`' for k in kernel_keys) or 'none'}; "
         f"collectives {', '.join(f'`{k}`' for k in comm_keys) or 'none'}."
+        + "\n\n" + step_fields(result.device_json)
     )
     update_section("calibration_heldout", "Calibration: held-out microbenchmark error (local-cpu)", body)
     for s in summarize(result.kernel_errors) + summarize(result.comm_errors):
         print(s)
+
+
+def step_fields(device: dict) -> str:
+    """The device fields about a rank inside a training step (`costmodel.calibrate_node`; measured whole,
+    nothing held out)."""
+    opt = device.get("optimizer_factors", {}).get("factors", {})
+    conc = device.get("concurrency_efficiency", {}).get("points", [])
+    overlap = device.get("communication_overlap", {}).get("value")
+    parts = [f"`optimizer_factors` {k}: " + ", ".join(f"x{f:g} at {b / 2**20:.1f} MiB" for b, f in pts)
+             for k, pts in sorted(opt.items())]
+    if conc:
+        parts.append("`concurrency_efficiency`: " + ", ".join(f"{e:g} at {n:g} ranks" for n, e in conc))
+    if overlap is not None:
+        parts.append(f"`communication_overlap`: {overlap:g}")
+    return ("Step fields (`costmodel/calibrate_node.py`, measured whole): " + "; ".join(parts) + ".") if parts else ""
 
 
 if __name__ == "__main__":

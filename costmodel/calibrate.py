@@ -7,6 +7,10 @@ Pipeline (`calibrate`):
 2. Split each sweep: every third point is held out (`calibrate_fit.held_out`); the rest is the fit set.
 3. `calibrate_device.fit_device` / `calibrate_cluster.fit_cluster` turn the fit set into profile JSON:
    closed-form estimates refined through the cost model's own functions.
+3b. `calibrate_node`: how a rank behaves inside a training step rather than alone — the optimizer step
+   against its one-pass estimate, kernels while every rank of the node computes, and collectives beside
+   compute — become the device's `optimizer_factors`, `concurrency_efficiency` and
+   `communication_overlap` (the last two need nproc >= 2 and are skipped by --quick).
 4. `validate` predicts the held-out points with the fitted profile through `costmodel.opcost.op_time`
    and `costmodel.collectives.collective_time` and reports the median absolute % error.
 
@@ -29,6 +33,8 @@ import torch
 from costmodel.calibrate_cluster import closed_form_link, cluster_json, refine_link
 from costmodel.calibrate_device import closed_form_device, family_key, refine_device
 from costmodel.calibrate_fit import held_out
+from costmodel.calibrate_node import (OPTIMIZER_QUICK_ELEMENTS, OPTIMIZER_SWEEP_ELEMENTS, NodeMeasurements,
+                                      measure_concurrency, measure_optimizer, measure_overlap, node_fields)
 from costmodel.calibrate_predict import PointError, predict_comm, predict_kernel
 from costmodel.calibrate_suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
 from costmodel.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
@@ -86,6 +92,8 @@ class Measurements:
     """Resident memory of a rank process after torch and the process group are up (context overhead)."""
     host_bandwidth: float | None = None
     """Bytes/s of a pinned host-to-device copy (CUDA only)."""
+    node: NodeMeasurements = NodeMeasurements()
+    """The optimizer step, concurrency and overlap measurements (`costmodel.calibrate_node`)."""
 
     @property
     def source(self) -> str:
@@ -123,7 +131,9 @@ def planned_points(config: CalibrationConfig) -> int:
     """How many measurements `measure` makes (for a progress bar)."""
     kernels = sum(len(s.cases) for s in kernel_sweeps(config.device, quick=config.quick))
     comms = sum(len(s.cases) for s in comm_sweeps(config.nproc, quick=config.quick))
-    return (kernels + comms) * config.rounds + 1
+    optimizer = len(OPTIMIZER_QUICK_ELEMENTS if config.quick else OPTIMIZER_SWEEP_ELEMENTS)
+    node = 0 if config.quick or config.nproc < 2 else 2
+    return (kernels + comms) * config.rounds + 1 + (optimizer > 0) + node
 
 
 def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda _: None) -> Measurements:
@@ -149,6 +159,8 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
                 for i, case in enumerate(sweep.cases):
                     keep((sweep.name, i), measure_case(case, dev, timing))
                     progress(case.label)
+        optimizer = tuple(measure_optimizer(dev, precision=config.reference_precision, quick=config.quick))
+        progress("optimizer step")
     finally:
         torch.set_num_threads(old_threads)
     kernels = [Point(name, i, sample) for (name, i), sample in best.items()]
@@ -166,6 +178,13 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
             keep(place[item.case], item)
             progress(item.case.label)
     comms = [Point(name, i, sample) for (name, i), sample in best.items()]
+    concurrency: list[tuple[int, float]] = []
+    overlap = None
+    if not config.quick and config.nproc >= 2:
+        concurrency = measure_concurrency(config.nproc, config.device, config.threads)
+        progress("ranks computing at once")
+        overlap = measure_overlap(config.device, config.threads)
+        progress("collective beside compute")
     return Measurements(
         machine=machine_name(config.device),
         date=_dt.date.today().isoformat(),
@@ -176,6 +195,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         memory_bytes=_device_memory(config.device),
         rank_rss_bytes=rss,
         host_bandwidth=host_bandwidth,
+        node=NodeMeasurements(optimizer=optimizer, concurrency=tuple(concurrency), overlap=overlap),
     )
 
 
@@ -247,6 +267,7 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
         host_bandwidth=meas.host_bandwidth,
     )
     device_json = refine_device(device_json, fit_kernels, reference=config.reference_precision)
+    device_json.update(node_fields(meas.node, device_json, meas.source))
     cluster: dict | None = None
     if fit_comms:
         group = max(p.sample.case.group_size for p in meas.comms)

@@ -14,7 +14,16 @@ field. Two optional tables say how much slower (or faster) one kind of work runs
 predict, as data (`FactorCurve`, positive factors against a size axis): a device's `kernel_factors`
 (key `class/precision`, classes `KERNEL_CLASSES`, read by `costmodel.opcost`) and a link's
 `collective_factors` (key `kind/ranks`, read by `costmodel.collectives`). GPU profiles leave them
-out, which means a factor of 1. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
+out, which means a factor of 1.
+
+Three more optional device fields say how a rank behaves inside a training step rather than alone,
+for machines whose ranks share more than a GPU's ranks do (a CPU whose cores are the ranks):
+`optimizer_factors` (key `optimizer/precision`, the optimizer step against its memory-bound estimate,
+read by `costmodel.optimizer_step`), `concurrency_efficiency` (the share of its alone speed a rank's
+kernels keep while N ranks of the node compute at once, read by the simulator's pricer) and
+`communication_overlap` (the fraction of a collective's time the rank's compute can run beside it, read
+by `costmodel.simulator_step`). Absent, they are neutral (factor 1, efficiency 1, overlap 1): a GPU's
+optimizer is one fused kernel pass, its neighbours do not slow its kernels, and NCCL runs beside compute. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
 """
 
@@ -106,6 +115,16 @@ class DeviceProfile:
     kernel_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)
     """Optional time multiplier per `class/precision` (e.g. `softmax/bf16`) against the kernel's FLOPs
     (matmul, attention) or bytes (the rest); 1.0 where absent. Provenance under `sources["kernel_factors"]`."""
+    optimizer_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)
+    """Optional time multiplier per `optimizer/precision` (e.g. `adamw/fp32`) of the optimizer step against
+    its memory-bound estimate, against the bytes that estimate counts (`costmodel.optimizer_step`); 1.0
+    where absent. A CPU's foreach AdamW makes about a dozen passes over its state, not one."""
+    concurrency_efficiency: EfficiencyCurve | None = field(default=None, compare=False, hash=False)
+    """Optional share (0, 1] of its alone speed a rank's kernels keep against the number of ranks of one
+    node computing at once (x = 1, 2, 4, ...); None: 1 (each GPU has its own SMs and memory)."""
+    communication_overlap: float = 1.0
+    """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
+    compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Provenance per JSON field path, e.g. `peak_tflops.bf16` -> "NVIDIA PB-11133"."""
 

@@ -23,6 +23,7 @@ from costmodel.profiles import (
     FactorCurve,
     LinkLevel,
 )
+from costmodel.strategy import OPTIMIZERS
 from tracer.errors import SoapError
 
 FACTOR_KERNEL_CLASSES = (*KERNEL_CLASSES, "tanh")
@@ -137,6 +138,8 @@ _DEVICE_REQUIRED = {
     "schema_version", "name", "description", "memory_gib", "peak_tflops", "memory_bandwidth_gbps",
     "matmul_efficiency", "memory_efficiency", "kernel_overhead_us", "context_overhead_gib", "host_link_gbps",
 }
+_DEVICE_STEP_FIELDS = ("optimizer_factors", "concurrency_efficiency", "communication_overlap")
+"""Optional device fields about a rank inside a training step (`costmodel.profiles` module docstring)."""
 _CLUSTER_REQUIRED = {"schema_version", "name", "description", "device", "gpus_per_node", "tp_across_nodes", "links"}
 _LINK_REQUIRED = {"bandwidth_gbps", "latency_us", "efficiency", "sharp"}
 
@@ -148,7 +151,8 @@ def _check_version(r: _Reader, data: dict) -> None:
 
 def device_from_json(data: Any, origin: str) -> DeviceProfile:
     r = _Reader(origin)
-    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "runtime_workspace_mib", "notes"})
+    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "runtime_workspace_mib", "notes",
+                                             *_DEVICE_STEP_FIELDS})
     _check_version(r, data)
     sources: dict[str, str] = {}
 
@@ -181,6 +185,19 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         value, sources["runtime_workspace_mib"] = r.number(data["runtime_workspace_mib"], "runtime_workspace_mib",
                                                            positive=False)
         workspace = int(value * 2**20)
+    optimizer_factors: dict[str, FactorCurve] = {}
+    if "optimizer_factors" in data:
+        optimizer_factors, sources["optimizer_factors"] = r.factor_table(
+            data["optimizer_factors"], "optimizer_factors", OPTIMIZERS, lambda p: p in PRECISION_KEYS,
+            "|".join(PRECISION_KEYS))
+    concurrency = r.curve(data["concurrency_efficiency"], "concurrency_efficiency") \
+        if "concurrency_efficiency" in data else None
+    overlap = 1.0
+    if "communication_overlap" in data:
+        overlap, sources["communication_overlap"] = r.number(data["communication_overlap"], "communication_overlap",
+                                                             positive=False)
+        if overlap > 1:
+            raise r.fail("communication_overlap.value", f"must be in [0, 1], got {overlap}")
     matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
     memory = r.curve(data["memory_efficiency"], "memory_efficiency")
     return DeviceProfile(
@@ -197,6 +214,9 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         host_bandwidth=num("host_link_gbps") * 1e9,
         dtype_efficiency=dtype_eff,
         kernel_factors=kernel_factors,
+        optimizer_factors=optimizer_factors,
+        concurrency_efficiency=concurrency,
+        communication_overlap=overlap,
         sources=sources,
     )
 
@@ -288,6 +308,12 @@ def device_to_dict(device: DeviceProfile) -> dict:
         out["dtype_efficiency"] = {**device.dtype_efficiency, "source": src("dtype_efficiency") or NOT_RECORDED}
     if device.kernel_factors:
         out["kernel_factors"] = _factor_table_dict(device.kernel_factors, src("kernel_factors"))
+    if device.optimizer_factors:
+        out["optimizer_factors"] = _factor_table_dict(device.optimizer_factors, src("optimizer_factors"))
+    if device.concurrency_efficiency is not None:
+        out["concurrency_efficiency"] = _curve_dict(device.concurrency_efficiency)
+    if device.communication_overlap != 1.0 or "communication_overlap" in device.sources:
+        out["communication_overlap"] = _number(device.communication_overlap, src("communication_overlap"))
     return out
 
 

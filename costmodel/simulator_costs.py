@@ -85,6 +85,9 @@ class StepCosts:
     """Communication buckets and workspace per rank, constant."""
     overhead_bytes: int = 0
     """Framework and CUDA context per rank."""
+    comm_compute_share: float = 0.0
+    """Fraction [0, 1] of every communication task's time that also occupies its rank's compute stream
+    (1 - the device's `communication_overlap`; 0 on GPUs, where NCCL runs beside compute)."""
 
     def __post_init__(self) -> None:
         if len(self.stages) != self.schedule.num_stages:

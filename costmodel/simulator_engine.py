@@ -18,7 +18,9 @@ Every wait is a fixed edge in issue order, so the simulation is a max-plus syste
 shorter (more bandwidth, faster compute, fewer bytes) never delays another, and the predicted step is
 monotone in every cost, which the planner's ranking relies on. (A first-ready-first-served link is
 not: hypothesis found a case where shrinking every collective reordered a link and slowed the step.)
-Compute never contends with communication (NCCL's SM use is folded into its bandwidth numbers).
+Compute never contends with communication here (NCCL's SM use is folded into its bandwidth numbers); where a
+profile says collectives need the compute resources, `costmodel.simulator_step` puts their host share
+on the compute stream as tasks of its own.
 
 `run_tasks` is event driven (a heap of ready tasks ordered by their earliest start). Cost:
 O(T log T) for T tasks.

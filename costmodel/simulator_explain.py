@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from costmodel.opcost import activation_itemsize
 from costmodel.placement import ActivationShape, block_placements
 from costmodel.profiles import ClusterSpec
-from costmodel.simulator_pricing import Pricer, ProfilePricer, mesh_groups
+from costmodel.simulator_pricing import Pricer, ProfilePricer, mesh_groups, node_ranks
 from costmodel.strategy import Strategy
 from tracer.ir import OpGraph
 
@@ -39,7 +39,7 @@ class OpCostRow:
 
 def op_costs(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, pricer: Pricer | None = None) -> tuple[OpCostRow, ...]:
     t, dims = strategy.train, graph.dims
-    pricer = pricer or ProfilePricer(cluster, t.precision)
+    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster))
     groups = mesh_groups(strategy, cluster.gpus_per_node)
     by_group = {"tp": groups.tp, "cp": groups.cp, "ep": groups.ep}
     shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden,

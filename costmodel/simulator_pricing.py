@@ -26,12 +26,18 @@ every instance and every stage (`_UnitPricer.chunk`):
 Per stage: model state from `memory.model_state_bytes` over `memory.stage_params` (TP-sharded
 matmul/embedding weights); the optimizer step is memory-bound: local elements updated (the dp_shard
 share when zero >= 1) times bytes read (weights, gradients, state) and written (weights, state), at
-the device's memory bandwidth (`Pricer.memory_time`); with offload (FSDP2 CPUOffloadPolicy, see
+the device's memory bandwidth, times the device's measured `optimizer_factors`
+(`costmodel.optimizer_step`, `Pricer.optimizer_time`); with offload (FSDP2 CPUOffloadPolicy, see
 `costmodel.memory`), fp32 gradient shards go down and fp32 parameter shards come up over the host
 link for every sync and all-gather, and the CPU's gradient accumulation and step on the fp32 shards
 are priced at the host-link rate too (the profiles carry no CPU memory bandwidth): `offload_host_bytes`.
 The host-resident bytes are the stage's `host_bytes`. Zero 1/2 all-gather the updated shards after the step.
 Pipeline transfers: the hidden state [micro_batch, seq/cp, hidden] (/tp with SP) as a send_recv.
+
+Ranks sharing a node (`node_ranks`: the plan's ranks on one node): every kernel and the optimizer step
+take 1 / `concurrency_efficiency`(n) times their calibrated time (one rank alone), where the device
+profile measures that (CPU cores sharing caches, memory and the host's scheduler); a collective's
+share of the compute stream (1 - `communication_overlap`) is `StepCosts.comm_compute_share`.
 
 Mesh groups follow torch DeviceMesh order (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a group
 of size n whose ranks are `stride` apart shares a node with min(n, gpus_per_node // stride) of its
@@ -47,10 +53,11 @@ from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import (
-    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, ParamSet, activation_parts, buffer_bytes,
+    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, activation_parts, buffer_bytes,
     model_state_bytes, stage_params,
 )
 from costmodel.opcost import activation_itemsize, op_time
+from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import build_schedule
@@ -75,6 +82,9 @@ class Pricer(Protocol):
     def memory_time(self, nbytes: float) -> float:
         """A memory-bound pass over `nbytes` on the device."""
 
+    def optimizer_time(self, optimizer: str, elements: float) -> float:
+        """The optimizer step over `elements` local parameters (no offload)."""
+
     def host_time(self, nbytes: float) -> float:
         """Moving `nbytes` between device and host."""
 
@@ -85,19 +95,31 @@ class ProfilePricer:
 
     cluster: ClusterSpec
     precision: str
+    node_ranks: int = 1
+    """Ranks of one node computing at once: the device's `concurrency_efficiency` at this count divides
+    every kernel's and the optimizer's speed (1: priced as calibrated, one rank alone)."""
+
+    @property
+    def slowdown(self) -> float:
+        curve = self.cluster.device.concurrency_efficiency
+        return 1.0 if curve is None else 1.0 / curve.at(self.node_ranks)
 
     def op(self, op: OpNode, split: Mapping[str, int], micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
         cost = op_time(op, device=self.cluster.device, precision=self.precision, micro_batch=micro_batch,
                        batch_traced=batch_traced, split=split)
         weight = cost.bwd_s / 2 if op.kind is OpKind.MATMUL and op.params else 0.0
-        return cost.fwd_s, cost.bwd_s - weight, weight
+        k = self.slowdown
+        return k * cost.fwd_s, k * (cost.bwd_s - weight), k * weight
 
     def collective(self, kind: str, nbytes: float, group: CommGroup) -> float:
         return collective_time(kind, nbytes, group, self.cluster)
 
     def memory_time(self, nbytes: float) -> float:
-        d = self.cluster.device
-        return nbytes / (d.memory_bandwidth * d.memory_efficiency.at(max(nbytes, 1.0))) if nbytes > 0 else 0.0
+        return self.slowdown * memory_pass_time(self.cluster.device, nbytes)
+
+    def optimizer_time(self, optimizer: str, elements: float) -> float:
+        return self.slowdown * optimizer_step_time(self.cluster.device, elements, precision=self.precision,
+                                                   optimizer=optimizer)
 
     def host_time(self, nbytes: float) -> float:
         return nbytes / self.cluster.device.host_bandwidth
@@ -119,6 +141,11 @@ class MeshGroups:
 def _group(size: int, stride: int, gpus_per_node: int) -> CommGroup:
     per_node = max(1, min(size, gpus_per_node // stride)) if stride <= gpus_per_node else 1
     return CommGroup(size=size, ranks_per_node=per_node)
+
+
+def node_ranks(strategy: Strategy, cluster: ClusterSpec) -> int:
+    """How many ranks of one node compute at once: the plan's ranks on a node."""
+    return max(1, min(strategy.dims.world_size, cluster.gpus_per_node))
 
 
 def mesh_groups(strategy: Strategy, gpus_per_node: int) -> MeshGroups:
@@ -153,7 +180,7 @@ def price_step(
     dims = graph.dims
     d.check_model(num_layers=dims.num_layers, heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab, seq_len=t.seq_len)
     strategy.check_batch()
-    pricer = pricer or ProfilePricer(cluster, t.precision)
+    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster))
     groups = mesh_groups(strategy, cluster.gpus_per_node)
     n_stages = d.pp * t.virtual_stages
     layers = layer_sequence(graph)
@@ -180,6 +207,7 @@ def price_step(
             "pp-p2p": "inter_node" if _spans(groups.pp_pair) else "intra_node",
         },
         buffer_bytes=0 if units.fsdp else buffers,  # FSDP's gathered units follow the memory events
+        comm_compute_share=1.0 - cluster.device.communication_overlap,
         overhead_bytes=cluster.device.context_bytes,
     )
     return costs, _facts(graph, strategy, cluster)
@@ -322,12 +350,9 @@ def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int) -> ParamSet:
 
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:
     d, t = strategy.dims, strategy.train
-    opt_bytes = OPTIMIZER_BYTES.get(t.optimizer, 4)  # adafactor: a few bytes per element at most
     if t.offload_optimizer:
         return pricer.host_time(offload_host_bytes(params / d.dp_shard, pp=d.pp, train=t))
-    elems = params / (d.dp_shard if t.zero >= 1 else 1)
-    touched = elems * (2 * WEIGHT_BYTES[t.precision] + GRAD_BYTES[t.precision] + 2 * opt_bytes)
-    return pricer.memory_time(touched)
+    return pricer.optimizer_time(t.optimizer, params / (d.dp_shard if t.zero >= 1 else 1))
 
 
 def offload_host_bytes(elems: float, *, pp: int, train: TrainingConfig) -> float:

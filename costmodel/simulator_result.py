@@ -5,7 +5,8 @@ Time breakdown of one rank (it sums to the step time):
 - optimizer: the optimizer step on the compute stream;
 - exposed_comm: idle compute-stream time whose cause is communication of this rank — a gap before
   a compute task whose latest-finishing dependency is a collective, and the part of a gap covered by
-  the pipeline transfer it waits for;
+  the pipeline transfer it waits for — plus the host shares of collectives that run on the compute
+  stream (`costmodel.simulator_step`);
 - bubble: idle time waiting for another stage's compute (the part of a gap before the awaited
   transfer started), and idle time at the end of the step after the rank's last work;
 - other: idle time with no dependency to blame (0 in the current model).
@@ -195,6 +196,8 @@ def _rank_breakdown(rank: int, own: Sequence[Task], tasks: Sequence[Task], step:
                 bubble += gap
         if t.category == "optimizer":
             optimizer += t.duration
+        elif t.category in COMM_CATEGORIES:  # a collective's host share (`costmodel.simulator_step`)
+            exposed += t.duration
         else:
             compute += t.duration
         prev_end = max(prev_end, t.end)

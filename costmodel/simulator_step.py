@@ -21,6 +21,11 @@ synchronized after the stage's last backward of the step, or after every backwar
 `grad_sync_every_microbatch` (zero 3). After its last action a rank steps the optimizer on the
 compute stream once its dp-comm stream is drained, then all-gathers the updated shards (zero 1/2).
 
+Where communication needs the compute resources (`StepCosts.comm_compute_share` s > 0: gloo on the CPU
+cores the ranks compute on), each communication task of duration d becomes a host share of s * d on
+the rank's compute stream, in issue order, followed by the remaining (1 - s) * d on its own stream:
+with s = 1 a collective and the rank's compute take turns, however the schedule overlaps them.
+
 Memory events ride along (`MemoryEvent`): activations are saved at a chunk's forward end and freed
 at its backward end (at W's end when the backward is split, since W still reads them); recomputed
 activations live during the chunk's backward; FSDP-gathered parameters live from the gather's end to
@@ -87,6 +92,11 @@ class _Builder:
         link = self.costs.links.get(stream) if stream != "compute" else None
         if stream == "compute" and (rank, "tp-comm") in self.last_comm:
             deps = [*deps, self.last_comm[(rank, "tp-comm")]]  # activation collectives block compute
+        share = self.costs.comm_compute_share * duration if stream != "compute" else 0.0
+        if share > 0:
+            # the collective's host share runs on the compute stream, in issue order, then the rest on its own
+            host = self.graph.add(Task(rank, "compute", f"{name} (host share)", category, share, list(deps)))
+            deps, duration = [host], duration - share
         tid = self.graph.add(Task(rank, stream, name, category, duration, list(deps), link=link), key)
         if stream != "compute":
             self.last_comm[(rank, stream)] = tid

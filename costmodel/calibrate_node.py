@@ -1,0 +1,262 @@
+"""`soap calibrate`: how a rank behaves inside a training step, beside the kernel and collective sweeps.
+
+The kernel sweeps time one kernel at a time on one process while the rest of the machine idles; a
+training step differs in three ways this module measures, each written to an optional device field
+(`costmodel.profiles`):
+
+- `optimizer_factors` (`measure_optimizer`, `optimizer_factor_points`): torch's optimizer as the
+  executor builds it (AdamW, foreach on CPU, fused on CUDA) stepping over parameter sets of 2^17 to
+  2^23 elements (tensors of `OPTIMIZER_TENSOR_ELEMENTS`), each time divided by the cost model's
+  one-pass estimate at the fitted memory curve (`costmodel.optimizer_step`): the factor per byte size.
+- `concurrency_efficiency` (`measure_concurrency`): a kernel mix (`_kernel_mix`: a matmul, an add over
+  4 MiB, a tanh) timed on 1 process, then on n = 2, 4, ... up to `nproc` processes at once (started
+  together); the efficiency at n is the time alone over the mean time at n. Ranks of one node share
+  caches, memory bandwidth and, on a VM, whatever the host gives its vCPUs.
+- `communication_overlap` (`measure_overlap`): on 2 ranks, a compute loop alone (c), an all-reduce
+  alone (m), and the all-reduce started asynchronously with the loop run beside it (b); the overlap is
+  (c + m - b) / min(c, m), clamped to [0, 1]: 1 when the two run side by side, 0 when they take turns.
+  The all-reduce is `OVERLAP_MESSAGE_BYTES` and the loop is sized to take about as long.
+On CUDA the three are measured the same way (fused AdamW; GPUs do not share SMs, and NCCL runs on its
+own), so a GPU profile gets near-neutral values.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+OPTIMIZER_TENSOR_ELEMENTS = 2**15
+"""Elements per parameter tensor of the optimizer sweep (the validate suite's tiny models average 32-64K)."""
+OPTIMIZER_SWEEP_ELEMENTS = tuple(2**k for k in range(17, 24, 2))
+OPTIMIZER_QUICK_ELEMENTS = (2**17,)
+OVERLAP_MESSAGE_BYTES = 8 * 2**20
+MIX_SECONDS = 1.0
+"""How long each process of the concurrency measurement repeats the kernel mix."""
+
+
+@dataclass(frozen=True)
+class OptimizerSample:
+    optimizer: str
+    precision: str
+    elements: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class NodeMeasurements:
+    """What this module measured (each may be empty / None when not measured)."""
+
+    optimizer: tuple[OptimizerSample, ...] = ()
+    concurrency: tuple[tuple[int, float], ...] = ()
+    """(ranks at once, efficiency), starting at (1, 1.0)."""
+    overlap: float | None = None
+
+
+def _sync(device: str):
+    import torch
+
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def measure_optimizer(device: str, *, precision: str, quick: bool, repeats: int = 5) -> list[OptimizerSample]:
+    """Median step time of AdamW over parameter sets of each size (see the module docstring)."""
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    sync = _sync(device)
+    samples = []
+    for elements in OPTIMIZER_QUICK_ELEMENTS if quick else OPTIMIZER_SWEEP_ELEMENTS:
+        count = max(1, elements // OPTIMIZER_TENSOR_ELEMENTS)
+        params = [torch.nn.Parameter(torch.randn(OPTIMIZER_TENSOR_ELEMENTS, device=device, dtype=dtype))
+                  for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        kwargs = {"fused": True} if device == "cuda" else {"foreach": True}
+        opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
+        opt.step()  # creates the state
+        times = []
+        for _ in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            opt.step()
+            sync()
+            times.append(time.perf_counter() - start)
+        samples.append(OptimizerSample("adamw", precision, count * OPTIMIZER_TENSOR_ELEMENTS, statistics.median(times[1:])))
+        del opt, params
+    return samples
+
+
+def optimizer_factor_points(samples: list[OptimizerSample], device_json: dict) -> dict[str, list[list[float]]]:
+    """`optimizer_factors.factors` of the fitted device: measured over estimated, against the bytes."""
+    from costmodel.optimizer_step import memory_pass_time, optimizer_step_bytes
+    from costmodel.profiles_json import device_from_json
+
+    device = device_from_json(device_json, "fitted device")
+    table: dict[str, list[list[float]]] = {}
+    for s in sorted(samples, key=lambda s: s.elements):
+        nbytes = optimizer_step_bytes(s.elements, precision=s.precision, optimizer=s.optimizer)
+        factor = s.seconds / memory_pass_time(device, nbytes)
+        table.setdefault(f"{s.optimizer}/{s.precision}", []).append([float(f"{nbytes:.4g}"), float(f"{factor:.4g}")])
+    return table
+
+
+def _kernel_mix(device: str):
+    import torch
+
+    a, b = torch.randn(512, 256, device=device), torch.randn(256, 512, device=device)
+    x, y = torch.randn(2**20, device=device), torch.randn(2**20, device=device)
+    z = torch.randn(2**16, device=device)
+
+    def mix() -> None:
+        torch.mm(a, b)
+        torch.add(x, y)
+        torch.tanh(z)
+
+    return mix
+
+
+def _mix_worker(rank: int, device: str, threads: int, barrier, queue) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    mix, sync = _kernel_mix(dev), _sync(device)
+    for _ in range(20):
+        mix()
+    sync()
+    barrier.wait()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < MIX_SECONDS:
+        mix()
+        calls += 1
+    sync()
+    queue.put((time.perf_counter() - start) / calls)
+
+
+def _mix_time(processes: int, device: str, threads: int) -> float:
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        procs = [ctx.Process(target=_mix_worker, args=(r, device, threads, barrier, queue)) for r in range(processes)]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    try:
+        times = [queue.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return statistics.mean(times)
+
+
+def measure_concurrency(nproc: int, device: str, threads: int) -> list[tuple[int, float]]:
+    """(n, efficiency) for n = 1, 2, 4, ... up to `nproc` (CUDA: up to the visible GPUs)."""
+    alone = _mix_time(1, device, threads)
+    points = [(1, 1.0)]
+    n = 2
+    while n <= nproc:
+        points.append((n, min(1.0, alone / _mix_time(n, device, threads))))
+        n *= 2
+    return points
+
+
+def _overlap_worker(rank: int, port: int, device: str, threads: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2, timeout=_dt.timedelta(seconds=120))
+    try:
+        sync = _sync(device)
+        message = torch.ones(OVERLAP_MESSAGE_BYTES // 4, device=dev)
+        a, b = torch.randn(512, 512, device=dev), torch.randn(512, 512, device=dev)
+
+        def timed(fn) -> float:
+            sync()
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - start
+
+        def reduce() -> None:
+            dist.all_reduce(message)
+
+        for _ in range(3):
+            reduce()
+        comm = statistics.median(timed(reduce) for _ in range(5))
+        one = statistics.median(timed(lambda: torch.mm(a, b)) for _ in range(5))
+        repeats = max(1, int(comm / max(one, 1e-9)))
+
+        def compute() -> None:
+            for _ in range(repeats):
+                torch.mm(a, b)
+
+        def both() -> None:
+            work = dist.all_reduce(message, async_op=True)
+            compute()
+            work.wait()
+
+        rounds = [(timed(compute), timed(reduce), timed(both)) for _ in range(5)]
+        c, m, t = (statistics.median(r[i] for r in rounds) for i in range(3))
+        if rank == 0:
+            queue.put(max(0.0, min(1.0, (c + m - t) / min(c, m))))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_overlap(device: str, threads: int) -> float:
+    """`communication_overlap` from 2 ranks (see the module docstring)."""
+    from costmodel.microbench_comm import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        procs = [ctx.Process(target=_overlap_worker, args=(r, port, device, threads, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    try:
+        return float(queue.get(timeout=300))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def node_fields(meas: NodeMeasurements, device_json: dict, source: str) -> dict:
+    """The optional device fields for what was measured, each with `source`."""
+    out: dict = {}
+    if meas.optimizer:
+        out["optimizer_factors"] = {"source": source, "factors": optimizer_factor_points(list(meas.optimizer), device_json)}
+    if len(meas.concurrency) > 1:
+        out["concurrency_efficiency"] = {"points": [[float(n), float(f"{max(e, 1e-3):.4g}")] for n, e in meas.concurrency],
+                                         "source": source}
+    if meas.overlap is not None:
+        out["communication_overlap"] = {"value": float(f"{meas.overlap:.3g}"), "source": source}
+    return out
