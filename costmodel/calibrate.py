@@ -181,7 +181,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
     concurrency: list[tuple[int, float]] = []
     overlap = None
     if not config.quick and config.nproc >= 2:
-        concurrency = measure_concurrency(config.nproc, config.device, config.threads)
+        concurrency = measure_concurrency(config.nproc, config.device, config.threads, rounds=config.rounds)
         progress("ranks computing at once")
         overlap = measure_overlap(config.device, config.threads)
         progress("collective beside compute")
