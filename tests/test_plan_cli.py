@@ -133,3 +133,18 @@ def test_precision_defaults_to_bf16_and_fp8_is_opt_in(medium, capsys):
     # auto searches both and keeps the faster; fp8 is priced faster than bf16 but well under the 2x peak ratio
     assert precisions[("--precision", "auto")][0] == "fp8"
     assert 1.0 < precisions[()][1] / precisions[("--precision", "fp8")][1] < 1.6
+
+
+@pytest.mark.parametrize("which", ["preset", "config file"])
+def test_simulate_reproduces_the_plans_prediction(which, tiny, tmp_path, capsys):
+    """`soap simulate` re-traces the model the way `soap plan` did (a preset by name, through the preset
+    front-end chain), so it predicts the plan's own step time and memory, not those of another graph."""
+    model, extra = ("gpt2", []) if which == "preset" else (tiny, ["--global-batch", "64"])
+    out = tmp_path / "plan.json"
+    assert main(["plan", model, "--gpus", "8", *extra, "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    predicted = load_plan(out).predicted
+    assert simulated["step_time_s"] == pytest.approx(predicted["step_time_s"], rel=1e-9)
+    assert simulated["peak_memory_gib"] == pytest.approx(predicted["peak_memory_gib"], rel=1e-9)

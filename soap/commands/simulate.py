@@ -30,9 +30,29 @@ def simulate_plan(plan):
     cluster = cluster_from_dict(plan.cluster.profile)
     from planner.regimes import regime_dtype
 
-    graph = tracer.trace(_config(plan.model.config), task=plan.model.task, seq_len=plan.seq_len,
-                         dtype=regime_dtype(strategy.dims, strategy.train, cluster.device))
+    dtype = regime_dtype(strategy.dims, strategy.train, cluster.device)
+    preset = _same_preset(plan.model)
+    if preset is not None:  # the planner's own path: traced by name, preset front-end chain, disk cache
+        graph = preset.trace(task=plan.model.task, seq_len=plan.seq_len, dtype=dtype)
+    else:
+        graph = tracer.trace(_config(plan.model.config), task=plan.model.task, seq_len=plan.seq_len, dtype=dtype)
     return graph, simulate(graph, strategy, cluster, stages=stage_bounds(plan, graph))
+
+
+def _same_preset(record):
+    """The planner's ModelRef for a plan made from a shipped preset whose config is still the one shipped;
+    None otherwise (the plan's inline config is traced instead)."""
+    if record.source != "preset":
+        return None
+    from planner.model_ref import model_ref
+    from planner.plan import config_hash
+    from tracer.errors import SoapError
+
+    try:
+        ref = model_ref(record.name, task=record.task)
+    except SoapError:  # a preset this version of soap no longer ships
+        return None
+    return ref if ref.source == "preset" and config_hash(ref.config_json) == record.config_hash else None
 
 
 def _config(config: dict):
