@@ -8,9 +8,10 @@ Pipeline (`calibrate`):
 3. `calibrate_device.fit_device` / `calibrate_cluster.fit_cluster` turn the fit set into profile JSON:
    closed-form estimates refined through the cost model's own functions.
 3b. `calibrate_node`: how a rank behaves inside a training step rather than alone — the optimizer step
-   against its one-pass estimate, kernels while every rank of the node computes, and collectives beside
-   compute — become the device's `optimizer_factors`, `concurrency_efficiency` and
-   `communication_overlap` (the last two need nproc >= 2 and are skipped by --quick).
+   against its one-pass estimate, kernels while every rank of the node computes, collectives beside
+   compute and a framework's host time per collective — become the device's `optimizer_factors`,
+   `concurrency_efficiency`, `communication_overlap` and `collective_call_overhead_us` (the last three
+   need nproc >= 2 and are skipped by --quick).
 4. `validate` predicts the held-out points with the fitted profile through `costmodel.opcost.op_time`
    and `costmodel.collectives.collective_time` and reports the median absolute % error.
 
@@ -23,6 +24,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -179,11 +181,15 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
             progress(item.case.label)
     comms = [Point(name, i, sample) for (name, i), sample in best.items()]
     concurrency: list[tuple[int, float]] = []
-    overlap = None
+    overlap = call_overhead = None
     if not config.quick and config.nproc >= 2:
         concurrency = measure_concurrency(config.nproc, config.device, config.threads, rounds=config.rounds)
         progress("ranks computing at once")
-        overlap = measure_overlap(config.device, config.threads)
+        # the overlap depends on how the host schedules 4 busy threads on the ranks' cores: the median of
+        # rounds + 1 process groups
+        runs = sorted(measure_overlap(config.device, config.threads) for _ in range(config.rounds + 1))
+        overlap = statistics.median(r[0] for r in runs)
+        call_overhead = statistics.median(r[1] for r in runs)
         progress("collective beside compute")
     return Measurements(
         machine=machine_name(config.device),
@@ -195,7 +201,8 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         memory_bytes=_device_memory(config.device),
         rank_rss_bytes=rss,
         host_bandwidth=host_bandwidth,
-        node=NodeMeasurements(optimizer=optimizer, concurrency=tuple(concurrency), overlap=overlap),
+        node=NodeMeasurements(optimizer=optimizer, concurrency=tuple(concurrency), overlap=overlap,
+                              call_overhead_s=call_overhead),
     )
 
 

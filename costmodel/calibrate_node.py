@@ -15,8 +15,16 @@ training step differs in three ways this module measures, each written to an opt
   caches, memory bandwidth and, on a VM, whatever the host gives its vCPUs.
 - `communication_overlap` (`measure_overlap`): on 2 ranks, a compute loop alone (c), an all-reduce
   alone (m), and the all-reduce started asynchronously with the loop run beside it (b); the overlap is
-  (c + m - b) / min(c, m), clamped to [0, 1]: 1 when the two run side by side, 0 when they take turns.
+  (c + m - b) / min(c, m), clamped to [0, 1]: 1 when the two run side by side, 0 when they take turns;
+  `soap calibrate` keeps the median of three process groups (it varies with how the host schedules the
+  ranks' compute and gloo threads).
   The all-reduce is `OVERLAP_MESSAGE_BYTES` and the loop is sized to take about as long.
+- `collective_call_overhead_us` (same 2 ranks, `_framework_overhead`): what a training framework
+  spends per collective it issues beyond the collective itself — FSDP2's copy-in/out, hooks and stream
+  bookkeeping, DTensor's redistribution — measured on `CALL_OVERHEAD_UNITS` tiny `fully_shard` units
+  (64x64 linears, so each collective is latency only): (step time sharded - step time plain) / calls,
+  less one bare all-gather of a unit's shard. A slow host pays this per call; on a GPU it hides behind
+  asynchronous kernel launches, so GPU profiles leave it out (0).
 On CUDA the three are measured the same way (fused AdamW; GPUs do not share SMs, and NCCL runs on its
 own), so a GPU profile gets near-neutral values.
 """
@@ -35,6 +43,7 @@ OPTIMIZER_TENSOR_ELEMENTS = 2**15
 OPTIMIZER_SWEEP_ELEMENTS = tuple(2**k for k in range(17, 24, 2))
 OPTIMIZER_QUICK_ELEMENTS = (2**17,)
 OVERLAP_MESSAGE_BYTES = 8 * 2**20
+CALL_OVERHEAD_UNITS = 6
 MIX_SECONDS = 1.0
 """How long each process of the concurrency measurement repeats the kernel mix."""
 
@@ -55,6 +64,7 @@ class NodeMeasurements:
     concurrency: tuple[tuple[int, float], ...] = ()
     """(ranks at once, efficiency), starting at (1, 1.0)."""
     overlap: float | None = None
+    call_overhead_s: float | None = None
 
 
 def _sync(device: str):
@@ -217,14 +227,51 @@ def _overlap_worker(rank: int, port: int, device: str, threads: int, queue) -> N
 
         rounds = [(timed(compute), timed(reduce), timed(both)) for _ in range(5)]
         c, m, t = (statistics.median(r[i] for r in rounds) for i in range(3))
+        call = _framework_overhead(dev, timed)
         if rank == 0:
-            queue.put(max(0.0, min(1.0, (c + m - t) / min(c, m))))
+            queue.put((max(0.0, min(1.0, (c + m - t) / min(c, m))), call))
     finally:
         dist.destroy_process_group()
 
 
-def measure_overlap(device: str, threads: int) -> float:
-    """`communication_overlap` from 2 ranks (see the module docstring)."""
+def _framework_overhead(dev: str, timed) -> float:
+    """Seconds per collective FSDP2 issues beyond the collective (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(CALL_OVERHEAD_UNITS)]).to(dev)
+
+    plain, sharded = model(), model()
+    mesh = init_device_mesh(dev.split(":")[0], (2,))
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    x = torch.randn(8, 64, device=dev)
+    shard = torch.ones((64 * 64 + 64) // 2, device=dev)
+    gathered = torch.empty(2 * shard.numel(), device=dev)
+
+    def step(m: torch.nn.Module):
+        return lambda: m(x).sum().backward()
+
+    def gather() -> None:
+        dist.all_gather_into_tensor(gathered, shard)
+
+    times = {}
+    for name, fn in (("plain", step(plain)), ("sharded", step(sharded)), ("gather", gather)):
+        for _ in range(3):
+            fn()
+        times[name] = statistics.median(timed(fn) for _ in range(15))
+    calls = 3 * CALL_OVERHEAD_UNITS - 1  # all-gathers: forward, backward (all but the last unit); reduce-scatters
+    return max(0.0, (times["sharded"] - times["plain"]) / calls - times["gather"])
+
+
+def measure_overlap(device: str, threads: int) -> tuple[float, float]:
+    """`communication_overlap` and the per-call framework overhead (seconds) from 2 ranks (see the module
+    docstring)."""
     from costmodel.microbench_comm import _free_port
 
     ctx = mp.get_context("spawn")
@@ -241,7 +288,8 @@ def measure_overlap(device: str, threads: int) -> float:
         else:
             os.environ["OMP_NUM_THREADS"] = saved
     try:
-        return float(queue.get(timeout=300))
+        overlap, call = queue.get(timeout=300)
+        return float(overlap), float(call)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -259,4 +307,6 @@ def node_fields(meas: NodeMeasurements, device_json: dict, source: str) -> dict:
                                          "source": source}
     if meas.overlap is not None:
         out["communication_overlap"] = {"value": float(f"{meas.overlap:.3g}"), "source": source}
+    if meas.call_overhead_s is not None:
+        out["collective_call_overhead_us"] = {"value": float(f"{meas.call_overhead_s * 1e6:.4g}"), "source": source}
     return out

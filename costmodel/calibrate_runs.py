@@ -22,7 +22,8 @@ solved by damped Gauss-Newton (`fit_multipliers`, pure numpy).
 Applying them (`apply_multipliers`) is exact for each term: every device rate (peak FLOP/s at every
 precision, memory bandwidth) is divided by a, `kernel_overhead_us` multiplied by b, and every link's
 bandwidth divided and latency multiplied by c (each collective's time is latency plus bytes over
-bandwidth). Each changed number gets a source naming the runs log and the date.
+bandwidth), and the device's per-call framework overhead (`collective_call_overhead_us`) multiplied by c.
+Each changed number gets a source naming the runs log and the date.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def apply_multipliers(cluster_inline: dict, m: Multipliers, *, source: str) -> d
         _scale(entry, 1 / m.compute, stamp)
     _scale(device["memory_bandwidth_gbps"], 1 / m.compute, stamp)
     _scale(device["kernel_overhead_us"], m.kernel_overhead, stamp)
+    if "collective_call_overhead_us" in device:
+        _scale(device["collective_call_overhead_us"], m.communication, stamp)
     for link in out["links"].values():
         _scale(link["bandwidth_gbps"], 1 / m.communication, stamp)
         _scale(link["latency_us"], m.communication, stamp)

@@ -20,10 +20,12 @@ Three more optional device fields say how a rank behaves inside a training step 
 for machines whose ranks share more than a GPU's ranks do (a CPU whose cores are the ranks):
 `optimizer_factors` (key `optimizer/precision`, the optimizer step against its memory-bound estimate,
 read by `costmodel.optimizer_step`), `concurrency_efficiency` (the share of its alone speed a rank's
-kernels keep while N ranks of the node compute at once, read by the simulator's pricer) and
+kernels keep while N ranks of the node compute at once, read by the simulator's pricer),
 `communication_overlap` (the fraction of a collective's time the rank's compute can run beside it, read
-by `costmodel.simulator_step`). Absent, they are neutral (factor 1, efficiency 1, overlap 1): a GPU's
-optimizer is one fused kernel pass, its neighbours do not slow its kernels, and NCCL runs beside compute. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
+by `costmodel.simulator_step`) and `collective_call_overhead_us` (host time a training framework spends
+per collective it issues, read by the simulator's pricer). Absent, they are neutral (factor 1,
+efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
+slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
 """
 
@@ -122,6 +124,9 @@ class DeviceProfile:
     concurrency_efficiency: EfficiencyCurve | None = field(default=None, compare=False, hash=False)
     """Optional share (0, 1] of its alone speed a rank's kernels keep against the number of ranks of one
     node computing at once (x = 1, 2, 4, ...); None: 1 (each GPU has its own SMs and memory)."""
+    collective_call_overhead_s: float = 0.0
+    """Host time a training framework (FSDP2, DTensor, DDP) spends per collective it issues, beyond the
+    collective itself; 0 where absent."""
     communication_overlap: float = 1.0
     """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
     compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""

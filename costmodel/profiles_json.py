@@ -138,7 +138,8 @@ _DEVICE_REQUIRED = {
     "schema_version", "name", "description", "memory_gib", "peak_tflops", "memory_bandwidth_gbps",
     "matmul_efficiency", "memory_efficiency", "kernel_overhead_us", "context_overhead_gib", "host_link_gbps",
 }
-_DEVICE_STEP_FIELDS = ("optimizer_factors", "concurrency_efficiency", "communication_overlap")
+_DEVICE_STEP_FIELDS = ("optimizer_factors", "concurrency_efficiency", "communication_overlap",
+                       "collective_call_overhead_us")
 """Optional device fields about a rank inside a training step (`costmodel.profiles` module docstring)."""
 _CLUSTER_REQUIRED = {"schema_version", "name", "description", "device", "gpus_per_node", "tp_across_nodes", "links"}
 _LINK_REQUIRED = {"bandwidth_gbps", "latency_us", "efficiency", "sharp"}
@@ -198,6 +199,10 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
                                                              positive=False)
         if overlap > 1:
             raise r.fail("communication_overlap.value", f"must be in [0, 1], got {overlap}")
+    call_overhead = 0.0
+    if "collective_call_overhead_us" in data:
+        call_overhead, sources["collective_call_overhead_us"] = r.number(
+            data["collective_call_overhead_us"], "collective_call_overhead_us", positive=False)
     matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
     memory = r.curve(data["memory_efficiency"], "memory_efficiency")
     return DeviceProfile(
@@ -217,6 +222,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         optimizer_factors=optimizer_factors,
         concurrency_efficiency=concurrency,
         communication_overlap=overlap,
+        collective_call_overhead_s=call_overhead * 1e-6,
         sources=sources,
     )
 
@@ -314,6 +320,9 @@ def device_to_dict(device: DeviceProfile) -> dict:
         out["concurrency_efficiency"] = _curve_dict(device.concurrency_efficiency)
     if device.communication_overlap != 1.0 or "communication_overlap" in device.sources:
         out["communication_overlap"] = _number(device.communication_overlap, src("communication_overlap"))
+    if device.collective_call_overhead_s or "collective_call_overhead_us" in device.sources:
+        out["collective_call_overhead_us"] = _number(device.collective_call_overhead_s * 1e6,
+                                                     src("collective_call_overhead_us"))
     return out
 
 

@@ -37,7 +37,9 @@ Pipeline transfers: the hidden state [micro_batch, seq/cp, hidden] (/tp with SP)
 Ranks sharing a node (`node_ranks`: the plan's ranks on one node): every kernel and the optimizer step
 take 1 / `concurrency_efficiency`(n) times their calibrated time (one rank alone), where the device
 profile measures that (CPU cores sharing caches, memory and the host's scheduler); a collective's
-share of the compute stream (1 - `communication_overlap`) is `StepCosts.comm_compute_share`.
+share of the compute stream (1 - `communication_overlap`) is `StepCosts.comm_compute_share`; and every
+collective the step issues costs the device's `collective_call_overhead_us` of framework host time on
+top of `collective_time` (`ProfilePricer.collective`).
 
 Mesh groups follow torch DeviceMesh order (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a group
 of size n whose ranks are `stride` apart shares a node with min(n, gpus_per_node // stride) of its
@@ -112,7 +114,8 @@ class ProfilePricer:
         return k * cost.fwd_s, k * (cost.bwd_s - weight), k * weight
 
     def collective(self, kind: str, nbytes: float, group: CommGroup) -> float:
-        return collective_time(kind, nbytes, group, self.cluster)
+        t = collective_time(kind, nbytes, group, self.cluster)
+        return t + self.cluster.device.collective_call_overhead_s if t > 0 else 0.0
 
     def memory_time(self, nbytes: float) -> float:
         return self.slowdown * memory_pass_time(self.cluster.device, nbytes)

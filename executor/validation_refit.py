@@ -1,7 +1,7 @@
 """The simulator's step split into the terms `costmodel.calibrate_runs` refits, for a plan that ran.
 
     K = T - T(kernel overhead 0)
-    M = T - T(communication free: link bandwidth x1e9, latency 0)
+    M = T - T(communication free: link bandwidth x1e9, latency 0, no per-call framework overhead)
     C = T - K - M
 
 Each T is a full simulation of the plan (same graph, strategy and stages) on a modified profile, so the
@@ -53,7 +53,8 @@ def free_links(cluster: ClusterSpec) -> ClusterSpec:
     def free(link: Any) -> Any:
         return replace(link, bandwidth=link.bandwidth * FREE_LINK_SCALE, latency_s=0.0)
 
-    return replace(cluster, intra_node=free(cluster.intra_node), inter_node=free(cluster.inter_node))
+    return replace(cluster, intra_node=free(cluster.intra_node), inter_node=free(cluster.inter_node),
+                   device=replace(cluster.device, collective_call_overhead_s=0.0))
 
 
 def trace_plan_model(plan: Any, cluster: ClusterSpec) -> Any:

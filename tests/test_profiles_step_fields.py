@@ -33,18 +33,22 @@ def _device_json(**fields) -> dict:
 def test_gpu_profiles_leave_the_step_fields_neutral(name):
     device = load_device(name)
     assert device.optimizer_factors == {} and device.concurrency_efficiency is None
-    assert device.communication_overlap == 1.0
-    assert not {"optimizer_factors", "concurrency_efficiency", "communication_overlap"} & set(device_to_dict(device))
+    assert device.communication_overlap == 1.0 and device.collective_call_overhead_s == 0.0
+    assert not {"optimizer_factors", "concurrency_efficiency", "communication_overlap",
+                "collective_call_overhead_us"} & set(device_to_dict(device))
 
 
 def test_step_fields_load_and_round_trip_with_their_sources():
     data = _device_json(optimizer_factors={"source": SOURCE, "factors": {"adamw/fp32": [[1e6, 3.0], [1e8, 2.5]]}},
                         concurrency_efficiency={"points": [[1, 1.0], [2, 0.5]], "source": SOURCE},
-                        communication_overlap={"value": 0.0, "source": SOURCE})
+                        communication_overlap={"value": 0.0, "source": SOURCE},
+                        collective_call_overhead_us={"value": 1500.0, "source": SOURCE})
     device = device_from_json(data, "test")
     assert device.optimizer_factors["adamw/fp32"] == FactorCurve(((1e6, 3.0), (1e8, 2.5)))
     assert device.concurrency_efficiency.at(2) == 0.5 and device.communication_overlap == 0.0
+    assert device.collective_call_overhead_s == pytest.approx(1.5e-3)
     again = device_to_dict(device)
+    assert again["collective_call_overhead_us"] == {"value": pytest.approx(1500.0), "source": SOURCE}
     assert again["communication_overlap"] == {"value": 0.0, "source": SOURCE}
     assert again["optimizer_factors"]["source"] == SOURCE and again["concurrency_efficiency"]["source"] == SOURCE
     assert device_from_json(json.loads(json.dumps(again)), "again").optimizer_factors == device.optimizer_factors
@@ -54,6 +58,7 @@ def test_step_fields_load_and_round_trip_with_their_sources():
     ("communication_overlap", {"value": 1.5, "source": SOURCE}, "communication_overlap.value: must be in [0, 1]"),
     ("communication_overlap", {"value": -0.1, "source": SOURCE}, "must be non-negative"),
     ("communication_overlap", {"value": 0.5}, "missing key(s) source"),
+    ("collective_call_overhead_us", {"value": -1, "source": SOURCE}, "must be non-negative"),
     ("concurrency_efficiency", {"points": [[1, 1.0], [2, 1.5]], "source": SOURCE}, "efficiency must be in (0, 1]"),
     ("concurrency_efficiency", {"points": [[2, 0.5], [1, 1.0]], "source": SOURCE}, "x must increase"),
     ("optimizer_factors", {"source": SOURCE, "factors": {"adam/fp32": [[1, 2.0]]}}, "key must be"),
@@ -139,12 +144,28 @@ def test_communication_overlap_of_the_device_sets_the_host_share():
 def test_calibrated_step_fields_are_profile_json_with_the_measurement_source():
     device_json = device_to_dict(load_device("h100-sxm"))
     meas = NodeMeasurements(optimizer=(OptimizerSample("adamw", "fp32", 2**20, 0.004),),
-                            concurrency=((1, 1.0), (2, 0.52)), overlap=0.1)
+                            concurrency=((1, 1.0), (2, 0.52)), overlap=0.1, call_overhead_s=2e-3)
     fields = node_fields(meas, device_json, SOURCE)
     device = device_from_json({**device_json, **fields}, "calibrated")
     nbytes = optimizer_step_bytes(2**20, precision="fp32", optimizer="adamw")
     assert device.optimizer_factors["adamw/fp32"].at(nbytes) == pytest.approx(
         0.004 / memory_pass_time(device, nbytes), rel=1e-3)
     assert device.concurrency_efficiency.at(2) == 0.52 and device.communication_overlap == 0.1
-    assert {device.sources[k] for k in ("optimizer_factors", "communication_overlap")} == {SOURCE}
+    assert device.collective_call_overhead_s == pytest.approx(2e-3)
+    assert {device.sources[k] for k in ("optimizer_factors", "communication_overlap",
+                                        "collective_call_overhead_us")} == {SOURCE}
     assert device.concurrency_efficiency.source == SOURCE
+
+
+def test_every_collective_the_step_issues_pays_the_framework_overhead_and_free_links_drop_it():
+    from costmodel.collectives import CommGroup, collective_time
+    from executor.validation_refit import free_links
+
+    cluster = load_cluster("dgx-h100")
+    slow_host = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, collective_call_overhead_s=1e-3))
+    group = CommGroup(size=8, ranks_per_node=8)
+    base = collective_time("all_reduce", 2**20, group, cluster)
+    assert ProfilePricer(slow_host, "bf16").collective("all_reduce", 2**20, group) == pytest.approx(base + 1e-3)
+    assert ProfilePricer(slow_host, "bf16").collective("all_reduce", 2**20, CommGroup(size=1, ranks_per_node=1)) == 0
+    assert ProfilePricer(cluster, "bf16").collective("all_reduce", 2**20, group) == base
+    assert free_links(slow_host).device.collective_call_overhead_s == 0.0

