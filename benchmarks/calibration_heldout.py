@@ -58,6 +58,9 @@ def step_fields(device: dict) -> str:
         parts.append("`concurrency_efficiency`: " + ", ".join(f"{e:g} at {n:g} ranks" for n, e in conc))
     if overlap is not None:
         parts.append(f"`communication_overlap`: {overlap:g}")
+    call = device.get("collective_call_overhead_us", {}).get("value")
+    if call is not None:
+        parts.append(f"`collective_call_overhead_us`: {call:g}")
     return ("Step fields (`costmodel/calibrate_node.py`, measured whole): " + "; ".join(parts) + ".") if parts else ""
 
 
