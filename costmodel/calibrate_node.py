@@ -104,13 +104,15 @@ def measure_optimizer(device: str, *, precision: str, quick: bool, repeats: int 
 def optimizer_factor_points(samples: list[OptimizerSample], device_json: dict) -> dict[str, list[list[float]]]:
     """`optimizer_factors.factors` of the fitted device: measured over estimated, against the bytes."""
     from costmodel.optimizer_step import memory_pass_time, optimizer_step_bytes
-    from costmodel.profiles_json import device_from_json
+    from costmodel.profiles_json import MAX_FACTOR, device_from_json
 
     device = device_from_json(device_json, "fitted device")
     table: dict[str, list[list[float]]] = {}
     for s in sorted(samples, key=lambda s: s.elements):
         nbytes = optimizer_step_bytes(s.elements, precision=s.precision, optimizer=s.optimizer)
-        factor = s.seconds / memory_pass_time(device, nbytes)
+        # A step small enough to be all launch overhead can exceed the loader's bound; it saturates there
+        # rather than making calibrate write a profile its own loader refuses.
+        factor = min(s.seconds / memory_pass_time(device, nbytes), MAX_FACTOR)
         table.setdefault(f"{s.optimizer}/{s.precision}", []).append([float(f"{nbytes:.4g}"), float(f"{factor:.4g}")])
     return table
 

@@ -175,7 +175,15 @@ def test_each_case_keeps_its_fastest_round_and_nproc_1_writes_a_device_only_prof
         slow = calls[case] == 1 + order[case] % 2
         return KernelSample(case, base * (3.0 if slow else 1.0))
 
+    def fake_optimizer(device, *, precision, quick):  # a real step would be ~1000x the fake kernels' pass
+        from costmodel.calibrate_node import OptimizerSample
+        from costmodel.optimizer_step import optimizer_step_bytes
+
+        return [OptimizerSample("adamw", precision, n, 3e-6 * (1 + optimizer_step_bytes(
+            n, precision=precision, optimizer="adamw") / 1e9)) for n in (1 << 16, 1 << 20)]
+
     monkeypatch.setattr(calibrate, "measure_case", fake_measure)
+    monkeypatch.setattr(calibrate, "measure_optimizer", fake_optimizer)
     config = CalibrationConfig(quick=True, nproc=1, rounds=2)
     meas = measure(config)
     assert not meas.comms and all(n == 2 for case, n in calls.items() if case != calibrate.OVERHEAD_CASE)

@@ -157,6 +157,16 @@ def test_calibrated_step_fields_are_profile_json_with_the_measurement_source():
     assert device.concurrency_efficiency.source == SOURCE
 
 
+def test_an_overhead_bound_optimizer_step_saturates_at_the_loaders_bound_instead_of_breaking_the_profile():
+    from costmodel.profiles_json import MAX_FACTOR
+
+    device_json = device_to_dict(load_device("h100-sxm"))
+    meas = NodeMeasurements(optimizer=(OptimizerSample("adamw", "fp32", 16, 0.5),), concurrency=((1, 1.0),),
+                            overlap=0.1, call_overhead_s=2e-3)
+    device = device_from_json({**device_json, **node_fields(meas, device_json, SOURCE)}, "calibrated")
+    assert device.optimizer_factors["adamw/fp32"].at(1.0) == MAX_FACTOR
+
+
 def test_every_collective_the_step_issues_pays_the_framework_overhead_and_free_links_drop_it():
     from costmodel.collectives import CommGroup, collective_time
     from executor.validation_refit import free_links
