@@ -52,13 +52,7 @@ def check_writable(path: str | os.PathLike[str], *, what: str) -> None:
     target = Path(path)
     if _is_dir(target, what):
         raise SoapError(f"{what} {target} is a directory; give a file path")
-    folder = target.parent
-    while not _exists(folder, what):  # the nearest existing ancestor is where the missing folders get created
-        folder = folder.parent
-    if not _is_dir(folder, what):
-        raise SoapError(f"cannot write {what} {target}: {folder} is not a directory; pick another path")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise SoapError(f"cannot write {what} {target}: no permission to write in {folder}; pick another path")
+    _check_creatable(target, target.parent, what)
 
 
 def check_writable_dir(path: str | os.PathLike[str], *, what: str) -> None:
@@ -66,11 +60,16 @@ def check_writable_dir(path: str | os.PathLike[str], *, what: str) -> None:
     target = Path(path)
     if _exists(target, what) and not _is_dir(target, what):
         raise SoapError(f"cannot use {what} {target}: it is not a directory; pick another path")
-    folder = target
-    while not _exists(folder, what):  # the nearest existing ancestor is where the missing folders get created
+    _check_creatable(target, target, what)
+
+
+def _check_creatable(target: Path, folder: Path, what: str) -> None:
+    """`folder` (or, missing, the nearest existing ancestor, where the missing folders get created) must be
+    a directory this process can write in."""
+    while not _exists(folder, what):
         folder = folder.parent
     if not _is_dir(folder, what):
-        raise SoapError(f"cannot create {what} {target}: {folder} is not a directory; pick another path")
+        raise SoapError(f"cannot write {what} {target}: {folder} is not a directory; pick another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SoapError(f"cannot write {what} {target}: no permission to write in {folder}; pick another path")
 
