@@ -152,20 +152,27 @@ def _mix_worker(rank: int, device: str, threads: int, barrier, queue) -> None:
     queue.put((time.perf_counter() - start) / calls)
 
 
-def _mix_time(processes: int, device: str, threads: int) -> float:
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+def _start(ctx, target, arglists: list[tuple], threads: int) -> list:
+    """Start one spawned process per argument tuple, each with OMP_NUM_THREADS=`threads` (the parent's
+    environment is restored)."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
-        procs = [ctx.Process(target=_mix_worker, args=(r, device, threads, barrier, queue)) for r in range(processes)]
+        procs = [ctx.Process(target=target, args=args) for args in arglists]
         for p in procs:
             p.start()
+        return procs
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _mix_time(processes: int, device: str, threads: int) -> float:
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    procs = _start(ctx, _mix_worker, [(r, device, threads, barrier, queue) for r in range(processes)], threads)
     try:
         times = [queue.get(timeout=120) for _ in procs]
     finally:
@@ -278,17 +285,7 @@ def measure_overlap(device: str, threads: int) -> tuple[float, float]:
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        procs = [ctx.Process(target=_overlap_worker, args=(r, port, device, threads, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    procs = _start(ctx, _overlap_worker, [(r, port, device, threads, queue) for r in range(2)], threads)
     try:
         overlap, call = queue.get(timeout=300)
         return float(overlap), float(call)
