@@ -8,8 +8,10 @@ prints the catalogue as a markdown table with today's error lines (the source of
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,6 +240,18 @@ def test_debug_shows_the_traceback_and_the_default_does_not(tmp_path):
     assert plain.returncode == 2 and plain.stderr.startswith("error: ") and "Traceback" not in plain.stderr
     debug = subprocess.run([*argv, "--debug"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_an_unknown_model_without_network_is_one_line_at_once(tmp_path):
+    """Not offline by setting, but no Hub to reach (a closed port here): one error line within seconds,
+    instead of huggingface_hub's five retries (about 25 s, a warning line each)."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), SOAP_CACHE_DIR=str(tmp_path / "cache"))
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "soap", "plan", "nope-model", "--gpus", "8"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert_one_error_line(run.returncode, run.stderr, "unknown model", "nope-model", "cannot be reached")
+    assert time.monotonic() - start < 20
 
 
 def _shown(arg: str, tmp: str) -> str:

@@ -130,14 +130,18 @@ def _config_from_file(path: Path, trust_remote_code: bool) -> Any:
 
 
 def _config_from_hub(model_id: str, trust_remote_code: bool) -> Any:
-    """The local cache first; the Hub only when not offline (HF_HUB_OFFLINE unset)."""
+    """The local cache first; the Hub only when not offline (HF_HUB_OFFLINE unset) and reachable."""
     import os
 
     from transformers import AutoConfig
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-    attempts = (True,) if offline else (True, False)
-    for local_only in attempts:
+    config, where = None, "offline (HF_HUB_OFFLINE=1) and not in the local cache"
+    for local_only in (True,) if offline else (True, False):
+        if not local_only and not _hub_reachable():
+            # huggingface_hub retries a dead network five times (about 25 s, a warning each) before failing
+            where = f"not in the local cache, and the Hub ({_hub_host()}) cannot be reached from here"
+            break
         try:
             config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code,
                                                 local_files_only=local_only)
@@ -148,16 +152,36 @@ def _config_from_hub(model_id: str, trust_remote_code: bool) -> Any:
             if not local_only:
                 raise SoapError(f"cannot resolve {model_id!r}: {_first_line(exc)}") from None
         except Exception:  # noqa: BLE001 - unknown ids and no network surface as OSError or HF errors
-            continue
-    else:
-        where = "offline (HF_HUB_OFFLINE=1) and not in the local cache" if offline else \
-            "not found in the local cache or on the Hub"
+            where = "not found in the local cache or on the Hub"
+    if config is None:
         raise SoapError(
             f"unknown model {model_id!r}: not a preset ({', '.join(preset_names())}), not a local path, and "
             f"{where}; pass a config.json path or a preset name"
         )
     _check_remote_code(config.to_dict(), model_id, trust_remote_code)
     return config
+
+
+def _hub_host() -> str:
+    import os
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hub's endpoint opens within `timeout_s` (name lookup included)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((_hub_host(), port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _check_remote_code(data: dict, where: str, trust_remote_code: bool) -> None:
