@@ -3,7 +3,8 @@
 Steps (`run_validation`):
 1. the cluster profile (`local-cpu` by default; `soap calibrate` runs first if it is missing);
 2. every suite case (`executor.validation_suite`) traced, simulated and turned into a Plan: the
-   parallel suite at 2 or 4 ranks, or the single-device suite at `--nproc 1`;
+   parallel suite at 2 or 4 ranks, or the single-device suite at `--nproc 1`; with `--suite
+   calibration` the calibration plans instead (other models, for `soap calibrate --from-runs`);
 3. all plans executed on `nproc` spawned ranks (`executor.validation_run`: gloo on CPU, NCCL on CUDA),
    after one unmeasured warm-up run of the first plan (it pays one-time costs: lazy imports, gloo
    pairs, allocator arenas);
@@ -27,11 +28,12 @@ from typing import Any
 
 from executor.validation_metrics import Comparison, Summary, summarize
 from executor.validation_run import Measurement, execute_plans
-from executor.validation_suite import (BuiltCase, SuiteCase, build_case, quick_cases, quick_single_device_cases,
+from executor.validation_suite import (BuiltCase, SuiteCase, build_case, calibration_cases, quick_cases, quick_single_device_cases,
                                        single_device_cases, suite_cases)
 from tracer.errors import SoapError
 
 SUITE_WORLD = 2
+SUITES = ("validation", "calibration")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,9 @@ class ValidationConfig:
     """Optimizer steps per plan; the first is not timed."""
     quick: bool = False
     """Run the 4-plan subset."""
+    suite: str = "validation"
+    """validation (the suite) or calibration (`calibration_cases`: other plans on other models, whose runs
+    `soap calibrate --from-runs` refits the profile from while the suite stays held out)."""
     cluster: str = "local-cpu"
     """Cluster profile name or JSON file the predictions use."""
     runs_log: str | None = None
@@ -82,6 +87,10 @@ def check_config(config: ValidationConfig) -> None:
         if torch.cuda.device_count() < config.nproc:
             raise SoapError(f"--nproc {config.nproc}: only {torch.cuda.device_count()} GPUs; pass --nproc "
                             f"{torch.cuda.device_count()}")
+    if config.suite not in SUITES:
+        raise SoapError(f"--suite {config.suite!r}: choose {' or '.join(SUITES)}")
+    if config.suite == "calibration" and config.nproc == 1:
+        raise SoapError("--suite calibration runs at 2 or 4 ranks; drop --nproc 1")
     if config.nproc not in (1, 2, 4):
         raise SoapError(f"--nproc {config.nproc}: the suite runs at 1 rank (single-device plans) or at 2 or 4 ranks")
     if config.steps < 2:
@@ -104,6 +113,9 @@ def load_or_calibrate(cluster: str, device: str, nproc: int, log: Callable[[str]
 
 
 def default_cases(config: ValidationConfig) -> list[SuiteCase]:
+    if config.suite == "calibration":
+        cases = calibration_cases()
+        return cases[::3] if config.quick else cases
     if config.nproc == 1:
         return (quick_single_device_cases if config.quick else single_device_cases)(config.device)
     return quick_cases() if config.quick else suite_cases()

@@ -13,6 +13,9 @@ checkpointing (full and selective), gradient accumulation, and a 2-D-in-spirit e
 accumulation and checkpointing together) in place of a real 2-D mesh, which needs 4 ranks on this
 2-core machine and would only measure oversubscription.
 
+`calibration_cases()` are other plans on other models (`soap validate --suite calibration`), for
+`soap calibrate --from-runs` to refit the profile from without seeing any suite plan.
+
 `single_device_cases(device)` is the suite at one rank (`soap validate --nproc 1`): plain training,
 full and selective checkpointing, accumulation and several micro-batch sizes across the three families.
 On CUDA the models are larger (hidden 1024-2048, 8 layers, vocab 32k, seq 512-1024, bf16) so that a step
@@ -45,6 +48,15 @@ CUDA_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
                  num_attention_heads=16, vocab_size=32000, max_position_embeddings=512),
 }
 """The single-GPU suite's models: big enough that one step is 20-200 ms of kernels on an H100."""
+CALIBRATION_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(MODEL_CONFIGS["gpt2"], n_embd=256, n_layer=3, vocab_size=3072),
+    "llama": dict(MODEL_CONFIGS["llama"], hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                  num_key_value_heads=4, vocab_size=3072),
+    "bert": dict(MODEL_CONFIGS["bert"], hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                 vocab_size=3072),
+}
+"""The calibration plans' models: other widths, depths, vocabularies and head layouts than the suite's, so
+that a profile refitted from their runs is judged on the suite as on unseen models."""
 TASKS = {"gpt2": "causal-lm", "llama": "causal-lm", "bert": "masked-lm"}
 
 
@@ -62,11 +74,13 @@ class SuiteCase:
     """TrainingConfig keywords besides global_batch/seq_len (micro_batch, num_microbatches, zero, ...)."""
     seq_len: int = 128
     size: str = "small"
-    """Model size: "small" (MODEL_CONFIGS, CPU) or "cuda" (CUDA_MODEL_CONFIGS, one GPU)."""
+    """Model size: "small" (MODEL_CONFIGS, CPU), "cuda" (CUDA_MODEL_CONFIGS, one GPU) or "calibration"
+    (CALIBRATION_MODEL_CONFIGS, the calibration plans)."""
 
     def model_fields(self) -> dict[str, Any]:
         """The family's config fields at this case's size (model_type included)."""
-        return dict((CUDA_MODEL_CONFIGS if self.size == "cuda" else MODEL_CONFIGS)[self.family])
+        configs = {"cuda": CUDA_MODEL_CONFIGS, "calibration": CALIBRATION_MODEL_CONFIGS}.get(self.size, MODEL_CONFIGS)
+        return dict(configs[self.family])
 
 
 def suite_cases() -> list[SuiteCase]:
@@ -92,6 +106,27 @@ def suite_cases() -> list[SuiteCase]:
                   train=dict(micro_batch=2, num_microbatches=2, grad_accum=2, recompute="full"), seq_len=256),
         SuiteCase(name="bert tp", family="bert", dims=dict(tp=2), train=dict(micro_batch=2), seq_len=64),
     ]
+
+
+def calibration_cases() -> list[SuiteCase]:
+    """Plans for `soap calibrate --from-runs` to learn from (`soap validate --suite calibration`): the
+    suite's techniques on other models (CALIBRATION_MODEL_CONFIGS) with other batch shapes, none of them a
+    suite plan, so the suite stays held out from a profile refitted on their runs (10 plans at 2 ranks)."""
+    plans = [
+        ("calib gpt2 ddp", "gpt2", dict(dp_replicate=2), dict(micro_batch=4), 64),
+        ("calib llama ddp", "llama", dict(dp_replicate=2), dict(micro_batch=1), 256),
+        ("calib bert fsdp zero3", "bert", dict(dp_shard=2), dict(micro_batch=4, zero=3), 128),
+        ("calib gpt2 zero2 accum2", "gpt2", dict(dp_shard=2), dict(micro_batch=2, num_microbatches=2, grad_accum=2,
+                                                                    zero=2), 128),
+        ("calib gpt2 tp", "gpt2", dict(tp=2), dict(micro_batch=2), 256),
+        ("calib llama tp+sp", "llama", dict(tp=2), dict(micro_batch=4, sequence_parallel=True), 128),
+        ("calib bert pp 1f1b", "bert", dict(pp=2), dict(micro_batch=4, num_microbatches=4, schedule="1F1B"), 64),
+        ("calib gpt2 pp gpipe", "gpt2", dict(pp=2), dict(micro_batch=1, num_microbatches=4, schedule="GPipe"), 256),
+        ("calib llama fsdp full-ckpt", "llama", dict(dp_shard=2), dict(micro_batch=4, zero=3, recompute="full"), 128),
+        ("calib bert ddp selective", "bert", dict(dp_replicate=2), dict(micro_batch=4, recompute="selective"), 128),
+    ]
+    return [SuiteCase(name=name, family=family, dims=dims, train=train, seq_len=seq, size="calibration")
+            for name, family, dims, train, seq in plans]
 
 
 def quick_cases() -> list[SuiteCase]:
@@ -189,7 +224,7 @@ def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str, 
                                    task=TASKS[case.family], seq_len=case.seq_len, dtype=dtype)
     graph = graphs[key]
     result = simulate(graph, strategy, cluster)
-    model = ModelSpecRecord(name=f"suite-{case.family}", source="file", task=TASKS[case.family], config=config,
+    model = ModelSpecRecord(name=f"{'calib' if case.size == 'calibration' else 'suite'}-{case.family}", source="file", task=TASKS[case.family], config=config,
                             config_hash=config_hash(config))
     plan = plan_from_simulation(model=model, graph=graph, cluster=cluster, strategy=strategy, result=result)
     return BuiltCase(case=case, plan=plan, result=result, workspace_bytes=cluster.device.runtime_workspace_bytes)

@@ -262,3 +262,27 @@ def test_validate_refuses_three_ranks(capsys):
 
     assert main(["validate", "--nproc", "3"]) == 2
     assert "--nproc 3" in capsys.readouterr().err
+
+
+def test_calibration_plans_share_no_model_or_plan_with_the_suite():
+    """A profile refitted on the calibration plans' runs is judged on the suite as on unseen plans."""
+    from executor.validation_suite import calibration_cases, case_strategy, hf_config, suite_cases
+
+    calib, suite = calibration_cases(), suite_cases()
+    assert len(calib) >= 10
+    suite_models = {json.dumps(hf_config(c), sort_keys=True) for c in suite}
+    assert not {json.dumps(hf_config(c), sort_keys=True) for c in calib} & suite_models
+    assert {c.family for c in calib} == {"gpt2", "llama", "bert"}
+    strategies = [case_strategy(c) for c in calib]
+    dims = [s.dims for s in strategies]
+    assert any(d.tp > 1 for d in dims) and any(d.pp > 1 for d in dims) and any(d.dp_shard > 1 for d in dims) \
+        and any(d.dp_replicate > 1 for d in dims)
+    assert {s.train.recompute for s in strategies} >= {"none", "full", "selective"}
+    assert any(s.train.grad_accum > 1 for s in strategies) and any(s.train.sequence_parallel for s in strategies)
+
+
+def test_calibration_suite_runs_at_two_ranks_only(capsys):
+    from soap.cli import main
+
+    assert main(["validate", "--suite", "calibration", "--nproc", "1"]) == 2
+    assert "--suite calibration" in capsys.readouterr().err

@@ -6,6 +6,8 @@
     soap validate --nproc 1                    # 10 single-device plans (checkpointing, accumulation, ...)
     soap validate --device cuda --nproc 1      # the same on one GPU, larger bf16 models (local-cuda profile)
     soap validate --json                       # one object: per-plan errors, MAPEs, Kendall tau
+    soap validate --suite calibration --runs-log runs.jsonl && soap calibrate --from-runs runs.jsonl
+                                               # 10 other plans on other models; refit the profile from them
 
 Each run is appended to the runs log ($SOAP_RUNS_LOG, default ~/.cache/soap/runs.jsonl), which
 `soap calibrate --from-runs` refits the profile from.
@@ -26,6 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="ranks per plan: 1 (the single-device suite), 2 (default) or 4")
     p.add_argument("--steps", type=int, default=6, help="steps per plan; the first is not timed (default 6)")
     p.add_argument("--quick", action="store_true", help="a 4-plan subset of the suite")
+    p.add_argument("--suite", default="validation", choices=("validation", "calibration"),
+                   help="validation (default): the suite; calibration: 10 other plans on other models, for "
+                        "`soap calibrate --from-runs` to learn from while the suite stays held out")
     p.add_argument("--cluster", default=None, help="cluster profile for the predictions (default local-DEVICE)")
     p.add_argument("--png", default=None, metavar="FILE", help="write the predicted-vs-measured scatter plot")
     p.add_argument("--runs-log", default=None, metavar="FILE", help="runs log to append to (default $SOAP_RUNS_LOG "
@@ -42,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from tracer.files import check_writable
 
     config = ValidationConfig(device=args.device, nproc=args.nproc, steps=args.steps, quick=args.quick,
-                              cluster=args.cluster or f"local-{args.device}", runs_log=args.runs_log)
+                              suite=args.suite, cluster=args.cluster or f"local-{args.device}", runs_log=args.runs_log)
     check_config(config)
     if args.png:
         check_writable(args.png, what="--png")
