@@ -15,7 +15,8 @@ every instance and every stage (`_UnitPricer.chunk`):
 - activation collectives: the placement's TP/SP, CP and EP collectives, forward and backward, each
   `collective_time` on its mesh group;
 - gradient bucket: the segment's local gradients (fp32, `memory.GRAD_BYTES`):
-  zero 0/1 all-reduce over dp; zero 2/3 reduce-scatter over dp_shard then all-reduce of the shard over
+  zero 0/1 all-reduce over dp (DDP's buckets: per chunk its bytes' transfer time, the stage's bucket
+  count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over dp_shard then all-reduce of the shard over
   dp_replicate (HSDP);
 - zero 3: all-gather of the segment's parameters at compute width over dp_shard (before its forward
   and its backward);
@@ -49,6 +50,7 @@ members; a stream's link is intra_node when its groups fit in one node.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -321,7 +323,8 @@ def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int,
 def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy, pricer: Pricer,
                  groups: MeshGroups, shape: ActivationShape) -> StageCost:
     d, t = strategy.dims, strategy.train
-    chunks = tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers)
+    chunks = _ddp_buckets(tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers),
+                          [units.params(layer) for layer in layers], strategy, pricer, groups)
     params = _stage_param_set(layers, d.tp)
     state = model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
                               dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
@@ -338,6 +341,36 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                             if t.zero in (1, 2) and d.dp_shard > 1 else 0.0),
         weights_bytes=state.weights, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
     )
+
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch DDP's `bucket_cap_mb=25` (the executor's DistributedDataParallel keeps the default)."""
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""torch DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), all-reduced on its own."""
+
+
+def _ddp_buckets(chunks: tuple[ChunkCost, ...], params: Sequence[int], strategy: Strategy, pricer: Pricer,
+                 groups: MeshGroups) -> tuple[ChunkCost, ...]:
+    """DDP (zero 0/1 over dp > 1) all-reduces the stage's gradients in buckets, not one call per chunk: each
+    chunk keeps its gradients' transfer time (the call's time less a 4-byte call's), and the stage's
+    1 + ceil((bytes - first bucket) / bucket_cap) fixed call costs (latency and per-call overhead) are
+    shared out by gradient bytes, so the sync still follows each chunk's backward."""
+    d, t = strategy.dims, strategy.train
+    if d.dp == 1 or (t.zero >= 2 and d.dp_shard > 1):
+        return chunks
+    sizes = [n * GRAD_BYTES[t.precision] for n in params]
+    total = sum(sizes)
+    if total == 0:
+        return chunks
+    calls = 1 + math.ceil(max(0, total - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+    fixed = pricer.collective("all_reduce", 4, groups.dp)
+    out = []
+    for chunk, nbytes in zip(chunks, sizes):
+        if nbytes and chunk.grad_sync_s > 0:
+            wire = max(0.0, chunk.grad_sync_s - fixed)
+            chunk = dataclasses.replace(chunk, grad_sync_s=wire + fixed * calls * nbytes / total)
+        out.append(chunk)
+    return tuple(out)
 
 
 def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int) -> ParamSet:

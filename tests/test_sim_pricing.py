@@ -292,3 +292,25 @@ def test_q_k_v_read_the_norm_output_not_each_other():
         assert (norm, index[name]) in edges, name
     assert (index["q_proj:linear"], index["k_proj:linear"]) not in edges
     assert (index["add#2"] if "add#2" in index else len(ops) - 1, norm) in edges  # the next repeat reads the residual
+
+
+def test_ddp_pays_per_bucket_not_per_block_while_fsdp_pays_per_unit():
+    """DDP all-reduces a tiny model's gradients (under 1 MiB) in its one first bucket, so its fixed call cost
+    does not grow with the number of blocks; FSDP issues one reduce-scatter per unit."""
+    from costmodel.simulator_pricing import ProfilePricer, mesh_groups, price_step
+
+    cluster = load_cluster("local-cpu-kernels")
+    ddp = Strategy(dims=ParallelDims(dp_replicate=2), train=TrainingConfig(global_batch=2, seq_len=64))
+    costs, _ = price_step(GRAPH, ddp, cluster)
+    chunks = costs.stages[0].chunks
+    synced = [c for c in chunks if c.grad_sync_s > 0]
+    assert len(synced) >= 3
+    pricer = ProfilePricer(cluster, "fp32")
+    fixed = pricer.collective("all_reduce", 4, mesh_groups(ddp, cluster.gpus_per_node).dp)
+    per_block_calls = sum(c.grad_sync_s for c in synced)
+    assert GRAPH.params_trainable * 4 < 2**20
+    # per chunk, every chunk paid `fixed`; bucketed, the stage pays it once, plus the bytes' transfer time
+    assert fixed <= per_block_calls < 1.5 * fixed
+    fsdp = Strategy(dims=ParallelDims(dp_shard=2), train=TrainingConfig(global_batch=2, seq_len=64, zero=3))
+    fsdp_chunks = [c for c in price_step(GRAPH, fsdp, cluster)[0].stages[0].chunks if c.grad_sync_s > 0]
+    assert all(c.grad_sync_s >= fixed * 0.5 for c in fsdp_chunks)
