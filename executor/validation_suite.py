@@ -77,10 +77,13 @@ class SuiteCase:
     """Model size: "small" (MODEL_CONFIGS, CPU), "cuda" (CUDA_MODEL_CONFIGS, one GPU) or "calibration"
     (CALIBRATION_MODEL_CONFIGS, the calibration plans)."""
 
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """Config fields that differ from the family's at this size (a narrower model, say)."""
+
     def model_fields(self) -> dict[str, Any]:
         """The family's config fields at this case's size (model_type included)."""
         configs = {"cuda": CUDA_MODEL_CONFIGS, "calibration": CALIBRATION_MODEL_CONFIGS}.get(self.size, MODEL_CONFIGS)
-        return dict(configs[self.family])
+        return {**configs[self.family], **self.model_overrides}
 
 
 def suite_cases() -> list[SuiteCase]:
@@ -111,7 +114,7 @@ def suite_cases() -> list[SuiteCase]:
 def calibration_cases() -> list[SuiteCase]:
     """Plans for `soap calibrate --from-runs` to learn from (`soap validate --suite calibration`): the
     suite's techniques on other models (CALIBRATION_MODEL_CONFIGS) with other batch shapes, none of them a
-    suite plan, so the suite stays held out from a profile refitted on their runs (10 plans at 2 ranks)."""
+    suite plan, so the suite stays held out from a profile refitted on their runs (11 plans at 2 ranks)."""
     plans = [
         ("calib gpt2 ddp", "gpt2", dict(dp_replicate=2), dict(micro_batch=4), 64),
         ("calib llama ddp", "llama", dict(dp_replicate=2), dict(micro_batch=1), 256),
@@ -125,8 +128,13 @@ def calibration_cases() -> list[SuiteCase]:
         ("calib llama fsdp full-ckpt", "llama", dict(dp_shard=2), dict(micro_batch=4, zero=3, recompute="full"), 128),
         ("calib bert ddp selective", "bert", dict(dp_replicate=2), dict(micro_batch=4, recompute="selective"), 128),
     ]
-    return [SuiteCase(name=name, family=family, dims=dims, train=train, seq_len=seq, size="calibration")
-            for name, family, dims, train, seq in plans]
+    cases = [SuiteCase(name=name, family=family, dims=dims, train=train, seq_len=seq, size="calibration")
+             for name, family, dims, train, seq in plans]
+    # Overhead-bound: so narrow that the step is per-op host time (dispatch, autograd, modules), which the
+    # wider plans cannot tell apart from compute.
+    narrow = dict(n_embd=32, n_head=2, n_layer=4)
+    return cases + [SuiteCase(name="calib gpt2 narrow ddp", family="gpt2", dims=dict(dp_replicate=2),
+                              train=dict(micro_batch=2), seq_len=32, size="calibration", model_overrides=narrow)]
 
 
 def quick_cases() -> list[SuiteCase]:
@@ -204,7 +212,7 @@ class BuiltCase:
     """The cluster's device runtime workspace (`DeviceProfile.runtime_workspace_bytes`)."""
 
 
-def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str, str], Any] | None = None) -> BuiltCase:
+def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple, Any] | None = None) -> BuiltCase:
     """Trace (cached per family, seq_len, size and trace dtype in `graphs`), simulate and plan one case on `cluster`."""
     import tracer
     from costmodel.simulator import simulate
@@ -215,7 +223,7 @@ def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str, 
     config = hf_config(case)
     strategy = case_strategy(case)
     dtype = regime_dtype(strategy.dims, strategy.train, cluster.device)  # the trace of the run's precision regime
-    key = (case.family, case.seq_len, case.size, dtype)
+    key = (case.family, case.seq_len, case.size, dtype, tuple(sorted(case.model_overrides.items())))
     if key not in graphs:
         from transformers import AutoConfig
 
@@ -230,6 +238,6 @@ def build_case(case: SuiteCase, cluster: Any, graphs: dict[tuple[str, int, str, 
     return BuiltCase(case=case, plan=plan, result=result, workspace_bytes=cluster.device.runtime_workspace_bytes)
 
 
-def resimulate(built: BuiltCase, cluster: Any, graphs: dict[tuple[str, int, str, str], Any]) -> Any:
+def resimulate(built: BuiltCase, cluster: Any, graphs: dict[tuple, Any]) -> Any:
     """The SimResult of an already built case under another cluster profile (same plan)."""
     return build_case(built.case, cluster, graphs).result
