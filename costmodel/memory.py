@@ -58,8 +58,15 @@ Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parall
   input before the copy to the host (2 x largest unit x 4).
 A unit is one block instance, or the non-block parameters together (the root FSDP unit).
 
-Tensor parallelism shards the weights of matmuls and embeddings inside the repeated blocks; the
-embeddings, final norm and LM head stay replicated, as `executor.tensor_parallel` runs them.
+Tensor parallelism shards the weights of matmuls and embeddings inside the repeated blocks (their
+first dimension, ceil(rows / tp)). With the whole model on the rank (pp == 1) it also shards the
+token embedding and the LM head over the vocabulary (`costmodel.placement.vocab_parallel_ops`), so
+their weights, gradients and optimizer state are divided by tp too; position and token-type
+embeddings and the final norm stay replicated, and a pipeline stage keeps the token embedding and LM
+head whole (`stage_params(vocab_parallel=...)`; by default: sharded when `ops` hold both, as only the
+whole model does), as `executor.tensor_parallel` runs them. Activations are sized with every
+parameter-role dimension divided by tp (`split`), the [tokens, vocab] logits of the head and the
+loss's working set included: the vocab-parallel head and loss keep only the rank's vocabulary shard.
 
 Whole stage (`estimate_memory`): the sum of the above for one rank holding `ops` (default: the whole
 graph), with activations multiplied by the micro-batches in flight (a pipeline stage's 1F1B warm-up),
@@ -76,6 +83,7 @@ from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
+from costmodel.placement import vocab_parallel_ops
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
@@ -215,19 +223,27 @@ class ParamSet:
 
 
 def stage_params(
-    ops: Iterable[OpNode], *, block_counts: Mapping[str, int], tensor_parallel: int = 1
+    ops: Iterable[OpNode], *, block_counts: Mapping[str, int], tensor_parallel: int = 1,
+    vocab_parallel: bool | None = None,
 ) -> ParamSet:
     """Distinct parameters (by name) of `ops`, each block's times its instance count. Parameters read by
     matmuls and embeddings inside blocks are sharded `tensor_parallel` ways (their first dimension);
-    others (the non-block embeddings and LM head too) replicate.
+    with `vocab_parallel` also those of the token embedding and the LM head (pp == 1; None: when `ops`
+    hold both, i.e. the whole model); others (position embeddings, norms) replicate.
     Frozen floating-point tensors (frozen weights, buffers such as rotary `inv_freq`) count as frozen;
     integer buffers (position ids) are left out."""
+    ops = tuple(ops)
+    vocab_ops = {name for name in vocab_parallel_ops(ops) if name is not None}
+    if vocab_parallel is None:
+        vocab_parallel = len(vocab_ops) == 2
+    sharded = vocab_ops if vocab_parallel else set()
     seen: set[str] = set()
     trainable = frozen = 0
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
     for op in ops:
-        degree = tensor_parallel if op.kind in TENSOR_PARALLEL_KINDS and op.block_id is not None else 1
+        in_tp = op.kind in TENSOR_PARALLEL_KINDS and op.block_id is not None
+        degree = tensor_parallel if in_tp or op.name in sharded else 1
         count = 1 if op.block_id is None else block_counts.get(op.block_id, 1)
         for p in op.params:
             if p.name in seen:
@@ -273,6 +289,7 @@ def estimate_memory(
     block_counts: Mapping[str, int] | None = None,
     split: Mapping[str, int] | None = None,
     in_flight_microbatches: int = 1,
+    vocab_parallel: bool | None = None,
 ) -> MemoryEstimate:
     """Peak memory of one rank that runs `ops` (default: all of `graph`) under `train`.
 
@@ -283,6 +300,7 @@ def estimate_memory(
     - `split`: role degrees for local activation shapes (default {"parameter": tp}).
     - `in_flight_microbatches`: micro-batches whose activations are live at once (1 without pipeline;
       a 1F1B stage s of p holds p - s).
+    - `vocab_parallel`: whether tp also shards the token embedding and LM head (`stage_params`).
     """
     if train.seq_len != graph.seq_len:
         raise SoapError(
@@ -291,7 +309,7 @@ def estimate_memory(
         )
     ops = graph.ops if ops is None else ops
     counts = {b.id: b.count for b in graph.blocks} if block_counts is None else dict(block_counts)
-    params = stage_params(ops, block_counts=counts, tensor_parallel=tp)
+    params = stage_params(ops, block_counts=counts, tensor_parallel=tp, vocab_parallel=vocab_parallel)
     state = model_state_bytes(
         params.trainable,
         precision=train.precision,

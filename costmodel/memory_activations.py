@@ -38,7 +38,11 @@ saved is still live: 3 x the loss's floating-point inputs at their local size. F
 these are [tokens, vocab] tensors, the largest activations of the step; measured on CPU (RSS per phase,
 single process), the backward's peak exceeds the end of forward by 2 x the logits bytes for gpt2,
 llama and bert alike. A pipeline holds the whole epilogue per micro-batch in flight, which
-over-counts the two gradients there (they exist for one micro-batch at a time).
+over-counts the two gradients there (they exist for one micro-batch at a time). Under tensor
+parallelism without a pipeline the head's logits and the loss are vocab-parallel
+(`executor.tensor_parallel`): these tensors, whose vocabulary dimension has the parameter role, hold
+the rank's vocabulary shard, so a `split` of {"parameter": tp} divides them by tp as it should (the
+simulator passes each op's own split, `costmodel.placement`, which replicates them under a pipeline).
 
 Peak (`activation_bytes`; its terms from `activation_parts`): with none, the end of the forward pass,
 when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With recomputation,

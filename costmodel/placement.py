@@ -16,9 +16,12 @@ Megatron rules (`block_placements`), over a block's ops in execution order:
   attention core exchanges K/V;
 - MoE expert ops (module path containing `experts`) are Parameter x ep (experts split; their local
   work is unchanged, see `OpSplit.local`); TP does not split experts.
-Outside blocks: the embedding is vocab-parallel (Parameter x tp), the LM head column-parallel over
-the vocabulary (ops on its logits stay vocab-sharded), the loss vocab-parallel; other non-block ops
-replicate (Attribute x tp with sequence parallelism).
+Outside blocks, as `executor.tensor_parallel` runs them (`vocab_parallel_ops` names the two ops):
+with the whole model on the rank (pp == 1) the token embedding is vocab-parallel (Parameter x tp),
+the LM head column-parallel over the vocabulary (ops on its logits stay vocab-sharded) and the loss
+vocab-parallel; under a pipeline (pp > 1) they replicate, as torch's pipelining needs plain stage
+outputs. Position and token-type embeddings and other non-block ops replicate (Attribute x tp with
+sequence parallelism).
 
 Collectives a split implies (`Collective`, sizes in nccl-tests' convention, one micro-batch, one
 rank; h = [micro_batch, seq/cp, hidden] at activation width, S = its bytes):
@@ -26,9 +29,13 @@ rank; h = [micro_batch, seq/cp, hidden] at activation width, S = its bytes):
   colwise one. With sequence parallelism: forward all-gather(S) before the colwise linear and
   reduce-scatter(S) after the rowwise one, backward the mirror pair. All-reduce(S) moves
   2(n-1)/n*S per rank, all-gather(S) + reduce-scatter(S) move (n-1)/n*S each: the same bytes.
-- vocab-parallel embedding: forward all-reduce(S) (reduce-scatter with SP); LM head: backward
-  all-reduce(S) of its input gradient (SP: forward all-gather(S), backward reduce-scatter(S)); the
-  vocab-parallel loss: two all-reduces of [micro_batch, seq/cp] fp32 (max and sum).
+- vocab-parallel embedding: forward all-reduce(S) of its partial lookups; LM head: backward
+  all-reduce(S) of its input gradient; the vocab-parallel loss (torch's `loss_parallel`): three
+  forward all-reduces of [micro_batch, seq/cp] fp32 (the max, the sum of exponentials and the target
+  logit). With sequence parallelism the executor also slices the embeddings' replicated output to the
+  local sequence shard at the first block (backward all-gather(S)) and gathers the last block's output
+  (forward all-gather(S)); those two are priced on the token embedding and the LM head, pipelined or
+  not (a pipeline's inner stage boundaries are not priced).
 - CP, per attention core: forward all-gather of K and V over cp (gathered size: the whole sequence,
   the rank's KV heads, GQA heads not repeated), backward reduce-scatter of their gradients (same size).
 - EP, per MoE layer: all-to-all of the routed tokens for dispatch and combine, forward and backward
@@ -165,11 +172,12 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
     tp_kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce", "all_reduce")
     out: list[OpPlacement] = []
     inside = after_head = False
+    vocab = vocab_parallel_ops(ops) if tp > 1 else (None, None)
     for op in ops:
         style = linear_style(op) if op.block_id is not None else None
         colls: list[Collective] = []
         if op.block_id is None:
-            placed = _outside_placement(op, d, sp, s_bytes, shape, after_head)
+            placed = _outside_placement(op, d, sp, s_bytes, shape, after_head, vocab)
             after_head = after_head or placed.split.style == "colwise"
             out.append(placed)
             continue
@@ -207,27 +215,56 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
     return tuple(out)
 
 
+def vocab_parallel_ops(ops: Sequence[OpNode]) -> tuple[str | None, str | None]:
+    """(token embedding, LM head): the names of the ops among `ops` that tensor parallelism shards over
+    the vocabulary when the whole model is on the rank, None where `ops` hold none.
+
+    The token embedding is the first parameterized embedding outside the blocks and before them whose
+    output has sample and sequence dimensions (a lookup of token ids; position and token-type tables
+    are not); the LM head is the last parameterized matmul outside the blocks that comes after them
+    (or, in ops without blocks, after no embedding: an epilogue on its own), so a head's transform
+    (BERT's `cls.predictions.transform.dense`) replicates."""
+    embedding = head = None
+    seen_block = seen_embedding = False
+    for op in ops:
+        if op.block_id is not None:
+            seen_block = True
+        elif op.params and op.kind is OpKind.EMBEDDING:
+            roles = set(op.outputs[0].roles) if op.outputs else set()
+            if embedding is None and not seen_block and {DimRole.SAMPLE, DimRole.ATTRIBUTE} <= roles:
+                embedding = op.name
+            seen_embedding = True
+        elif op.params and op.kind is OpKind.MATMUL and (seen_block or not seen_embedding):
+            head = op.name
+    return embedding, head
+
+
 def _outside_placement(
-    op: OpNode, d: ParallelDims, sp: bool, s_bytes: float, shape: ActivationShape, after_head: bool
+    op: OpNode, d: ParallelDims, sp: bool, s_bytes: float, shape: ActivationShape, after_head: bool,
+    vocab: tuple[str | None, str | None],
 ) -> OpPlacement:
     dp, cp, tp = d.dp, d.cp, d.tp
     if tp == 1:
         return OpPlacement(op, OpSplit(dp, cp, 1, None))
+    sharded = d.pp == 1  # a pipeline keeps the embedding, head and loss replicated
+    embedding, head = vocab
     if after_head and op.kind is not OpKind.LOSS and _has(op, DimRole.PARAMETER):  # vocab-sharded logits
         return OpPlacement(op, OpSplit(dp, cp, tp, None))
-    if op.kind is OpKind.EMBEDDING and op.params:
-        coll = Collective("reduce_scatter" if sp else "all_reduce", s_bytes, "tp", "fwd", "vocab-parallel embedding")
-        return OpPlacement(op, OpSplit(dp, cp, tp, "vocab_parallel"), (coll,))
-    if op.kind is OpKind.MATMUL and op.params:  # LM head / classifier: column-parallel over its outputs
-        colls = (
-            (Collective("all_gather", s_bytes, "tp", "fwd", "LM head input"),
-             Collective("reduce_scatter", s_bytes, "tp", "bwd", "LM head input gradient"))
-            if sp else (Collective("all_reduce", s_bytes, "tp", "bwd", "LM head input gradient"),)
-        )
-        return OpPlacement(op, OpSplit(dp, cp, tp, "colwise"), colls)
-    if op.kind is OpKind.LOSS:
+    if op.name == embedding:
+        colls = [Collective("all_reduce", s_bytes, "tp", "fwd", "vocab-parallel embedding")] if sharded else []
+        if sp:
+            colls.append(Collective("all_gather", s_bytes, "tp", "bwd", "sequence slice entering the first block"))
+        return OpPlacement(op, OpSplit(dp, cp, tp, "vocab_parallel") if sharded else OpSplit(dp, cp, 1, None),
+                           tuple(colls))
+    if op.name == head:  # column-parallel over the vocabulary
+        colls = [Collective("all_gather", s_bytes, "tp", "fwd", "sequence gather leaving the last block")] if sp else []
+        if sharded:
+            colls.append(Collective("all_reduce", s_bytes, "tp", "bwd", "LM head input gradient"))
+        return OpPlacement(op, OpSplit(dp, cp, tp, "colwise") if sharded else OpSplit(dp, cp, 1, None), tuple(colls))
+    if op.kind is OpKind.LOSS and after_head:
         tokens = shape.micro_batch * shape.seq_len / cp * 4
-        colls = tuple(Collective("all_reduce", tokens, "tp", "fwd", f"vocab-parallel loss {w}") for w in ("max", "sum"))
+        colls = tuple(Collective("all_reduce", tokens, "tp", "fwd", f"vocab-parallel loss {w}")
+                      for w in ("max", "sum of exponentials", "target logit"))
         return OpPlacement(op, OpSplit(dp, cp, tp, "vocab_parallel"), colls)
     if sp and _has(op, DimRole.ATTRIBUTE) and _has(op, DimRole.SAMPLE):
         return OpPlacement(op, OpSplit(dp, cp * tp, 1, "sequence_parallel"))

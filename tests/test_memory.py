@@ -296,16 +296,31 @@ def test_zero2_keeps_the_fp32_shard_beside_gathered_parameters_and_one_unit_of_g
     assert buffers("bf16", 4) == 2 * largest_unit * 4
 
 
-def test_tensor_parallel_shards_block_weights_and_replicates_embedding_and_head():
+def test_tensor_parallel_shards_block_weights_and_the_vocabulary_of_embedding_and_head():
+    """The whole model (pp == 1) shards the token embedding and LM head over the vocabulary too."""
     from costmodel.memory import stage_params
 
     ops = toy_ops()
     full = stage_params(ops, block_counts={"l": 3})
     split = stage_params(ops, block_counts={"l": 3}, tensor_parallel=2)
-    non_block = 100 * H + 100 * H  # embedding and head stay whole on every rank, as the executor runs them
+    vocab = 100 * H + 100 * H  # token embedding and LM head
     block_matmuls = 3 * (3 * H * H + 4 * H * H + 4 * H * H)
-    assert full.trainable - split.trainable == block_matmuls // 2
-    assert split.trainable == non_block + 3 * H + block_matmuls // 2
+    assert full.trainable - split.trainable == (block_matmuls + vocab) // 2
+    assert split.trainable == vocab // 2 + 3 * H + block_matmuls // 2
+    assert (50, H) in split.shapes
+
+
+def test_pipeline_stages_keep_embedding_and_head_whole_under_tensor_parallelism():
+    """A stage holds the embedding or the head, not both, and the executor replicates them there."""
+    from costmodel.memory import stage_params
+
+    ops = toy_ops()
+    first, last = ops[:-2], ops[1:]
+    block_matmuls = 3 * (3 * H * H + 4 * H * H + 4 * H * H)
+    assert stage_params(first, block_counts={"l": 3}, tensor_parallel=2).trainable == 100 * H + 3 * H + block_matmuls // 2
+    assert stage_params(last, block_counts={"l": 3}, tensor_parallel=2).trainable == 100 * H + 3 * H + block_matmuls // 2
+    whole_replicated = stage_params(ops, block_counts={"l": 3}, tensor_parallel=2, vocab_parallel=False)
+    assert whole_replicated.trainable == 2 * 100 * H + 3 * H + block_matmuls // 2
 
 
 def test_runtime_workspace_is_optional_profile_data_counted_in_the_overhead():
