@@ -36,11 +36,9 @@ NOTE = (
     ' real step (autograd and module overhead included); *plan* against *alone* is what communication and'
     " the parallel frameworks add: the collectives' own time, the framework's host time per collective "
     "(`collective_call_overhead_us`) and gloo's threads competing with compute for the ranks' cores "
-    '(`communication_overlap`). Not in the model: under TP the executor gathers the whole logits, and the'
-    " loss's log_softmax and its backward on them run several times slower than on the unsharded model's "
-    '(torch.profiler on llama tp: `_log_softmax`, `_log_softmax_backward_data` and `fill_` about 55 ms of'
-    ' a 260 ms step, against 4 ms alone); its all-reduces also wait 2-3 ms each in training against the '
-    '0.7 ms their microbenchmark gives.'
+    "(`communication_overlap`). Under TP the embedding, LM head and loss are vocab-parallel, as the "
+    "simulator prices them: each rank runs the loss's log_softmax on its vocabulary shard only. Not in the "
+    "model: TP's all-reduces wait 2-3 ms each in training against the 0.7 ms their microbenchmark gives."
 )
 """What the table shows and what the model leaves out (written under it)."""
 DEFAULT_CASES = ("gpt2 ddp", "llama fsdp zero3", "llama tp", "bert zero2")
@@ -110,7 +108,7 @@ def _phase_step(parallel, optimizers, loss_fn, batch, slicer, device) -> dict[st
     for k in range(p.num_microbatches):
         last = k == p.num_microbatches - 1
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
+        with sync, parallel.loss_parallel():
             a = time.perf_counter()
             logits = model(input_ids=ids[k * m:(k + 1) * m], position_ids=positions, use_cache=False).logits
             loss = loss_fn(logits, labels[k * m:(k + 1) * m])

@@ -14,6 +14,7 @@ seeded per FQN, or from `weights`); a model with real weights keeps them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,6 +58,21 @@ class ParallelModel:
             self.tied.sum_gradients()
 
     @property
+    def vocab_parallel(self) -> bool:
+        """The logits are a DTensor sharded on the vocabulary (tp > 1 with the whole model on the rank)."""
+        p = self.plan.parallelism
+        return p.tp > 1 and p.pp == 1
+
+    def loss_parallel(self) -> Any:
+        """The context the loss and its backward run in: torch's `loss_parallel()` for vocab-sharded
+        logits (cross-entropy without gathering them), otherwise a no-op."""
+        if not self.vocab_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    @property
     def model(self) -> nn.Module:
         """The model (pp == 1) or this rank's first stage module."""
         return self.parts[0]
@@ -94,6 +110,19 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
 
     `loss_fn(logits, labels)` is the pipeline's loss (pp > 1); by default the mean token cross-entropy.
     `seed` / `weights` fill a meta-device model; `device` defaults to cuda:LOCAL_RANK or the CPU.
+
+    With tp > 1 and pp == 1 the token embedding and LM head are vocab-parallel (as torchtitan runs
+    them): the model's logits are a DTensor sharded on the vocabulary (`Shard(-1)` over the TP mesh).
+    Compute the loss and run its backward inside `loss_parallel()` (`ParallelModel.loss_parallel()`
+    enters it only when needed), where `F.cross_entropy` on the DTensor logits all-reduces per-token
+    statistics instead of gathering the logits:
+
+        with parallel.loss_parallel():
+            logits = parallel.model(input_ids=ids).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+
+    `logits.full_tensor()` gathers them whole where something needs every vocabulary column.
     """
     if not dist.is_initialized():
         raise SoapError("soap.parallelize needs an initialized process group; run under torchrun "
@@ -138,7 +167,7 @@ def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
         # every stage enters and leaves the sequence-parallel region itself, so HF's model-level code
         # (masks, position embeddings) always sees whole sequences
         apply_tp(part, mesh.tp, plan.tp_plan, sequence_parallel=p.sequence_parallel,
-                 first_block=modules[0], last_block=modules[-1])
+                 first_block=modules[0], last_block=modules[-1], vocab_parallel=p.pp == 1)
     if p.cp > 1:
         apply_cp(part, mesh.cp)
     apply_recompute(part, _recompute_policy(plan))

@@ -16,6 +16,10 @@ micro-batch's loss is `sum_CE(local tokens) * R / N`. Gradients are summed over 
 pipeline micro-batches, `scale_grads=False`) and averaged over the R ranks, which gives exactly the
 gradient of the global mean `sum_CE(all) / N`, whatever the layout. The reported loss is the sum of
 the unscaled local sums, all-reduced over the R ranks, divided by N.
+
+Under tensor parallelism with the whole model on the rank, the logits are a DTensor sharded on the
+vocabulary and the cross-entropy is torch's vocab-parallel one (`loss_parallel()`, entered by the
+training step around the loss and its backward); its sum is the same on every TP rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tracer.errors import SoapError
 
@@ -125,7 +130,12 @@ class ScaledTokenLoss:
         self.unscaled_sum = torch.zeros(())
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The scaled loss of one micro-batch. Vocab-sharded DTensor logits (tp > 1, pp == 1) need the call
+        and its backward inside `loss_parallel()`; the loss then comes back as a plain tensor, the same on
+        every TP rank."""
         total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        if isinstance(total, DTensor):  # replicated over tp: every rank's local value is the whole sum
+            total = total.full_tensor()
         # stays on the device: a copy to the host here would wait for the GPU once per micro-batch
         self.unscaled_sum = self.unscaled_sum + total.detach()
         return total * self.factor

@@ -7,7 +7,27 @@
     sequence / sequence_parallel -> SequenceParallel (norm on a sequence shard; replicated without SP)
     replicate-> nothing (the module stays replicated)
 A `FusedQKV` named colwise is split as its three Linears. The blocks are the entries of the model's
-layer list; embeddings, the final norm and the LM head stay replicated.
+layer list.
+
+Outside the blocks (torchtitan's layout), when the whole model is on the rank (pp == 1,
+`vocab_parallel=True`):
+    token embedding  RowwiseParallel(input Replicate, output Replicate): torch's vocab-parallel
+                     embedding, weight Shard(0); each rank looks up its vocabulary rows, the partial
+                     sums are all-reduced in forward
+    LM head          ColwiseParallel(input Replicate, output Shard(-1), use_local_output=False): weight
+                     (and bias) Shard(0); the logits stay a DTensor sharded on the vocabulary, and its
+                     input gradient is all-reduced in backward
+    loss             cross-entropy on those logits inside `torch.distributed.tensor.parallel.loss_parallel()`
+                     (forward and backward; see `executor.train.train_step`): all-reduces of the
+                     per-token max, sum of exponentials and target logit, never the whole logits
+Tied embeddings (GPT-2, BERT) are re-tied after sharding: both styles shard the weight on dim 0, so the
+embedding and the head share one DTensor parameter (BERT's `cls.predictions.bias` likewise stays the
+decoder's bias). Position and token-type embeddings and the final norm stay replicated. A vocabulary
+that tp does not divide is sharded unevenly (DTensor's Shard gives the first ranks one row more).
+
+Pipelines (pp > 1) keep the token embedding, final norm, LM head and loss replicated: a stage's outputs
+must be plain tensors for torch.distributed.pipelining, and the schedule's loss runs outside
+`loss_parallel()`.
 
 Attention modules then get their head counts divided by tp (`num_heads`, `num_attention_heads`,
 `num_key_value_heads`, `all_head_size`, `embed_dim`, `split_size`), so HF's reshapes see local heads.
@@ -16,8 +36,9 @@ Sequence parallelism (Megatron-SP). Between TP regions the activations are shard
 (dim 1). The parent of each colwise group (the attention or MLP module) all-gathers its input to a
 replicated DTensor in a forward pre-hook (backward: reduce-scatter); the rowwise projections
 reduce-scatter. The first block (of the model, or of each pipeline stage) slices its replicated input
-to the local sequence shard and the last block all-gathers its output, so the embeddings, final norm
-and LM head run replicated and pipeline stages exchange whole sequences.
+to the local sequence shard and the last block all-gathers its output, so the embeddings and final
+norm see whole sequences (the vocab-parallel embedding's output is all-reduced, then sliced), the LM
+head's input is replicated, and pipeline stages exchange whole sequences.
 Per block and step that is 2 all-gathers + 2 reduce-scatters forward and the same backward, plus the
 all-reduce of the sequence-parallel norm weights' gradients.
 """
@@ -56,11 +77,12 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, sequence_parallel: bool,
-             first_block: nn.Module | None, last_block: nn.Module | None) -> None:
+             first_block: nn.Module | None, last_block: nn.Module | None, vocab_parallel: bool = False) -> None:
     """Shard every block in `model`'s layer list as `tp_plan` says (see the module docstring).
 
     `first_block` / `last_block` enter and leave the sequence-parallel region (the first and last
-    blocks of the model or of its pipeline stage).
+    blocks of the model or of its pipeline stage). `vocab_parallel` (the whole model, pp == 1) also
+    shards the token embedding and the LM head over the vocabulary.
     """
     if not tp_plan:
         raise SoapError("the plan has tp > 1 but an empty tp_plan; regenerate it with `soap plan`")
@@ -86,6 +108,30 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, 
             first_block.register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
         if last_block is not None:
             last_block.register_forward_hook(_gather_output_hook(tp_mesh))
+    if vocab_parallel:
+        apply_vocab_parallel(model, tp_mesh)
+
+
+def apply_vocab_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard the token embedding and the LM head over the vocabulary, keeping ties (module docstring)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embed, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise SoapError(f"{type(model).__name__}: vocab-parallel TP needs an nn.Embedding input embedding and an "
+                        f"nn.Linear LM head, not {type(embed).__name__} / {type(head).__name__}")
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    shared = [places[key] for key in {id(p) for p in (*embed.parameters(), *head.parameters())} if len(places[key]) > 1]
+    parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                      use_local_output=False))
+    for group in shared:
+        # the first sharded copy wins: the embedding's for a tied head weight, the head's for BERT's bias alias
+        keep = next(getattr(m, n) for m, n in group if isinstance(getattr(m, n), DTensor))
+        for module, name in group:
+            module.register_parameter(name, keep)
 
 
 def _expand_styles(block: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:

@@ -146,7 +146,8 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
         for k in range(p.num_microbatches):
             last = k == p.num_microbatches - 1
             sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-            with sync:
+            # loss_parallel (vocab-sharded logits under TP) must hold for the loss and its backward
+            with sync, parallel.loss_parallel():
                 with runtime.autocast():
                     logits = model(input_ids=ids[k * m:(k + 1) * m], position_ids=positions, use_cache=False).logits
                     loss = loss_fn(logits, labels[k * m:(k + 1) * m])

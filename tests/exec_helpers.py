@@ -147,6 +147,8 @@ def run_cases(rank: int, world: int, store: str, cases: list[dict[str, Any]], ou
             plan = make_plan(case["family"], **case["plan"])
             if case.get("record_pipeline_order"):
                 results[case["name"]] = _pipeline_order(plan, RunConfig(progress=False, **case.get("run", {})))
+            elif case.get("inspect_vocab_parallel"):
+                results[case["name"]] = _vocab_parallel_layout(plan)
             elif case.get("count_block_collectives"):
                 results[case["name"]] = _block_collectives(plan, RunConfig(progress=False, **case.get("run", {})))
             else:
@@ -177,6 +179,58 @@ def _block_collectives(plan: Plan, run: Any) -> dict[str, dict[str, dict[str, in
             out[module] = {phase: {str(op).split(".")[-1]: n for op, n in counts.items()}
                            for phase, counts in phases.items() if phase in ("forward", "backward")}
     return out
+
+
+def _vocab_parallel_layout(plan: Plan) -> dict[str, Any]:
+    """How TP placed the embeddings and the LM head, what the logits are, and one forward/backward's loss
+    and embedding / head gradients against an unsharded copy of the model built from the same seed."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from executor.api import parallelize
+    from executor.data import TokenSource
+    from executor.model import build_meta_model, materialize, tied_aliases
+
+    cpu = torch.device("cpu")
+    parallel = parallelize(build_meta_model(plan.model.config, plan.model.task), plan, seed=0, device=cpu)
+    reference = build_meta_model(plan.model.config, plan.model.task)
+    materialize(reference, copy.deepcopy(reference), cpu, seed=0)
+    model = parallel.model
+    batch = TokenSource(vocab_size=reference.config.vocab_size, global_batch=plan.global_batch, seq_len=plan.seq_len,
+                        task=plan.model.task, seed=0).batch_for_step(0)
+    with parallel.loss_parallel():
+        logits = model(input_ids=batch.input_ids, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
+        loss.backward()
+    ref_loss = F.cross_entropy(reference(input_ids=batch.input_ids, use_cache=False).logits.flatten(0, 1),
+                               batch.labels.flatten())
+    ref_loss.backward()
+
+    def placements(t: Any) -> list[str] | str:
+        return [str(p) for p in t.placements] if isinstance(t, DTensor) else "plain"
+
+    def grad_error(module: Any, ref_module: Any) -> float:
+        grad = module.weight.grad
+        full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        return float((full - ref_module.weight.grad).abs().max())
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    others = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Embedding) and module is not embed]
+    return {
+        "embedding": placements(embed.weight), "head": placements(head.weight), "logits": placements(logits),
+        "logits_local_vocab": logits.to_local().shape[-1] if isinstance(logits, DTensor) else logits.shape[-1],
+        "other_embeddings": {name: placements(model.get_submodule(name).weight) for name in others},
+        "tied": head.weight is embed.weight,
+        "aliases": tied_aliases(model) == tied_aliases(reference),
+        "parameters": len(list(model.parameters())), "reference_parameters": len(list(reference.parameters())),
+        "loss_error": abs(float(loss.detach().full_tensor()) - float(ref_loss)),
+        "embedding_grad_error": grad_error(embed, reference.get_input_embeddings()),
+        "head_grad_error": grad_error(head, reference.get_output_embeddings()),
+    }
 
 
 def _pipeline_order(plan: Plan, run: Any) -> list[list[str]]:

@@ -2,10 +2,15 @@
 
 - Equivalence: every parallel layout trains exactly like one process: losses over 3 steps from the
   same seed match a single-process run (fp32, relative 1e-4) on tiny llama, gpt2 and bert; also GPT-2's
-  tied embeddings split across pipeline stages, optimizer CPU offload, and fp16 loss scaling through a
-  pipeline (against a single-process fp16 run).
+  tied embeddings split across pipeline stages, optimizer CPU offload, fp16 loss scaling through a
+  pipeline (against a single-process fp16 run), and vocab-parallel TP over a vocabulary tp does not
+  divide.
+- Vocab-parallel TP (pp == 1): the token embedding and LM head are sharded over the vocabulary (tied
+  ones stay one parameter), the logits come out vocab-sharded, and loss and gradients equal an
+  unsharded copy's.
 - Communication: for a TP+SP plan (using the simulator's own tp_plan), the collectives CommDebugMode
-  counts inside each block equal those `costmodel.placement.block_placements` schedules per block.
+  counts inside each block and outside them equal those `costmodel.placement.block_placements`
+  schedules.
 - Resume: 6 steps straight equal 3 steps + resume + 3 steps (losses and final weights).
 
 Starting ranks is the expensive part, so everything at 2 ranks runs inside one group, everything at 4
@@ -28,6 +33,8 @@ pytestmark = pytest.mark.slow
 
 RUN = {"steps": 3, "lr": 1e-2}
 UNTIED = {f: {"config": tiny_config(f, tie_word_embeddings=False)} for f in ("llama", "gpt2")}
+ODD_VOCAB = {"config": tiny_config("gpt2", vocab_size=95)}
+"""A vocabulary tp=2 does not divide: sharded unevenly (48 + 47 rows)."""
 
 
 def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
@@ -60,6 +67,7 @@ def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
         "bert-ddp": ("bert", dict(dp_replicate=2, micro_batch=2)),
         "bert-zero3": ("bert", dict(dp_shard=2, zero=3, micro_batch=2)),
         "bert-tp": ("bert", dict(tp=2, micro_batch=4)),
+        "gpt2-tp-vocab-95": ("gpt2", dict(tp=2, micro_batch=4, **ODD_VOCAB)),
     }
     return cases
 
@@ -106,6 +114,7 @@ def single_process_losses() -> dict[str, list[float]]:
                 for f in ("llama", "gpt2", "bert")}
         for f in ("llama", "gpt2"):
             refs[f"{f}-untied"] = train(make_plan(f, micro_batch=4, **UNTIED[f]), RunConfig(progress=False, **RUN)).losses
+        refs["gpt2-vocab-95"] = train(make_plan("gpt2", micro_batch=4, **ODD_VOCAB), RunConfig(progress=False, **RUN)).losses
         # SGD, unlike AdamW, would show gradients left multiplied by the loss scale
         refs["llama-untied-fp16-sgd"] = train(make_plan("llama", micro_batch=4, precision="fp16", optimizer="sgd",
                                                         **UNTIED["llama"]), RunConfig(progress=False, **RUN)).losses
@@ -114,19 +123,27 @@ def single_process_losses() -> dict[str, list[float]]:
     return refs
 
 
-def _simulated_tp_plan_and_block_collectives() -> tuple[dict[str, str], collections.Counter]:
-    """The simulator's tp_plan and per-block collectives for the tiny llama TP2+SP plan."""
+def _simulated_tp_plan_and_block_collectives() -> tuple[dict[str, str], collections.Counter, dict[str, collections.Counter],
+                                                       tuple]:
+    """The simulator's tp_plan, per-block collectives, the collectives of the ops outside the blocks (by
+    op name) and the names of the token embedding and LM head, for the tiny llama TP2+SP plan."""
     import tracer
-    from costmodel.placement import ActivationShape, block_placements, tp_plan
+    from costmodel.placement import ActivationShape, block_placements, tp_plan, vocab_parallel_ops
     from transformers import AutoConfig
 
     fields = tiny_config("llama")
     graph = tracer.trace(AutoConfig.for_model(fields.pop("model_type"), **fields), batch=4, seq_len=16)
     strategy = make_plan("llama", **COMM_PLAN).strategy()
+    shape = ActivationShape(micro_batch=4, seq_len=16, hidden=32, itemsize=4)
     block = [op for op in graph.ops if op.block_id == "model.layers"]
-    placed = block_placements(block, strategy, ActivationShape(micro_batch=4, seq_len=16, hidden=32, itemsize=4))
+    placed = block_placements(block, strategy, shape)
     counts = collections.Counter((c.kind, c.phase) for p in placed for c in p.collectives if c.group == "tp")
-    return tp_plan(block, strategy), counts
+    outside: dict[str, collections.Counter] = {}
+    for segment in graph.segments():
+        if segment.block_id is None:
+            for p in block_placements(segment.ops, strategy, shape):
+                outside[p.op.name] = collections.Counter((c.kind, c.phase) for c in p.collectives if c.group == "tp")
+    return tp_plan(block, strategy), counts, outside, vocab_parallel_ops(graph.ops)
 
 
 ORDER_PLANS = {
@@ -136,6 +153,8 @@ ORDER_PLANS = {
                             schedule="Interleaved1F1B", **UNTIED["llama"]),
 }
 COMM_PLAN = dict(tp=2, micro_batch=4, sequence_parallel=True)
+VOCAB_PLAN = dict(tp=2, micro_batch=4)
+VOCAB_CASES = {"gpt2": {}, "llama": {}, "bert": {}, "gpt2-vocab-95": ODD_VOCAB}
 RESUME_PLAN = dict(dp_shard=2, zero=3, micro_batch=2)
 
 
@@ -146,19 +165,21 @@ def resume_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def simulated() -> tuple[dict[str, str], collections.Counter]:
+def simulated() -> tuple:
     return _simulated_tp_plan_and_block_collectives()
 
 
 @pytest.fixture(scope="module")
 def two_rank_losses(resume_dirs, simulated) -> dict:
-    sim_tp_plan, _ = simulated
+    sim_tp_plan = simulated[0]
     straight, split = str(resume_dirs["straight"]), str(resume_dirs["split"])
     extra = (
         {"name": "comm-tp-sp", "family": "llama", "plan": {**COMM_PLAN, "tp_plan": sim_tp_plan},
          "run": {"steps": 1}, "count_block_collectives": True},
         *({"name": f"order-{name}", "family": "llama", "plan": kwargs, "run": {"steps": 2},
            "record_pipeline_order": True} for name, kwargs in ORDER_PLANS.items()),
+        *({"name": f"vocab-{name}", "family": name.split("-")[0], "plan": {**VOCAB_PLAN, **kwargs},
+           "inspect_vocab_parallel": True} for name, kwargs in VOCAB_CASES.items()),
         {"name": "resume-straight", "family": "llama", "plan": RESUME_PLAN,
          "run": {**RUN, "steps": 6, "checkpoint_dir": straight, "checkpoint_every": 3}},
         {"name": "resume-first", "family": "llama", "plan": RESUME_PLAN,
@@ -180,7 +201,9 @@ def eight_rank_losses() -> dict:
 
 
 def _reference(name: str, family: str, kwargs: dict, refs: dict) -> list[float]:
-    key = f"{family}-untied" if "config" in kwargs else family
+    config = kwargs.get("config")
+    key = (family if config is None else f"{family}-untied" if not config.get("tie_word_embeddings", True)
+           else f"{family}-vocab-{config['vocab_size']}")
     if kwargs.get("precision") == "fp16":
         key += f"-fp16-{kwargs['optimizer']}"
     return refs[key]
@@ -216,29 +239,51 @@ def test_losses_change_between_steps(single_process_losses):
 
 
 def test_tp_sp_block_collectives_equal_the_simulated_ones(two_rank_losses, simulated):
-    """CommDebugMode's per-block counts = the simulator's per-block collectives, plus the executor's
-    sequence-parallel boundary (hand-derived): the first block's input slice is an all-gather in
-    backward, the last block's output gather an all-gather in forward. (The simulator prices those
-    boundaries as the vocab-parallel embedding / LM head instead; the executor keeps those replicated.)"""
+    """CommDebugMode's counts = the simulator's collectives. Per block: the block's own, plus the
+    sequence-parallel boundary, which the simulator prices on the ops outside the blocks: the token
+    embedding's backward all-gather (the executor slices the embedding output at the first block) and
+    the LM head's forward all-gather (it gathers the last block's output). Outside the blocks the
+    all-reduces: the vocab-parallel embedding (forward), the LM head's input gradient (backward) and
+    the vocab-parallel loss (three forward), besides the per-step all-reduce of the sequence-parallel
+    norm weights' gradients (2 per block)."""
     measured = two_rank_losses["comm-tp-sp"]
     assert isinstance(measured, dict), measured
-    _, expected = simulated
+    _, expected, outside, (embedding, head) = simulated
     assert sum(expected.values()) == 8  # 2 TP regions x (fwd AG + RS, bwd RS + AG)
+    assert (embedding, head) == ("model.embed_tokens:embedding", "lm_head:linear")
+    gathers = {name: collections.Counter({k: n for k, n in c.items() if k[0] == "all_gather"}) for name, c in outside.items()}
+    assert gathers[embedding] == {("all_gather", "bwd"): 1} and gathers[head] == {("all_gather", "fwd"): 1}
+    assert sum(sum(c.values()) for name, c in gathers.items() if name not in (embedding, head)) == 0
     blocks = sorted((k for k in measured if k != "total"), key=lambda k: int(k.rsplit(".", 1)[1]))
     assert len(blocks) == 4
     names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
     for i, block in enumerate(blocks):
         got = collections.Counter({(names[op], "fwd" if phase == "forward" else "bwd"): n
                                    for phase, ops in measured[block].items() for op, n in ops.items()})
-        boundary = collections.Counter()
-        if i == 0:
-            boundary[("all_gather", "bwd")] += 1
-        if i == len(blocks) - 1:
-            boundary[("all_gather", "fwd")] += 1
+        boundary = (gathers[embedding] if i == 0 else collections.Counter()) + \
+            (gathers[head] if i == len(blocks) - 1 else collections.Counter())
         assert got == expected + boundary, block
-    # outside the blocks, only the per-step reductions: 2 SP norm-weight gradients per block, the loss
-    # and the peak-memory report
-    assert measured["total"]["all_reduce"] == 2 * len(blocks)
+    simulated_all_reduces = sum(n for c in outside.values() for (kind, _), n in c.items() if kind == "all_reduce")
+    assert simulated_all_reduces == 5  # embedding, head input gradient, loss max / sum / target logit
+    # the loss report and the peak-memory gather are plain c10d calls (allreduce_, allgather_), apart
+    assert measured["total"]["all_reduce"] == 2 * len(blocks) + simulated_all_reduces
+
+
+@pytest.mark.parametrize("name", list(VOCAB_CASES))
+def test_tp_shards_the_token_embedding_and_lm_head_over_the_vocabulary(name, two_rank_losses):
+    """2-rank TP: the token embedding and LM head weights are Shard(0) DTensors (one tied parameter for
+    GPT-2 and BERT, BERT's decoder-bias alias kept), the logits come out sharded on the vocabulary,
+    position / token-type embeddings stay plain, and one vocab-parallel forward/backward gives the loss
+    and the embedding / head gradients of an unsharded copy (tied: the sum of both uses)."""
+    got = two_rank_losses[f"vocab-{name}"]
+    assert isinstance(got, dict), got
+    assert got["embedding"] == got["head"] == ["S(0)"]
+    assert got["logits"] == ["S(2)"] and got["logits_local_vocab"] == 48  # rank 0's shard of 96 or 95
+    assert set(got["other_embeddings"].values()) <= {"plain"} and bool(got["other_embeddings"]) is (name != "llama")
+    assert got["tied"] is (name != "llama") and got["aliases"]
+    assert got["parameters"] == got["reference_parameters"]
+    assert got["loss_error"] < 1e-5
+    assert got["embedding_grad_error"] < 1e-6 and got["head_grad_error"] < 1e-6
 
 
 def test_resume_continues_exactly(two_rank_losses, resume_dirs):
