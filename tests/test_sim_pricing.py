@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costmodel.placement import (
-    ActivationShape, OpSplit, block_placements, candidate_splits, reshard, tp_plan,
+    ActivationShape, OpSplit, block_placements, candidate_splits, reshard, tp_plan, vocab_parallel_ops,
 )
 from costmodel.profiles import load_cluster
 from costmodel.schedule import build_schedule
@@ -61,6 +61,46 @@ def test_context_parallel_gathers_kv_for_each_attention():
     cp = [c for p in placed for c in p.collectives if c.group == "cp"]
     assert [(c.kind, c.phase) for c in cp] == [("all_gather", "fwd"), ("reduce_scatter", "bwd")]
     assert cp[0].nbytes == 2 * 1 * 64 * 4 * 16 * 2  # K and V, whole sequence, 4 KV heads of 16, bf16
+
+
+def _outside_placements(strategy):
+    return {p.op.name: p for seg in GRAPH.segments() if seg.block_id is None
+            for p in block_placements(seg.ops, strategy, SHAPE)}
+
+
+def test_vocab_parallel_embedding_head_and_loss_only_without_a_pipeline():
+    """As executor.tensor_parallel runs them: vocab-parallel with the whole model on the rank,
+    replicated (no collectives) on pipeline stages."""
+    embedding, head = vocab_parallel_ops(GRAPH.ops)
+    loss = next(op.name for op in GRAPH.ops if op.kind.name == "LOSS")
+    whole = _outside_placements(_strategy(tp=2))
+    assert whole[embedding].split.style == "vocab_parallel" and whole[head].split.style == "colwise"
+    assert [(c.kind, c.phase) for c in whole[embedding].collectives] == [("all_reduce", "fwd")]
+    assert [(c.kind, c.phase) for c in whole[head].collectives] == [("all_reduce", "bwd")]
+    assert [(c.kind, c.phase) for c in whole[loss].collectives] == [("all_reduce", "fwd")] * 3
+    pipelined = _outside_placements(_strategy(tp=2, pp=2))
+    assert all(p.split.parameter == 1 and not p.collectives for p in pipelined.values())
+    sp = _outside_placements(_strategy(tp=2, pp=2, sequence_parallel=True))
+    assert [(c.kind, c.phase) for c in sp[embedding].collectives] == [("all_gather", "bwd")]
+    assert [(c.kind, c.phase) for c in sp[head].collectives] == [("all_gather", "fwd")]
+
+
+@pytest.mark.parametrize("family, task, expected", [
+    ("gpt2", "causal-lm", ("transformer.wte:embedding", "lm_head:linear")),
+    ("bert", "masked-lm", ("bert.embeddings.word_embeddings:embedding", "cls.predictions.decoder:linear")),
+])
+def test_position_tables_and_head_transforms_are_not_vocab_parallel(family, task, expected):
+    """GPT-2's wpe, BERT's position / token-type tables and its head transform replicate, as the
+    executor's get_input_embeddings / get_output_embeddings leave them."""
+    import tracer
+    from exec_helpers import tiny_config
+    from transformers import AutoConfig
+
+    fields = tiny_config(family)
+    graph = tracer.trace(AutoConfig.for_model(fields.pop("model_type"), **fields), batch=2, seq_len=16, task=task)
+    assert vocab_parallel_ops(graph.ops) == expected
+    epilogue = [seg.ops for seg in graph.segments() if seg.block_id is None][-1]
+    assert vocab_parallel_ops(epilogue)[1] == expected[1]
 
 
 def test_tp_plan_has_torch_shape_relative_to_the_block():
