@@ -200,7 +200,7 @@ def price_step(
     else:
         schedule, passes = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages), t.grad_accum
     # buffers hold one stage's parameters or gradients: the largest stage's bound every rank
-    buffers = max(buffer_bytes(params=_stage_param_set(layers[bounds[k]:bounds[k + 1]], d.tp), precision=t.precision,
+    buffers = max(buffer_bytes(params=_stage_param_set(layers[bounds[k]:bounds[k + 1]], d.tp, d.pp), precision=t.precision,
                                zero=t.zero, dp=d.dp, dp_shard=d.dp_shard, offload=t.offload_optimizer)
                   for k in range(n_stages))
     costs = StepCosts(
@@ -228,7 +228,9 @@ class _UnitPricer:
 
     def params(self, layer: Layer) -> int:
         if layer.segment not in self._params:
-            self._params[layer.segment] = stage_params(layer.ops, block_counts={}, tensor_parallel=self.strategy.dims.tp).trainable
+            d = self.strategy.dims
+            self._params[layer.segment] = stage_params(layer.ops, block_counts={}, tensor_parallel=d.tp,
+                                                       vocab_parallel=d.pp == 1).trainable
         return self._params[layer.segment]
 
     def chunk(self, layer: Layer) -> ChunkCost:
@@ -325,7 +327,7 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
     d, t = strategy.dims, strategy.train
     chunks = _ddp_buckets(tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers),
                           [units.params(layer) for layer in layers], strategy, pricer, groups)
-    params = _stage_param_set(layers, d.tp)
+    params = _stage_param_set(layers, d.tp, d.pp)
     state = model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
                               dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
@@ -373,15 +375,17 @@ def _ddp_buckets(chunks: tuple[ChunkCost, ...], params: Sequence[int], strategy:
     return tuple(out)
 
 
-def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int) -> ParamSet:
-    """The parameters one rank of a stage holds (its layers, each block instance counted)."""
+def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int, pp: int) -> ParamSet:
+    """The parameters one rank of a stage holds (its layers, each block instance counted); tp shards the
+    token embedding and LM head only without a pipeline (`executor.tensor_parallel`), also where one rank
+    holds both ends of a pipeline (ZBV)."""
     counts: dict[str, int] = {}
     for layer in layers:
         if layer.block_id is not None:
             counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
     seen_segments = {layer.segment: layer for layer in layers}
     ops = [op for layer in seen_segments.values() for op in layer.ops]
-    return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel)
+    return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel, vocab_parallel=pp == 1)
 
 
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:
