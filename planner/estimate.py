@@ -34,7 +34,8 @@ Memory of pipeline rank r (`_rank_memory`):
     + one block's recompute window while it recomputes (selective and full recompute)
     + ZeRO-3 gathered parameters of the two largest units, or the data-parallel (and offload)
       buffers of `costmodel.memory.buffer_bytes` (ZeRO 0-2) + context overhead (as the simulator).
-(TP shards the blocks' weights; the embedding and LM head stay replicated, as `memory.stage_params`.)
+(TP shards the blocks' weights, and without a pipeline the token embedding and LM head, as
+`memory.stage_params`.)
 In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
 (v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
 """
@@ -51,6 +52,7 @@ from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import ParamSet, buffer_bytes, model_state_bytes
 from costmodel.memory_activations import activation_parts
 from costmodel.opcost import op_time
+from costmodel.placement import vocab_parallel_ops
 from costmodel.profiles import ClusterSpec
 from costmodel.simulator_pricing import offload_host_bytes
 from costmodel.strategy import TrainingConfig
@@ -93,6 +95,17 @@ class Estimate:
         return self.memory.total
 
 
+def _new_elements(ops, seen: set[str]) -> int:
+    """Elements of the parameters of `ops` not in `seen` (which it extends)."""
+    total = 0
+    for op in ops:
+        for p in op.params:
+            if p.name not in seen:
+                seen.add(p.name)
+                total += p.numel
+    return total
+
+
 def group_ranks_per_node(size: int, inner: int, gpus_per_node: int) -> int:
     """Ranks of a mesh group that share a node, when `inner` consecutive ranks sit inside it."""
     if size == 1:
@@ -107,6 +120,10 @@ class Estimator:
         self.graph, self.cluster, self.units = graph, cluster, units
         self.hidden = graph.dims.hidden
         self.kv_width = graph.dims.kv_heads * graph.dims.head_dim
+        vocab, seen = set(vocab_parallel_ops(graph.ops)) - {None}, set()
+        self._vocab_params = [_new_elements((op for op in u.ops if op.name in vocab), seen) for u in units]
+        """Elements of the token embedding and LM head in each unit (sharded by tp when pp == 1), each
+        parameter counted once, as `Unit.params` counts it (a tied head adds nothing)."""
         self._costed_ops = [tuple(op for op in u.ops if op.fwd_flops or op.bwd_flops or op.bytes_moved) for u in units]
         """Ops that take time (views move no bytes and run no FLOPs: op_time prices them at zero)."""
         self.unit_time = lru_cache(maxsize=None)(self._unit_time_uncached)
@@ -229,9 +246,12 @@ class Estimator:
         compute_unit, per_unit, bwd_unit, act_unit, transient_unit = costs.T
 
         # memory shards expert weights like every matmul weight, by tp, as `costmodel.memory.stage_params` does
-        # TP shards the blocks' weights; the embedding and LM head stay replicated (costmodel.memory.stage_params)
-        params_unit = np.array([unit.params / (1 if unit.id.startswith("<") else d.tp) for unit in self.units],
-                               dtype=float)
+        # TP shards the blocks' weights, and without a pipeline the token embedding and LM head too
+        # (costmodel.memory.stage_params)
+        vocab_share = (d.tp - 1) / d.tp if d.pp == 1 else 0.0
+        params_unit = np.array([unit.params / d.tp if not unit.id.startswith("<")
+                                else unit.params - vocab_share * self._vocab_params[u]
+                                for u, unit in enumerate(self.units)], dtype=float)
         p2p = self._p2p(mesh, t.micro_batch, t.precision, t.virtual_stages)
         rank_time = counts @ per_unit + p2p
         rank_compute = counts @ compute_unit
