@@ -84,9 +84,32 @@ def split_stage(model: nn.Module, plan: Plan, stage_index: int) -> nn.Module:
             if replacement is not None:
                 parent, _, name = fqn.rpartition(".")
                 setattr(module.get_submodule(parent), name, replacement)
+    _drop_other_stages_parameters(module, mine, {fqn for s in stages for fqn in s.modules})
     _add_stage_hooks(module, first=first, last=last)
     module.soap_stage_index = stage_index
     return module
+
+
+def _drop_other_stages_parameters(module: nn.Module, mine: set[str], listed: set[str]) -> None:
+    """What no stage names but sits beside other stages' modules (BERT's head: `cls.predictions` holds the
+    bias `cls.predictions.decoder.bias` aliases, `cls.predictions.transform` the activation between the
+    named dense and LayerNorm) goes with the stage that names those modules: the other stages drop such
+    parameters (they would keep an unused copy, with no gradient, that looks tied across stages) and run
+    such parameter-free modules as identities (else the first stage's output would pass through the
+    head's activation)."""
+    def owned_elsewhere(fqn: str) -> bool:
+        below = [m for m in listed if m.startswith(fqn + ".")]
+        return bool(below) and not any(m in mine for m in below)
+
+    for fqn, sub in list(module.named_modules()):
+        if not fqn or any(fqn == m or fqn.startswith(m + ".") for m in listed):
+            continue
+        parent, _, name = fqn.rpartition(".")
+        if owned_elsewhere(fqn):
+            for param, _ in list(sub.named_parameters(recurse=False)):
+                sub._parameters[param] = None
+        elif parent and owned_elsewhere(parent) and not any(True for _ in sub.parameters()):
+            setattr(module.get_submodule(parent), name, nn.Identity())
 
 
 def _neutral(module: nn.Module, *, owner_is_first: bool) -> nn.Module | None:

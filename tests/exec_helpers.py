@@ -31,8 +31,12 @@ TP_PLANS: dict[str, dict[str, str]] = {
              "attention.self.value": "colwise", "attention.output.dense": "rowwise",
              "intermediate.dense": "colwise", "output.dense": "rowwise"},
 }
-PROLOGUE = {"llama": ["model.embed_tokens"], "gpt2": ["transformer.wte", "transformer.wpe", "transformer.drop"]}
-EPILOGUE = {"llama": ["model.norm", "lm_head"], "gpt2": ["transformer.ln_f", "lm_head"]}
+PROLOGUE = {"llama": ["model.embed_tokens"], "gpt2": ["transformer.wte", "transformer.wpe", "transformer.drop"],
+            "bert": ["bert.embeddings.word_embeddings", "bert.embeddings.token_type_embeddings",
+                     "bert.embeddings.position_embeddings", "bert.embeddings.LayerNorm"]}
+EPILOGUE = {"llama": ["model.norm", "lm_head"], "gpt2": ["transformer.ln_f", "lm_head"],
+            "bert": ["cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.decoder"]}
+"""As `soap plan` names them (BERT's `cls.predictions` itself, which holds the head's bias, is named by no stage)."""
 LAYERS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "bert.encoder.layer"}
 
 

@@ -67,6 +67,8 @@ def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
         "bert-ddp": ("bert", dict(dp_replicate=2, micro_batch=2)),
         "bert-zero3": ("bert", dict(dp_shard=2, zero=3, micro_batch=2)),
         "bert-tp": ("bert", dict(tp=2, micro_batch=4)),
+        # BERT's head bias sits on `cls.predictions`, which no stage names: it must go with the last stage
+        "bert-pp-tied-1f1b": ("bert", dict(pp=2, micro_batch=2, num_microbatches=2, schedule="1F1B")),
         "gpt2-tp-vocab-95": ("gpt2", dict(tp=2, micro_batch=4, **ODD_VOCAB)),
     }
     return cases
