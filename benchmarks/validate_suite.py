@@ -174,17 +174,16 @@ def memory_notes(report) -> str:
     """What the memory model counts, and the plans it still misses by more than 15%."""
     text = ["The memory model (`costmodel.memory`) counts what the executor allocates: DDP's reducer keeps one "
             "more copy of every gradient, ZeRO-2 (FSDP2 without resharding) keeps the fp32 shard beside the "
-            "gathered parameters, TP shards only the blocks' weights (embeddings and LM head stay replicated), "
-            "and the loss's backward holds the logits and two gradients of their size beside the saved tensors."]
+            "gathered parameters, TP shards the blocks' weights and, without a pipeline, the token embedding and "
+            "LM head over the vocabulary (the logits too: the loss is vocab-parallel), and the loss's backward "
+            "holds the logits and two gradients of their size beside the saved tensors."]
     missed = [r for r in report.rows if abs(r.memory_error_pct) > 15]
     if missed:
         text.append("Still off by more than 15%: " + ", ".join(f"{r.name} ({r.memory_error_pct:+.0f}%)" for r in missed)
-                    + ". Known causes outside the memory model: the simulator prices TP's LM head and loss as "
-                    "vocab-parallel (`costmodel.placement`), while the executor gathers the whole logits on every "
-                    "rank; torch.distributed.pipelining's last stage keeps every micro-batch's output (the logits) "
-                    "until the next step, which the simulator's per-stage timeline does not hold; and the simulator "
-                    "counts the gradients for the whole step, while `zero_grad(set_to_none=True)` frees them "
-                    "before the forward pass.")
+                    + ". Known causes outside the memory model: torch.distributed.pipelining's last stage keeps "
+                    "every micro-batch's output (the logits) until the next step, which the simulator's per-stage "
+                    "timeline does not hold; and the simulator counts the gradients for the whole step, while "
+                    "`zero_grad(set_to_none=True)` frees them before the forward pass.")
     return " ".join(text)
 
 
