@@ -62,7 +62,7 @@ class StageCost:
     """The optimizer step over this stage's local state (memory-bound; with offload, the host link
     transfer plus the CPU step)."""
     post_step_gather_s: float = 0.0
-    """All-gather of updated parameter shards after the step (zero 1 and 2)."""
+    """All-gather of updated parameter shards after the step (zero 1: ZeroRedundancyOptimizer)."""
     weights_bytes: int = 0
     grads_bytes: int = 0
     optimizer_bytes: int = 0
@@ -77,8 +77,13 @@ class StepCosts:
     """One pass over `schedule.num_microbatches` micro-batches; it runs `grad_accum` times per step."""
     grad_accum: int = 1
     grad_sync_every_microbatch: bool = False
-    """FSDP (zero 3) reduce-scatters every micro-batch; otherwise gradients accumulate locally and
-    are synchronized after the stage's last backward of the step."""
+    """FSDP2 reduces every micro-batch's gradients (zero 3; and every FSDP2 engine without a pipeline,
+    whose training loop has no no_sync); otherwise gradients accumulate locally and are synchronized
+    after the stage's last backward of the step."""
+    gather_in_backward: bool = True
+    """Chunks with `param_gather_s` all-gather again before their backward (zero 3, resharded after
+    forward); False: once per micro-batch before the forward (zero 2: FSDP2 keeps them gathered through
+    backward and reshards after it)."""
     links: Mapping[str, str] = field(default_factory=lambda: {"tp-comm": "intra_node", "dp-comm": "inter_node", "pp-p2p": "inter_node"})
     """The link level each communication stream crosses; streams on one link are serialized."""
     buffer_bytes: int = 0

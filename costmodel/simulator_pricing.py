@@ -19,7 +19,9 @@ every instance and every stage (`_UnitPricer.chunk`):
   count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over dp_shard then all-reduce of the shard over
   dp_replicate (HSDP);
 - zero 3: all-gather of the segment's parameters at compute width over dp_shard (before its forward
-  and its backward);
+  and its backward); zero 2: the same before its forward only (FSDP2 without resharding after forward
+  keeps them through backward and reshards after it, so every micro-batch gathers again);
+- FSDP2 engines (`fsdp_engine`) without a pipeline sync gradients every micro-batch (no no_sync);
 - activations: what `memory.activation_parts` says one micro-batch keeps, per group of ops sharing a
   split; the recompute window (the dropped tensors, re-materialized while the chunk's backward runs)
   is the none set less the kept set. With full recomputation only the block input is kept.
@@ -32,7 +34,7 @@ the device's memory bandwidth, times the device's measured `optimizer_factors`
 `costmodel.memory`), fp32 gradient shards go down and fp32 parameter shards come up over the host
 link for every sync and all-gather, and the CPU's gradient accumulation and step on the fp32 shards
 are priced at the host-link rate too (the profiles carry no CPU memory bandwidth): `offload_host_bytes`.
-The host-resident bytes are the stage's `host_bytes`. Zero 1/2 all-gather the updated shards after the step.
+The host-resident bytes are the stage's `host_bytes`. Zero 1 (ZeroRedundancyOptimizer) all-gathers the updated shards after the step.
 Pipeline transfers: the hidden state [micro_batch, seq/cp, hidden] (/tp with SP) as a send_recv.
 
 Ranks sharing a node (`node_ranks`: the plan's ranks on one node): every kernel and the optimizer step
@@ -205,7 +207,8 @@ def price_step(
                   for k in range(n_stages))
     costs = StepCosts(
         stages=stages, schedule=schedule, grad_accum=passes,
-        grad_sync_every_microbatch=t.zero == 3 and d.dp_shard > 1,
+        grad_sync_every_microbatch=(t.zero == 3 and d.dp_shard > 1) or (d.pp == 1 and d.dp > 1 and fsdp_engine(strategy)),
+        gather_in_backward=units.fsdp,
         links={
             "tp-comm": "inter_node" if _spans(groups.tp) or _spans(groups.cp) else "intra_node",
             "dp-comm": "inter_node" if _spans(groups.dp) else "intra_node",
@@ -311,7 +314,8 @@ class _UnitPricer:
         return self.pricer.collective("all_reduce", nbytes, self.groups.dp)
 
     def _gather(self, params: int) -> float:
-        if not self.fsdp or params == 0:
+        t, d = self.strategy.train, self.strategy.dims
+        if not (self.fsdp or (t.zero == 2 and d.dp_shard > 1)) or params == 0:
             return 0.0
         return self.pricer.collective("all_gather", params * activation_itemsize(self.strategy.train.precision), self.groups.dp_shard)
 
@@ -340,9 +344,19 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
         optimizer_s=_optimizer_time(params.trainable, strategy, pricer),
         host_bytes=state.offloaded,
         post_step_gather_s=(pricer.collective("all_gather", params.trainable * activation_itemsize(t.precision), groups.dp_shard)
-                            if t.zero in (1, 2) and d.dp_shard > 1 else 0.0),
+                            if t.zero == 1 and d.dp_shard > 1 else 0.0),
         weights_bytes=state.weights, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
     )
+
+
+def fsdp_engine(strategy: Strategy) -> bool:
+    """Whether the executor runs data parallelism on FSDP2 rather than DDP (`executor.data_parallel`:
+    zero 2/3, or DTensor parameters under TP, or a pipeline, or offload), which syncs per unit and, without
+    a pipeline, every micro-batch."""
+    d, t = strategy.dims, strategy.train
+    if t.offload_optimizer:
+        return True
+    return d.dp * d.cp > 1 and (t.zero >= 2 or d.tp > 1 or d.pp > 1)
 
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -358,7 +372,7 @@ def _ddp_buckets(chunks: tuple[ChunkCost, ...], params: Sequence[int], strategy:
     1 + ceil((bytes - first bucket) / bucket_cap) fixed call costs (latency and per-call overhead) are
     shared out by gradient bytes, so the sync still follows each chunk's backward."""
     d, t = strategy.dims, strategy.train
-    if d.dp == 1 or (t.zero >= 2 and d.dp_shard > 1):
+    if d.dp == 1 or fsdp_engine(strategy):
         return chunks
     sizes = [n * GRAD_BYTES[t.precision] for n in params]
     total = sum(sizes)

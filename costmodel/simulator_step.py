@@ -19,7 +19,7 @@ Gradient buckets are one per chunk (a block instance's gradients; DDP's 25 MB bu
 this slightly delays the first bucket and exposes the last one the same way). They are
 synchronized after the stage's last backward of the step, or after every backward with
 `grad_sync_every_microbatch` (zero 3). After its last action a rank steps the optimizer on the
-compute stream once its dp-comm stream is drained, then all-gathers the updated shards (zero 1/2).
+compute stream once its dp-comm stream is drained, then all-gathers the updated shards (zero 1).
 
 Where communication needs the compute resources (`StepCosts.comm_compute_share` s > 0: gloo on the CPU
 cores the ranks compute on), each communication task of duration d becomes a host share of s * d on
@@ -158,7 +158,7 @@ class _Builder:
         tag = "B" if full else "I"
         for chunk in reversed(self.costs.stages[stage].chunks):
             label = f"{stage}{tag}{mb} {chunk.name}"
-            ag = self._gather(rank, chunk, label, compute_ids)
+            ag = self._gather(rank, chunk, label, compute_ids) if self.costs.gather_in_backward else []
             duration = chunk.recompute_s + chunk.bwd_input_s + (chunk.bwd_weight_s if full else 0.0)
             comp = self._add(rank, "compute", label, "compute", duration, deps + ag)
             compute_ids.append(comp)

@@ -354,3 +354,27 @@ def test_ddp_pays_per_bucket_not_per_block_while_fsdp_pays_per_unit():
     fsdp = Strategy(dims=ParallelDims(dp_shard=2), train=TrainingConfig(global_batch=2, seq_len=64, zero=3))
     fsdp_chunks = [c for c in price_step(GRAPH, fsdp, cluster)[0].stages[0].chunks if c.grad_sync_s > 0]
     assert all(c.grad_sync_s >= fixed * 0.5 for c in fsdp_chunks)
+
+
+@pytest.mark.parametrize("zero, gathers_per_microbatch", [(2, 1), (3, 2)])
+def test_fsdp_with_accumulation_syncs_and_gathers_every_microbatch(zero, gathers_per_microbatch):
+    """The executor's FSDP2 has no no_sync: with 4 accumulated micro-batches every unit reduce-scatters 4
+    times; ZeRO-2 (no reshard after forward) all-gathers once per micro-batch, ZeRO-3 twice; DDP's
+    accumulation syncs once, after the last backward."""
+    cluster = load_cluster("local-cpu-kernels")
+
+    def count(dims, **train):
+        s = Strategy(dims=dims, train=TrainingConfig(global_batch=8, seq_len=64, num_microbatches=4, grad_accum=4,
+                                                     **train))
+        names = [e.name for e in simulate(GRAPH, s, cluster).events if e.rank == 0 and e.stream == "dp-comm"]
+        return sum(n.startswith("grad sync") for n in names), sum(n.startswith("all-gather ") for n in names)
+
+    from costmodel.simulator_pricing import price_step
+
+    plain = Strategy(dims=ParallelDims(dp_shard=2), train=TrainingConfig(global_batch=2, seq_len=64, zero=zero))
+    units = sum(c.grad_sync_s > 0 for c in price_step(GRAPH, plain, cluster)[0].stages[0].chunks)
+    syncs, gathers = count(ParallelDims(dp_shard=2), zero=zero)
+    assert syncs == 4 * units
+    assert gathers == 4 * gathers_per_microbatch * units
+    ddp_syncs, ddp_gathers = count(ParallelDims(dp_replicate=2))
+    assert ddp_syncs == units and ddp_gathers == 0
