@@ -1,9 +1,9 @@
 """Benchmark and shipping step: refit the local-cpu profile from the calibration plans' runs.
 
-    flock -x /tmp/soap-cpu.lock python -m benchmarks.calibrate_from_runs [--steps 6] [--dry-run]
+    flock -x /tmp/soap-cpu.lock python -m benchmarks.calibrate_from_runs [--steps 12] [--dry-run]
 
 1. `soap validate --suite calibration` on `local-cpu-kernels` (this machine as `soap calibrate` measured it:
-   microbenchmarks only): 10 plans on models and batch shapes the validation suite does not use, executed
+   microbenchmarks only): 11 plans on models and batch shapes the validation suite does not use, executed
    on 2 gloo ranks, each run appended to a fresh runs log.
 2. `soap calibrate --from-runs` on that log (`executor.validation_refit.refit_cluster`): compute, kernel
    launch and communication multipliers and the runtime workspace, fitted on those runs only.
@@ -32,7 +32,7 @@ TARGET = "local-cpu"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12, help="steps per plan (median of all but the first)")
     parser.add_argument("--dry-run", action="store_true", help="fit and report, but write neither profile nor docs")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -65,9 +65,9 @@ def main() -> None:
           f"(in-sample); multipliers {multipliers.as_dict()}", file=sys.stderr)
     if args.dry_run:
         return
-    write_atomic(PROFILES_DIR / "devices" / f"{TARGET}.json", json.dumps(device, indent=2) + "\n")
+    write_atomic(PROFILES_DIR / "devices" / f"{TARGET}.json", json.dumps(device, indent=2) + "\n", what="device profile")
     write_atomic(PROFILES_DIR / "clusters" / f"{TARGET}.json",
-                 json.dumps({**refitted, "device": TARGET}, indent=2) + "\n")
+                 json.dumps({**refitted, "device": TARGET}, indent=2) + "\n", what="cluster profile")
     from benchmarks.report import update_section
 
     update_section("calibrate_from_runs", "Calibration from runs: local-cpu refitted on the calibration plans",
@@ -77,9 +77,10 @@ def main() -> None:
 def body(before, after, multipliers, workspace_bytes: int, steps: int) -> str:
     m = multipliers
     lines = [
-        "`benchmarks/calibrate_from_runs.py`: the 10 plans of `soap validate --suite calibration` (gpt2 / llama / bert "
-        "at hidden 256, 3 layers, vocab 3072, MHA llama; DDP, ZeRO-2 with accumulation, ZeRO-3 with and without full "
-        "checkpointing, TP, TP+SP, PP 1F1B and GPipe, selective checkpointing; none of them a suite plan or model), "
+        f"`benchmarks/calibrate_from_runs.py`: the {len(before.rows)} plans of `soap validate --suite calibration` "
+        "(gpt2 / llama / bert at hidden 256, 3 layers, vocab 3072, MHA llama, and one gpt2 at hidden 32 whose step "
+        "is per-op host time; DDP, ZeRO-2 with accumulation, ZeRO-3 with and without full checkpointing, TP, TP+SP, "
+        "PP 1F1B and GPipe, selective checkpointing; none of them a suite plan or model), "
         f"executed on 2 gloo ranks ({steps} steps, median of the steps after the first), predicted first on "
         f"`{KERNELS}` (the microbenchmarks of `soap calibrate` alone), then refitted by `soap calibrate --from-runs` "
         "into the shipped `local-cpu`. The 'after' column is the fit set itself (in-sample); the held-out test is "

@@ -1,6 +1,6 @@
 """Benchmark: `soap validate`'s suite on this machine, and the refit from runs on held-out plans.
 
-    flock -x /tmp/soap-cpu.lock python benchmarks/validate_suite.py [--steps 6] [--quick] [--nproc 2]
+    flock -x /tmp/soap-cpu.lock python benchmarks/validate_suite.py [--steps 12] [--quick] [--nproc 2]
 
 1. The suite (12 plans at 2 gloo ranks; with --nproc 1 the 10-plan single-device suite) simulated on
    the shipped local-cpu profile and executed: the table, MAPEs, Kendall tau and docs/validation.png.
@@ -31,7 +31,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12, help="steps per plan (median of all but the first; "
+                        "5 timed steps left run-to-run swings of 2x in the MAPE on this VM)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--nproc", type=int, default=2, choices=(1, 2))
     args = parser.parse_args()

@@ -4,6 +4,8 @@
                                         # profiles/devices/local-cpu.json + profiles/clusters/local-cpu.json
     soap calibrate --quick -o p.json    # seconds; one self-contained file (cluster, device inline)
     soap calibrate --device cuda --nproc 8
+    soap validate --suite calibration --runs-log r.jsonl   # then learn from real training steps:
+    soap calibrate --from-runs r.jsonl  # refit compute / launch / communication and the workspace
 
 Progress goes to stderr; `--json` prints one object on stdout with the files written and the held-out
 median errors.
