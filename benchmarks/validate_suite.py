@@ -102,8 +102,8 @@ def body(report, after, fits, steps: int, *, single: bool, pngs: tuple[str, str]
         "threshold 64 KiB and malloc_trim between plans, so RSS follows live tensors), max over ranks; "
         "predicted: the simulator's peak over ranks without its per-process context overhead, plus the device's "
         "runtime workspace. "
-        + ("" if single else "The 2-D entry is 2-D in spirit (data parallel with accumulation and checkpointing): "
-           "a real 2-D mesh needs 4 ranks, which on 2 cores measures oversubscription. ")
+        + ("" if single else "The 2-D plan (FSDP x TP) runs on 4 ranks, two per core, in a spawn of its own; the "
+           "simulator prices the shared cores with the profile's measured `concurrency_efficiency` at 4 processes. ")
         + "Targets: step MAPE <= 15%, memory MAPE <= 15%, Kendall tau >= 0.7.",
         "",
         "Three profiles predict the same executed plans: *kernels only* is `local-cpu-kernels`, what `soap calibrate`'s "
@@ -155,7 +155,8 @@ def plan_kinds(report) -> dict[str, list[int]]:
     kinds: dict[str, list[int]] = {}
     for i, b in enumerate(report.built):
         p = b.plan.parallelism
-        family = ("PP" if p.pp > 1 else "TP" + (" + SP" if p.sequence_parallel else "") if p.tp > 1 else
+        family = ("PP" if p.pp > 1 else "2-D (FSDP x TP)" if p.tp > 1 and p.dp > 1 else
+                  "TP" + (" + SP" if p.sequence_parallel else "") if p.tp > 1 else
                   f"ZeRO-{p.zero} (FSDP2)" if p.zero >= 2 and p.dp > 1 else "DDP" if p.dp > 1 else "single device")
         kinds.setdefault(family, []).append(i)
         if p.recompute != "none":

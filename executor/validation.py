@@ -7,7 +7,7 @@ Steps (`run_validation`):
    calibration` the calibration plans instead (other models, for `soap calibrate --from-runs`);
 3. all plans executed on `nproc` spawned ranks (`executor.validation_run`: gloo on CPU, NCCL on CUDA),
    after one unmeasured warm-up run of the first plan (it pays one-time costs: lazy imports, gloo
-   pairs, allocator arenas);
+   pairs, allocator arenas); the 2-D plan runs on its own 4 ranks the same way;
 4. each run appended to the runs log (`executor.runs_log`, with its plan, for `soap calibrate --from-runs`);
 5. predicted against measured (`executor.validation_metrics`): per-plan errors, step-time and memory
    MAPE, Kendall's tau of the step-time ranking.
@@ -28,8 +28,8 @@ from typing import Any
 
 from executor.validation_metrics import Comparison, Summary, summarize
 from executor.validation_run import Measurement, execute_plans
-from executor.validation_suite import (BuiltCase, SuiteCase, build_case, calibration_cases, quick_cases, quick_single_device_cases,
-                                       single_device_cases, suite_cases)
+from executor.validation_suite import (BuiltCase, SuiteCase, build_case, calibration_cases, quick_cases,
+                                       quick_single_device_cases, single_device_cases, suite_cases, two_d_cases)
 from tracer.errors import SoapError
 
 SUITE_WORLD = 2
@@ -118,12 +118,45 @@ def default_cases(config: ValidationConfig) -> list[SuiteCase]:
         return cases[::3] if config.quick else cases
     if config.nproc == 1:
         return (quick_single_device_cases if config.quick else single_device_cases)(config.device)
-    return quick_cases() if config.quick else suite_cases()
+    if config.quick:
+        return quick_cases()
+    return suite_cases() + (two_d_cases() if config.nproc == SUITE_WORLD and _ranks_for_2d(config.device) else [])
+
+
+def _ranks_for_2d(device: str) -> bool:
+    """The 2-D plan's 4 ranks: processes on a CPU (sharing its cores), GPUs only where there are 4."""
+    if device == "cpu":
+        return True
+    import torch
+
+    return torch.cuda.device_count() >= 4
 
 
 def scaled_case(case: SuiteCase, nproc: int) -> SuiteCase:
-    """The case with its degree-2 dimension at `nproc` ranks."""
+    """The case with its degree-2 dimension at `nproc` ranks (a case of another world size, the 2-D one,
+    stays as it is)."""
+    if case_world(case) != SUITE_WORLD:
+        return case
     return replace(case, dims={k: (nproc if v == SUITE_WORLD else v) for k, v in case.dims.items()})
+
+
+def case_world(case: SuiteCase) -> int:
+    world = 1
+    for degree in case.dims.values():
+        world *= degree
+    return world
+
+
+def execute_by_world(texts: Sequence[str], worlds: Sequence[int], *, steps: int, device: str) -> list[Measurement | str]:
+    """Every plan executed on its world size's ranks: one spawn per world size, each after an unmeasured
+    warm-up run of its first plan; results in the order of `texts`."""
+    results: list[Measurement | str] = [""] * len(texts)
+    for world in dict.fromkeys(worlds):
+        index = [i for i, w in enumerate(worlds) if w == world]
+        group = [texts[i] for i in index]
+        for i, result in zip(index, execute_plans(group[:1] + group, world=world, steps=steps, device=device)[1:]):
+            results[i] = result
+    return results
 
 
 def run_validation(config: ValidationConfig, log: Callable[[str], None] = lambda message: None) -> ValidationReport:
@@ -135,9 +168,10 @@ def run_validation(config: ValidationConfig, log: Callable[[str], None] = lambda
     for case in cases:
         log(f"simulate {case.name}")
         built.append(build_case(case, cluster, graphs))
-    log(f"execute {len(built)} plans on {config.nproc} ranks ({config.device}), {config.steps} steps each")
-    texts = [b.plan.to_json() for b in built]
-    results = execute_plans(texts[:1] + texts, world=config.nproc, steps=config.steps, device=config.device)[1:]
+    worlds = [case_world(c) or 1 for c in cases]
+    sizes = " and ".join(str(w) for w in dict.fromkeys(worlds))
+    log(f"execute {len(built)} plans on {sizes} ranks ({config.device}), {config.steps} steps each")
+    results = execute_by_world([b.plan.to_json() for b in built], worlds, steps=config.steps, device=config.device)
     _log_runs(built, results, config.runs_log)
     return compare_runs(built, results)
 

@@ -9,9 +9,9 @@ batch sizes and sequence lengths differ so that the plans' step times spread ove
 ranking of near-equal plans would measure noise).
 
 The techniques covered: DDP, FSDP (ZeRO-3), ZeRO-2, TP, TP+SP, PP 1F1B, PP GPipe, activation
-checkpointing (full and selective), gradient accumulation, and a 2-D-in-spirit entry (data parallel with
-accumulation and checkpointing together) in place of a real 2-D mesh, which needs 4 ranks on this
-2-core machine and would only measure oversubscription.
+checkpointing (full and selective), gradient accumulation (also with checkpointing), and a real 2-D mesh
+(`two_d_cases`: FSDP x TP on 4 ranks, two per core here, which the profile's `concurrency_efficiency`
+prices).
 
 `calibration_cases()` are other plans on other models (`soap validate --suite calibration`), for
 `soap calibrate --from-runs` to refit the profile from without seeing any suite plan.
@@ -109,6 +109,13 @@ def suite_cases() -> list[SuiteCase]:
                   train=dict(micro_batch=2, num_microbatches=2, grad_accum=2, recompute="full"), seq_len=256),
         SuiteCase(name="bert tp", family="bert", dims=dict(tp=2), train=dict(micro_batch=2), seq_len=64),
     ]
+
+
+def two_d_cases() -> list[SuiteCase]:
+    """A real 2-D mesh (FSDP x TP) needs 4 ranks: on this 2-core machine two ranks share each core, which
+    the profile prices as data (`concurrency_efficiency` at 4 processes), so it runs in a group of its own."""
+    return [SuiteCase(name="llama fsdp x tp (4 ranks)", family="llama", dims=dict(dp_shard=2, tp=2),
+                      train=dict(micro_batch=4, zero=3))]
 
 
 def calibration_cases() -> list[SuiteCase]:

@@ -286,3 +286,24 @@ def test_calibration_suite_runs_at_two_ranks_only(capsys):
 
     assert main(["validate", "--suite", "calibration", "--nproc", "1"]) == 2
     assert "--suite calibration" in capsys.readouterr().err
+
+
+def test_the_suite_has_a_real_2d_mesh_run_on_its_own_ranks(monkeypatch):
+    """The 2-D plan (FSDP x TP) needs 4 ranks: it runs in a spawn of its own, after its own warm-up run, and
+    its result lands in its row."""
+    import executor.validation as validation
+    from executor.validation import ValidationConfig, case_world, default_cases, execute_by_world
+
+    cases = default_cases(ValidationConfig())
+    two_d = [c for c in cases if sum(v > 1 for v in c.dims.values()) >= 2]
+    assert two_d and all(case_world(c) == 4 for c in two_d)
+    calls = []
+
+    def fake(texts, *, world, steps, device):
+        calls.append((world, list(texts)))
+        return [f"{world}:{t}" for t in texts]
+
+    monkeypatch.setattr(validation, "execute_plans", fake)
+    got = execute_by_world(["a", "b", "c", "d"], [2, 4, 2, 4], steps=3, device="cpu")
+    assert got == ["2:a", "4:b", "2:c", "4:d"]
+    assert calls == [(2, ["a", "a", "c"]), (4, ["b", "b", "d"])]  # each group's first plan warms up first
