@@ -6,7 +6,8 @@
    microbenchmarks only): 11 plans on models and batch shapes the validation suite does not use, executed
    on 2 gloo ranks, each run appended to a fresh runs log.
 2. `soap calibrate --from-runs` on that log (`executor.validation_refit.refit_cluster`): compute, kernel
-   launch and communication multipliers and the runtime workspace, fitted on those runs only.
+   launch, communication and activation-collective multipliers and the runtime workspace, fitted on those
+   runs only.
 3. The refitted profile is written as `local-cpu` (profiles/devices and profiles/clusters), the profile
    `soap validate` and the tests use; `benchmarks/validate_suite.py` then judges it on the suite, none of
    whose plans or models it saw.
@@ -87,7 +88,8 @@ def body(before, after, multipliers, workspace_bytes: int, steps: int) -> str:
         "the validation suite below, which this refit never saw.",
         "",
         f"Fitted: compute x{m.compute:.3g}, kernel launch x{m.kernel_overhead:.3g}, communication "
-        f"x{m.communication:.3g}, runtime workspace {workspace_bytes / 2**20:.1f} MiB.",
+        f"x{m.communication:.3g}, activation collectives (TP/SP) x{m.activation_communication:.3g}, runtime "
+        f"workspace {workspace_bytes / 2**20:.1f} MiB.",
         "",
         "| plan | measured ms | kernels profile ms | error % | refitted ms | error % | measured MiB | refitted MiB | error % |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",

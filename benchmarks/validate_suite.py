@@ -142,7 +142,8 @@ def body(report, after, fits, steps: int, *, single: bool, pngs: tuple[str, str]
     for fold, m, workspace in fits:
         names = ", ".join(report.rows[i].name for i in fold)
         lines.append(f"- fitted on {names}: compute x{m.compute:.3g}, kernel launch x{m.kernel_overhead:.3g}, "
-                     f"communication x{m.communication:.3g}, runtime workspace {workspace / 2**20:.1f} MiB")
+                     f"communication x{m.communication:.3g}, activation collectives x{m.activation_communication:.3g}, "
+                     f"runtime workspace {workspace / 2**20:.1f} MiB")
     lines += ["", memory_notes(report)]
     if report.failed:
         lines += ["", "Plans that did not run: " + "; ".join(f"{n}: {e}" for n, e in report.failed)]

@@ -1,28 +1,33 @@
 """Calibration from runs: refit a profile's efficiency terms from measured training steps.
 
-Model. The simulated step time of run i splits (approximately linearly) into three parts:
+Model. The simulated step time of run i splits (approximately linearly) into four parts:
 
-    T_i = C_i + K_i + M_i
+    T_i = C_i + K_i + M_i + A_i
 
 - C_i: compute (FLOP- and memory-bound kernel time, bubbles and the optimizer step included),
 - K_i: kernel launch overhead (number of kernels x `kernel_overhead_us`),
-- M_i: exposed communication (collective and pipeline-transfer time on the critical path).
+- M_i: exposed gradient, parameter and pipeline communication (collective and transfer time on the
+  critical path),
+- A_i: exposed activation collectives (TP / SP / CP / EP: synchronous, one per region).
 The parts are measured on the simulator itself (`executor.validation_refit.step_parts`: the step with
-the overhead zeroed, and with communication made free). A measured step m_i is modelled as
+the overhead zeroed, with the activation collectives made free, and with all communication made free).
+A measured step m_i is modelled as
 
-    m_i ~= a C_i + b K_i + c M_i,    a, b, c > 0,
+    m_i ~= a C_i + b K_i + c M_i + d A_i,    a, b, c, d > 0,
 
 and the multipliers minimize the squared log ratios plus a weak pull toward 1 (so a term that no run
 exercises stays where it was):
 
-    min_theta  sum_i (log(sum_j e^theta_j F_ij) - log m_i)^2 + lambda sum_j theta_j^2,   theta = log(a, b, c)
+    min_theta  sum_i (log(sum_j e^theta_j F_ij) - log m_i)^2 + lambda sum_j theta_j^2,   theta = log(a, b, c, d)
 
 solved by damped Gauss-Newton (`fit_multipliers`, pure numpy).
 
 Applying them (`apply_multipliers`) is exact for each term: every device rate (peak FLOP/s at every
 precision, memory bandwidth) is divided by a, `kernel_overhead_us` multiplied by b, and every link's
 bandwidth divided and latency multiplied by c (each collective's time is latency plus bytes over
-bandwidth), and the device's per-call framework overhead (`collective_call_overhead_us`) multiplied by c.
+bandwidth), and the device's per-call framework overhead (`collective_call_overhead_us`) multiplied by c;
+the activation collectives ride the same links, so the device's `activation_collective_factor` is
+multiplied by d / c.
 Each changed number gets a source naming the runs log and the date.
 """
 
@@ -37,7 +42,7 @@ import numpy as np
 
 from tracer.errors import SoapError
 
-TERMS = ("compute", "kernel_overhead", "communication")
+TERMS = ("compute", "kernel_overhead", "communication", "activation_communication")
 PRIOR_WEIGHT = 1e-6
 MULTIPLIER_RANGE = (1e-3, 1e3)
 
@@ -50,10 +55,11 @@ class StepParts:
     kernel_overhead_s: float
     communication_s: float
     measured_s: float
+    activation_communication_s: float = 0.0
 
     @property
-    def features(self) -> tuple[float, float, float]:
-        return (self.compute_s, self.kernel_overhead_s, self.communication_s)
+    def features(self) -> tuple[float, float, float, float]:
+        return (self.compute_s, self.kernel_overhead_s, self.communication_s, self.activation_communication_s)
 
 
 @dataclass(frozen=True)
@@ -63,13 +69,16 @@ class Multipliers:
     compute: float = 1.0
     kernel_overhead: float = 1.0
     communication: float = 1.0
+    activation_communication: float = 1.0
 
     def as_dict(self) -> dict[str, float]:
-        return {"compute": self.compute, "kernel_overhead": self.kernel_overhead, "communication": self.communication}
+        return {"compute": self.compute, "kernel_overhead": self.kernel_overhead, "communication": self.communication,
+                "activation_communication": self.activation_communication}
 
     def predict(self, parts: StepParts) -> float:
         return self.compute * parts.compute_s + self.kernel_overhead * parts.kernel_overhead_s + \
-            self.communication * parts.communication_s
+            self.communication * parts.communication_s + \
+            self.activation_communication * parts.activation_communication_s
 
 
 def fit_multipliers(runs: Sequence[StepParts], *, iterations: int = 100) -> Multipliers:
@@ -103,8 +112,9 @@ def fit_multipliers(runs: Sequence[StepParts], *, iterations: int = 100) -> Mult
                 break
         else:
             damping *= 10
-    a, b, c = np.exp(theta)
-    return Multipliers(compute=float(a), kernel_overhead=float(b), communication=float(c))
+    a, b, c, d = np.exp(theta)
+    return Multipliers(compute=float(a), kernel_overhead=float(b), communication=float(c),
+                       activation_communication=float(d))
 
 
 def apply_multipliers(cluster_inline: dict, m: Multipliers, *, source: str) -> dict:
@@ -121,6 +131,9 @@ def apply_multipliers(cluster_inline: dict, m: Multipliers, *, source: str) -> d
     for link in out["links"].values():
         _scale(link["bandwidth_gbps"], 1 / m.communication, stamp)
         _scale(link["latency_us"], m.communication, stamp)
+    if m.activation_communication != m.communication or "activation_collective_factor" in device:
+        device.setdefault("activation_collective_factor", {"value": 1.0, "source": "activation collectives"})
+        _scale(device["activation_collective_factor"], m.activation_communication / m.communication, stamp)
     return out
 
 

@@ -22,7 +22,8 @@ for machines whose ranks share more than a GPU's ranks do (a CPU whose cores are
 read by `costmodel.optimizer_step`), `concurrency_efficiency` (the share of its alone speed a rank's
 kernels keep while N ranks of the node compute at once, read by the simulator's pricer),
 `communication_overlap` (the fraction of a collective's time the rank's compute can run beside it, read
-by `costmodel.simulator_step`) and `collective_call_overhead_us` (host time a training framework spends
+by `costmodel.simulator_step`), `activation_collective_factor` (TP/SP/CP/EP collectives in a step against
+their microbenchmark, read by `costmodel.simulator_pricing`) and `collective_call_overhead_us` (host time a training framework spends
 per collective it issues, read by the simulator's pricer). Absent, they are neutral (factor 1,
 efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
 slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
@@ -130,6 +131,11 @@ class DeviceProfile:
     communication_overlap: float = 1.0
     """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
     compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""
+    activation_collective_factor: float = 1.0
+    """Time multiplier on the activation collectives of TP / SP / CP / EP (synchronous, one per region,
+    issued through DTensor, every rank waiting for the slowest) against the same collective priced from
+    the links, beyond what gradient and parameter collectives pay; fitted from runs by `soap calibrate
+    --from-runs`. 1 where absent."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Provenance per JSON field path, e.g. `peak_tflops.bf16` -> "NVIDIA PB-11133"."""
 

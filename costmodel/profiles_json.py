@@ -139,8 +139,10 @@ _DEVICE_REQUIRED = {
     "matmul_efficiency", "memory_efficiency", "kernel_overhead_us", "context_overhead_gib", "host_link_gbps",
 }
 _DEVICE_STEP_FIELDS = ("optimizer_factors", "concurrency_efficiency", "communication_overlap",
-                       "collective_call_overhead_us")
+                       "collective_call_overhead_us", "activation_collective_factor")
 """Optional device fields about a rank inside a training step (`costmodel.profiles` module docstring)."""
+MAX_STEP_FACTOR = 1000.0
+"""Bound on a fitted step multiplier (`activation_collective_factor`): beyond it the profile is wrong."""
 _CLUSTER_REQUIRED = {"schema_version", "name", "description", "device", "gpus_per_node", "tp_across_nodes", "links"}
 _LINK_REQUIRED = {"bandwidth_gbps", "latency_us", "efficiency", "sharp"}
 
@@ -203,6 +205,12 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
     if "collective_call_overhead_us" in data:
         call_overhead, sources["collective_call_overhead_us"] = r.number(
             data["collective_call_overhead_us"], "collective_call_overhead_us", positive=False)
+    activation_factor = 1.0
+    if "activation_collective_factor" in data:
+        activation_factor, sources["activation_collective_factor"] = r.number(
+            data["activation_collective_factor"], "activation_collective_factor")
+        if activation_factor > MAX_STEP_FACTOR:
+            raise r.fail("activation_collective_factor.value", f"must be at most {MAX_STEP_FACTOR}, got {activation_factor}")
     matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
     memory = r.curve(data["memory_efficiency"], "memory_efficiency")
     return DeviceProfile(
@@ -223,6 +231,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         concurrency_efficiency=concurrency,
         communication_overlap=overlap,
         collective_call_overhead_s=call_overhead * 1e-6,
+        activation_collective_factor=activation_factor,
         sources=sources,
     )
 
@@ -323,6 +332,9 @@ def device_to_dict(device: DeviceProfile) -> dict:
     if device.collective_call_overhead_s or "collective_call_overhead_us" in device.sources:
         out["collective_call_overhead_us"] = _number(device.collective_call_overhead_s * 1e6,
                                                      src("collective_call_overhead_us"))
+    if device.activation_collective_factor != 1.0 or "activation_collective_factor" in device.sources:
+        out["activation_collective_factor"] = _number(device.activation_collective_factor,
+                                                      src("activation_collective_factor"))
     return out
 
 

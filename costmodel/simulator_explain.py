@@ -49,7 +49,8 @@ def op_costs(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, pricer
     for seg in graph.segments():
         for p in block_placements(seg.ops, strategy, shape):
             fwd, bwd_in, bwd_w = pricer.op(p.op, p.split.local(), t.micro_batch, graph.batch)
-            comm = sum(pricer.collective(c.kind, c.nbytes, by_group[c.group]) for c in p.collectives)
+            comm = cluster.device.activation_collective_factor * sum(
+                pricer.collective(c.kind, c.nbytes, by_group[c.group]) for c in p.collectives)
             if fwd + bwd_in + bwd_w + comm > 0:
                 rows.append(OpCostRow(p.op.name, seg.block_id, seg.repeat, p.split.describe(), fwd, bwd_in + bwd_w, comm))
     return tuple(rows)

@@ -13,7 +13,8 @@ every instance and every stage (`_UnitPricer.chunk`):
   activation collectives too); selective -> the forward of the ops whose saved tensors it drops (all
   but matmuls, embeddings and losses); none -> 0;
 - activation collectives: the placement's TP/SP, CP and EP collectives, forward and backward, each
-  `collective_time` on its mesh group;
+  `collective_time` on its mesh group, times the device's `activation_collective_factor` (fitted from
+  runs: these synchronous collectives cost more in a step than in their microbenchmark);
 - gradient bucket: the segment's local gradients (fp32, `memory.GRAD_BYTES`):
   zero 0/1 all-reduce over dp (DDP's buckets: per chunk its bytes' transfer time, the stage's bucket
   count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over dp_shard then all-reduce of the shard over
@@ -194,7 +195,8 @@ def price_step(
     bounds = as_bounds(stage_bounds) if stage_bounds is not None else balanced_bounds(layers, n_stages)
     validate_bounds(bounds, layers, n_stages)
     shape = activation_shape(graph, strategy)
-    units = _UnitPricer(graph, strategy, pricer, groups, shape)
+    units = _UnitPricer(graph, strategy, pricer, groups, shape,
+                        activation_factor=cluster.device.activation_collective_factor)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
     if d.pp == 1:
@@ -224,8 +226,11 @@ def price_step(
 class _UnitPricer:
     """Prices each segment of the graph once (`chunk(layer)`)."""
 
-    def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape) -> None:
+    def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape,
+                 *, activation_factor: float = 1.0) -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
+        self.activation_factor = activation_factor
+        """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
         self._chunks: dict[int, ChunkCost] = {}
         self._params: dict[int, int] = {}
 
@@ -253,8 +258,8 @@ class _UnitPricer:
 
     def _comm(self, placements: Sequence[OpPlacement], phase: str) -> float:
         group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
-        return sum(self.pricer.collective(c.kind, c.nbytes, group[c.group])
-                   for p in placements for c in p.collectives if c.phase == phase)
+        return self.activation_factor * sum(self.pricer.collective(c.kind, c.nbytes, group[c.group])
+                                            for p in placements for c in p.collectives if c.phase == phase)
 
     def _price(self, layer: Layer) -> ChunkCost:
         d, t = self.strategy.dims, self.strategy.train

@@ -1,8 +1,9 @@
 """The simulator's step split into the terms `costmodel.calibrate_runs` refits, for a plan that ran.
 
     K = T - T(kernel overhead 0)
-    M = T - T(communication free: link bandwidth x1e9, latency 0, no per-call framework overhead)
-    C = T - K - M
+    A = T - T(activation collectives free: `activation_collective_factor` 0)
+    M = T - T(communication free: link bandwidth x1e9, latency 0, no per-call framework overhead) - A
+    C = T - K - M - A
 
 Each T is a full simulation of the plan (same graph, strategy and stages) on a modified profile, so the
 split follows overlap and the pipeline schedule the way the simulator does.
@@ -45,8 +46,13 @@ def step_parts(plan: Any, graph: Any, cluster: ClusterSpec, measured_s: float) -
     free = simulate_on(plan, graph, free_links(cluster))
     overhead = max(0.0, total - no_overhead.step_time_s)
     comm = max(0.0, total - free.step_time_s)
+    activation = 0.0
+    if plan.parallelism.tp * plan.parallelism.cp * plan.parallelism.ep > 1:
+        no_activation = simulate_on(plan, graph, replace(cluster, device=replace(cluster.device,
+                                                                                 activation_collective_factor=0.0)))
+        activation = min(comm, max(0.0, total - no_activation.step_time_s))
     return StepParts(compute_s=max(total - overhead - comm, 0.0), kernel_overhead_s=overhead,
-                     communication_s=comm, measured_s=measured_s)
+                     communication_s=comm - activation, activation_communication_s=activation, measured_s=measured_s)
 
 
 def free_links(cluster: ClusterSpec) -> ClusterSpec:

@@ -36,16 +36,19 @@ def test_mape_is_the_mean_absolute_relative_error():
 
 def test_refit_recovers_known_multipliers_from_synthetic_runs():
     rng = np.random.default_rng(0)
-    truth = Multipliers(compute=2.5, kernel_overhead=1.6, communication=0.4)
+    truth = Multipliers(compute=2.5, kernel_overhead=1.6, communication=0.4, activation_communication=3.0)
     runs = []
-    for _ in range(12):
+    for i in range(16):
         c, k, m = rng.uniform(0.05, 0.3), rng.uniform(0.005, 0.05), rng.uniform(0.0, 0.1)
-        parts = StepParts(compute_s=c, kernel_overhead_s=k, communication_s=m, measured_s=0.0)
+        a = rng.uniform(0.01, 0.1) if i % 2 else 0.0  # half the runs have TP
+        parts = StepParts(compute_s=c, kernel_overhead_s=k, communication_s=m, activation_communication_s=a,
+                          measured_s=0.0)
         runs.append(replace(parts, measured_s=truth.predict(parts)))
     fitted = fit_multipliers(runs)
     assert fitted.compute == pytest.approx(truth.compute, rel=0.02)
     assert fitted.kernel_overhead == pytest.approx(truth.kernel_overhead, rel=0.05)
     assert fitted.communication == pytest.approx(truth.communication, rel=0.05)
+    assert fitted.activation_communication == pytest.approx(truth.activation_communication, rel=0.05)
 
 
 def test_refit_keeps_an_unexercised_term_at_one():
@@ -53,6 +56,31 @@ def test_refit_keeps_an_unexercised_term_at_one():
     fitted = fit_multipliers(runs)
     assert fitted.compute == pytest.approx(3.0, rel=0.01)
     assert fitted.communication == pytest.approx(1.0, abs=1e-6)
+    assert fitted.activation_communication == pytest.approx(1.0, abs=1e-6)
+
+
+def test_activation_collective_factor_scales_only_tp_collectives_and_applies_exactly():
+    """The refit's fourth term: a profile with activation collectives 3x slower predicts a TP plan slower by
+    exactly its activation part, leaves a DDP plan alone, and survives the JSON round trip."""
+    from costmodel.calibrate_runs import apply_multipliers
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+    from executor.validation_refit import step_parts
+    from executor.validation_suite import build_case, suite_cases
+
+    cluster = load_cluster("local-cpu-kernels")
+    refit = cluster_from_dict(apply_multipliers(cluster_to_dict(cluster), Multipliers(activation_communication=3.0),
+                                                source="test"))
+    assert refit.device.activation_collective_factor == pytest.approx(3.0)
+    assert cluster_from_dict(cluster_to_dict(refit)).device.activation_collective_factor == pytest.approx(3.0)
+    graphs: dict = {}
+    cases = {c.name: c for c in suite_cases()}
+    tp, ddp = build_case(cases["bert tp"], cluster, graphs), build_case(cases["gpt2 ddp"], cluster, graphs)
+    graph = next(g for k, g in graphs.items() if k[0] == "bert")
+    parts = step_parts(tp.plan, graph, cluster, 1.0)
+    assert parts.activation_communication_s > 0
+    assert build_case(cases["bert tp"], refit, graphs).result.step_time_s == pytest.approx(
+        tp.result.step_time_s + 2 * parts.activation_communication_s, rel=0.02)
+    assert build_case(cases["gpt2 ddp"], refit, graphs).result.step_time_s == pytest.approx(ddp.result.step_time_s)
 
 
 def _append_many(path: str, worker: int) -> None:

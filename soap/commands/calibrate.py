@@ -101,7 +101,8 @@ def _from_runs(args: argparse.Namespace) -> int:
     else:
         m = refit.multipliers
         print(f"refit from {refit.runs} runs: compute x{m.compute:.3g}, kernel launch x{m.kernel_overhead:.3g}, "
-              f"communication x{m.communication:.3g}; step MAPE on those runs {refit.before_mape_pct:.1f}% -> "
+              f"communication x{m.communication:.3g}, activation collectives x{m.activation_communication:.3g}; "
+              f"step MAPE on those runs {refit.before_mape_pct:.1f}% -> "
               f"{refit.after_mape_pct:.1f}%", file=sys.stderr)
         for p in refit.written:
             print(f"wrote {p}", file=sys.stderr)
