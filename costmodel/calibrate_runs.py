@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from costmodel.profiles_json import MAX_STEP_FACTOR
 from tracer.errors import SoapError
 
 TERMS = ("compute", "kernel_overhead", "communication", "activation_communication")
@@ -133,7 +134,10 @@ def apply_multipliers(cluster_inline: dict, m: Multipliers, *, source: str) -> d
         _scale(link["latency_us"], m.communication, stamp)
     if m.activation_communication != m.communication or "activation_collective_factor" in device:
         device.setdefault("activation_collective_factor", {"value": 1.0, "source": "activation collectives"})
-        _scale(device["activation_collective_factor"], m.activation_communication / m.communication, stamp)
+        entry = device["activation_collective_factor"]
+        _scale(entry, m.activation_communication / m.communication, stamp)
+        # runs that no model explains can drive the ratio past the loader's bound: it saturates there
+        entry["value"] = min(max(entry["value"], 1 / MAX_STEP_FACTOR), MAX_STEP_FACTOR)
     return out
 
 
