@@ -6,7 +6,8 @@
            otherwise autocast to bf16 around forward and loss
     fp16   autocast to fp16 and a GradScaler; with more than one rank torch's ShardedGradScaler, whose
            inf/NaN check is all-reduced over all ranks, so every rank skips the same steps (TP and
-           pipeline ranks hold different gradients). Under pipelining the schedule's loss function
+           pipeline ranks hold different gradients), checking one parameter group (one DTensor mesh, or
+           the plain tensors) at a time. Under pipelining the schedule's loss function
            returns the scaled loss (`PrecisionRuntime.scaled_loss`).
     fp8    torchao float8 training (Linear layers) on GPUs with compute capability >= 8.9, applied
            before compile and FSDP; anywhere else a SoapError
@@ -66,15 +67,34 @@ def runtime_for(plan: Plan, device: torch.device, *, fsdp: bool) -> PrecisionRun
         return PrecisionRuntime(device.type, torch.bfloat16)
     if p.precision == "fp16":
         if fsdp or (dist.is_initialized() and dist.get_world_size() > 1):
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            scaler: Any = ShardedGradScaler(device.type)
+            scaler: Any = _mesh_grouped_scaler()(device.type)
         else:
             scaler = torch.amp.GradScaler(device.type)
         # the scale is created on first use; a pipeline rank without the loss never scales anything itself
         scaler.scale(torch.zeros((), device=device))
         return PrecisionRuntime(device.type, torch.float16, scaler)
     return PrecisionRuntime(device.type)
+
+
+def _mesh_grouped_scaler() -> type:
+    """torch's ShardedGradScaler, unscaling one optimizer parameter group at a time: its foreach inf check
+    cannot mix plain tensors and DTensors (under TP without FSDP the norms' weights stay plain), and
+    `executor.data_parallel.build_optimizer` groups parameters by DTensor mesh, plain ones apart. Every
+    group's check writes the same `found_inf`, which the scaler then all-reduces as usual."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    class MeshGroupedGradScaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                            allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+            per_device: dict[torch.device, torch.Tensor] = {}
+            for group in optimizer.param_groups:
+                per_device.update(super()._unscale_grads_(SimpleNamespace(param_groups=[group]), inv_scale, found_inf,
+                                                          allow_fp16))
+            return per_device
+
+    return MeshGroupedGradScaler
 
 
 def convert_fp8(model: nn.Module, plan: Plan) -> None:

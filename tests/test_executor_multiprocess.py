@@ -3,8 +3,8 @@
 - Equivalence: every parallel layout trains exactly like one process: losses over 3 steps from the
   same seed match a single-process run (fp32, relative 1e-4) on tiny llama, gpt2 and bert; also GPT-2's
   tied embeddings split across pipeline stages, optimizer CPU offload, fp16 loss scaling through a
-  pipeline (against a single-process fp16 run), and vocab-parallel TP over a vocabulary tp does not
-  divide.
+  pipeline and under TP (plain and DTensor gradients in one optimizer; against a single-process fp16
+  run), BERT through a pipeline, and vocab-parallel TP over a vocabulary tp does not divide.
 - Vocab-parallel TP (pp == 1): the token embedding and LM head are sharded over the vocabulary (tied
   ones stay one parameter), the logits come out vocab-sharded, and loss and gradients equal an
   unsharded copy's.
@@ -64,6 +64,7 @@ def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
         "llama-zero3-offload": ("llama", dict(dp_shard=2, zero=3, micro_batch=2, offload_optimizer=True)),
         "llama-pp-fp16": ("llama", dict(pp=2, micro_batch=2, num_microbatches=2, precision="fp16", optimizer="sgd",
                                         **UNTIED["llama"])),
+        "llama-tp-fp16": ("llama", dict(tp=2, micro_batch=4, precision="fp16", optimizer="sgd", **UNTIED["llama"])),
         "bert-ddp": ("bert", dict(dp_replicate=2, micro_batch=2)),
         "bert-zero3": ("bert", dict(dp_shard=2, zero=3, micro_batch=2)),
         "bert-tp": ("bert", dict(tp=2, micro_batch=4)),
