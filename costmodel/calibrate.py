@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from costmodel.microbench import KernelSample, TimingConfig, host_link_bandwidth
 from costmodel.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
 from costmodel.profiles import PROFILES_DIR, ClusterSpec, cluster_from_dict
 from tracer.errors import SoapError
+from tracer.files import write_atomic
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,17 +228,8 @@ def validate(meas: Measurements, cluster: ClusterSpec, with_comms: bool) -> tupl
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write `data` as indented JSON to `path` atomically (`tracer.files.write_atomic`)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n", what="profile")
 
 
 def load_inline(cluster_json: dict) -> ClusterSpec:

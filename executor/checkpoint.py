@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from planner.plan import write_atomic
+from tracer.files import write_atomic
 from tracer.errors import SoapError
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -58,7 +58,7 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module],
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        write_atomic(root / "latest", final.name + "\n")
+        write_atomic(root / "latest", final.name + "\n", what="--checkpoint-dir")
         for old in root.glob("step-*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)

@@ -137,7 +137,7 @@ def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Ref
     from costmodel.profiles import PROFILES_DIR, load_cluster
     from executor.runs_log import read_runs
     from executor.validation_metrics import mape
-    from planner.plan import write_atomic
+    from tracer.files import write_atomic
 
     cluster = load_cluster(cluster_name)
     multipliers, refitted, parts = refit_cluster(read_runs(log), cluster)
@@ -149,7 +149,7 @@ def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Ref
         targets = {PROFILES_DIR / "devices" / f"{device['name']}.json": device,
                    PROFILES_DIR / "clusters" / f"{refitted['name']}.json": {**refitted, "device": device["name"]}}
     for path, data in targets.items():
-        write_atomic(path, json.dumps(data, indent=2) + "\n")
+        write_atomic(path, json.dumps(data, indent=2) + "\n", what="profile")
     workspace = refitted["device"].get("runtime_workspace_mib", {}).get("value")
     return Refit(multipliers=multipliers, workspace_bytes=None if workspace is None else int(workspace * 2**20),
                  runs=len(parts),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,6 +30,7 @@ from costmodel.strategy import (
     TrainingConfig,
 )
 from tracer.errors import SoapError
+from tracer.files import write_atomic
 
 if TYPE_CHECKING:
     from costmodel.profiles import ClusterSpec
@@ -256,7 +256,7 @@ class Plan(_Strict):
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        write_atomic(Path(path), self.to_json())
+        write_atomic(path, self.to_json(), what="plan file")
 
 
 def parallelism_record(strategy: Strategy) -> ParallelismRecord:
@@ -268,21 +268,6 @@ def parallelism_record(strategy: Strategy) -> ParallelismRecord:
         recompute=t.recompute, precision=t.precision, optimizer=t.optimizer,
         offload_optimizer=t.offload_optimizer, attention=t.attention, compile=t.compile,
     )
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a crash leaves either the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -51,7 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from executor.launch import LaunchOptions, run_plan
     from executor.train import RunConfig
-    from planner.plan import load_plan, write_atomic
+    from planner.plan import load_plan
+    from tracer.files import write_atomic
     from tracer.files import check_writable, check_writable_dir
 
     plan = load_plan(args.plan)
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_plan(plan, config, launch)
     if result is None:  # not global rank 0
         return 0
-    write_atomic(report, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    write_atomic(report, json.dumps(result, indent=2, sort_keys=True) + "\n", what="--report")
     # Every run feeds `soap calibrate --from-runs`.
     from executor.runs_log import append_run
 
