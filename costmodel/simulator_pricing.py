@@ -17,8 +17,8 @@ every instance and every stage (`_UnitPricer.chunk`):
   runs: these synchronous collectives cost more in a step than in their microbenchmark);
 - gradient bucket: the segment's local gradients (fp32, `memory.GRAD_BYTES`):
   zero 0/1 all-reduce over dp (DDP's buckets: per chunk its bytes' transfer time, the stage's bucket
-  count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over dp_shard then all-reduce of the shard over
-  dp_replicate (HSDP);
+  count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over
+  dp_shard then all-reduce of the shard over dp_replicate (HSDP);
 - zero 3: all-gather of the segment's parameters at compute width over dp_shard (before its forward
   and its backward); zero 2: the same before its forward only (FSDP2 without resharding after forward
   keeps them through backward and reshards after it, so every micro-batch gathers again);
@@ -71,7 +71,7 @@ from costmodel.schedule import build_schedule
 from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
 from costmodel.simulator_result import StepFacts
 from costmodel.simulator_stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
-from costmodel.strategy import Strategy, TrainingConfig
+from costmodel.strategy import Strategy, TrainingConfig, runs_on_fsdp2
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode
 
@@ -322,7 +322,7 @@ class _UnitPricer:
         t, d = self.strategy.train, self.strategy.dims
         if not (self.fsdp or (t.zero == 2 and d.dp_shard > 1)) or params == 0:
             return 0.0
-        return self.pricer.collective("all_gather", params * activation_itemsize(self.strategy.train.precision), self.groups.dp_shard)
+        return self.pricer.collective("all_gather", params * activation_itemsize(t.precision), self.groups.dp_shard)
 
 
 def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int, int]:
@@ -355,13 +355,10 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
 
 
 def fsdp_engine(strategy: Strategy) -> bool:
-    """Whether the executor runs data parallelism on FSDP2 rather than DDP (`executor.data_parallel`:
-    zero 2/3, or DTensor parameters under TP, or a pipeline, or offload), which syncs per unit and, without
-    a pipeline, every micro-batch."""
+    """Whether the executor runs the strategy's data parallelism on FSDP2 (`costmodel.strategy.runs_on_fsdp2`),
+    which syncs per unit and, without a pipeline, every micro-batch."""
     d, t = strategy.dims, strategy.train
-    if t.offload_optimizer:
-        return True
-    return d.dp * d.cp > 1 and (t.zero >= 2 or d.tp > 1 or d.pp > 1)
+    return runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
 
 
 DDP_BUCKET_BYTES = 25 * 2**20

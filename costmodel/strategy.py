@@ -177,6 +177,15 @@ class TrainingConfig:
         return dict(self.recompute_per_block).get(block_id or "", self.recompute)
 
 
+def runs_on_fsdp2(*, dp: int, cp: int, tp: int, pp: int, zero: int, offload: bool) -> bool:
+    """Whether data parallelism runs on FSDP2 rather than DDP (`executor.data_parallel`): zero 2/3, DTensor
+    parameters under TP, a pipeline (DDP's reducer breaks under many micro-batch backwards), or offload
+    (even alone). The simulator prices FSDP2's per-unit syncs by the same rule."""
+    if offload:
+        return True
+    return dp * cp > 1 and (zero >= 2 or tp > 1 or pp > 1)
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A mesh plus a training configuration, and optional per-op SOAP overrides.

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from costmodel.strategy import runs_on_fsdp2
 from executor.mesh import MeshView
 from executor.tensor_parallel import find_block_list
 from planner.plan import Plan
@@ -39,11 +40,7 @@ from tracer.errors import SoapError
 
 def uses_fsdp(plan: Plan) -> bool:
     p = plan.parallelism
-    if p.offload_optimizer:
-        return True
-    if p.dp * p.cp == 1:
-        return False
-    return p.zero >= 2 or p.tp > 1 or p.pp > 1
+    return runs_on_fsdp2(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, zero=p.zero, offload=p.offload_optimizer)
 
 
 def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
