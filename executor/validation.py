@@ -22,6 +22,7 @@ plans simulated on a deliberately wrong profile, without executing anything.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -141,10 +142,7 @@ def scaled_case(case: SuiteCase, nproc: int) -> SuiteCase:
 
 
 def case_world(case: SuiteCase) -> int:
-    world = 1
-    for degree in case.dims.values():
-        world *= degree
-    return world
+    return math.prod(case.dims.values())
 
 
 def execute_by_world(texts: Sequence[str], worlds: Sequence[int], *, steps: int, device: str) -> list[Measurement | str]:
@@ -168,7 +166,7 @@ def run_validation(config: ValidationConfig, log: Callable[[str], None] = lambda
     for case in cases:
         log(f"simulate {case.name}")
         built.append(build_case(case, cluster, graphs))
-    worlds = [case_world(c) or 1 for c in cases]
+    worlds = [case_world(c) for c in cases]
     sizes = " and ".join(str(w) for w in dict.fromkeys(worlds))
     log(f"execute {len(built)} plans on {sizes} ranks ({config.device}), {config.steps} steps each")
     results = execute_by_world([b.plan.to_json() for b in built], worlds, steps=config.steps, device=config.device)
