@@ -102,7 +102,7 @@ FSDP_GRAD_BYTES = 4
 """FSDP2's sharded gradients are in the parameters' dtype (fp32), also when offloaded."""
 TENSOR_PARALLEL_KINDS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING})
 __all__ = [
-    "ActivationParts", "MemoryEstimate", "ParamSet", "StateBytes", "activation_bytes", "activation_parts",
+    "ActivationParts", "MEMORY_TERMS", "MemoryBreakdown", "ParamSet", "StateBytes", "activation_bytes", "activation_parts",
     "adafactor_bytes", "buffer_bytes", "estimate_memory", "fsdp_param_bytes", "model_state_bytes", "optimizer_state_bytes",
     "stage_params",
 ]
@@ -117,20 +117,32 @@ class StateBytes:
     """Bytes in host memory (not counted on the device)."""
 
 
+MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "workspace", "host")
+"""The terms of `MemoryBreakdown`, in the order tables and `memory_breakdown_gib` show them."""
+
+
 @dataclass(frozen=True)
-class MemoryEstimate:
-    weights: int
-    grads: int
-    optimizer: int
-    activations: int
-    buffers: int
-    overhead: int
-    offloaded: int = 0
+class MemoryBreakdown:
+    """Bytes one rank holds at its peak, by term: what the estimator, the simulator and the reports share."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    """Communication buffers: DDP buckets, FSDP's gathered units and unsharded gradients (`buffer_bytes`)."""
+    workspace: float
+    """The device's context and runtime workspace (`workspace_bytes`)."""
+    host: float = 0
     """Host bytes (offload: fp32 parameter shards, their gradients and the optimizer state); not part of `total`."""
 
     @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+    def total(self) -> float:
+        """Device bytes: every term but `host`."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.workspace
+
+    def as_gib(self) -> dict[str, float]:
+        return {**{term: getattr(self, term) / 2**30 for term in MEMORY_TERMS}, "total": self.total / 2**30}
 
 
 def adafactor_bytes(shape: Sequence[int]) -> int:
@@ -277,6 +289,12 @@ def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_sha
     return 0
 
 
+def workspace_bytes(device: DeviceProfile) -> int:
+    """What a training process holds beyond the counted tensors: the device's context (resident before
+    training starts) and its runtime workspace (fitted from measured peaks by `soap calibrate --from-runs`)."""
+    return device.context_bytes + device.runtime_workspace_bytes
+
+
 def estimate_memory(
     graph: OpGraph,
     *,
@@ -290,7 +308,7 @@ def estimate_memory(
     split: Mapping[str, int] | None = None,
     in_flight_microbatches: int = 1,
     vocab_parallel: bool | None = None,
-) -> MemoryEstimate:
+) -> MemoryBreakdown:
     """Peak memory of one rank that runs `ops` (default: all of `graph`) under `train`.
 
     - `dp`, `dp_shard`, `tp`: the data-parallel degree, the ZeRO/FSDP shard degree (train.zero says
@@ -331,13 +349,13 @@ def estimate_memory(
         block_counts=counts,
         recompute_per_block=dict(train.recompute_per_block),
     )
-    return MemoryEstimate(
+    return MemoryBreakdown(
         weights=state.weights,
         grads=state.grads,
         optimizer=state.optimizer,
         activations=activations,
         buffers=buffer_bytes(params=params, precision=train.precision, zero=train.zero, dp=dp, dp_shard=dp_shard,
                              offload=train.offload_optimizer),
-        overhead=device.context_bytes + device.runtime_workspace_bytes,
-        offloaded=state.offloaded,
+        workspace=workspace_bytes(device),
+        host=state.offloaded,
     )

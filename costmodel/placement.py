@@ -63,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodel.strategy import ParallelDims, Strategy
+from costmodel.strategy import ParallelDims, Strategy, shards_vocabulary
 from tracer.errors import SoapError
 from tracer.ir import DimRole, OpKind, OpNode, TensorMeta
 
@@ -246,7 +246,7 @@ def _outside_placement(
     dp, cp, tp = d.dp, d.cp, d.tp
     if tp == 1:
         return OpPlacement(op, OpSplit(dp, cp, 1, None))
-    sharded = d.pp == 1  # a pipeline keeps the embedding, head and loss replicated
+    sharded = shards_vocabulary(tp=tp, pp=d.pp)  # a pipeline keeps the embedding, head and loss replicated
     embedding, head = vocab
     if after_head and op.kind is not OpKind.LOSS and _has(op, DimRole.PARAMETER):  # vocab-sharded logits
         return OpPlacement(op, OpSplit(dp, cp, tp, None))

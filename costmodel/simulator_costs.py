@@ -88,8 +88,8 @@ class StepCosts:
     """The link level each communication stream crosses; streams on one link are serialized."""
     buffer_bytes: int = 0
     """Communication buckets and workspace per rank, constant."""
-    overhead_bytes: int = 0
-    """Framework and CUDA context per rank."""
+    workspace_bytes: int = 0
+    """Framework and CUDA context plus the runtime workspace per rank (`costmodel.memory.workspace_bytes`)."""
     comm_compute_share: float = 0.0
     """Fraction [0, 1] of every communication task's time that also occupies its rank's compute stream
     (1 - the device's `communication_overlap`; 0 on GPUs, where NCCL runs beside compute)."""

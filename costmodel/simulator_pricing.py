@@ -61,7 +61,7 @@ from typing import Protocol
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import (
     FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, activation_parts, buffer_bytes,
-    model_state_bytes, stage_params,
+    model_state_bytes, stage_params, workspace_bytes,
 )
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
@@ -71,7 +71,7 @@ from costmodel.schedule import build_schedule
 from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
 from costmodel.simulator_result import StepFacts
 from costmodel.simulator_stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
-from costmodel.strategy import Strategy, TrainingConfig, runs_on_fsdp2
+from costmodel.strategy import Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode
 
@@ -218,7 +218,7 @@ def price_step(
         },
         buffer_bytes=0 if units.fsdp else buffers,  # FSDP's gathered units follow the memory events
         comm_compute_share=1.0 - cluster.device.communication_overlap,
-        overhead_bytes=cluster.device.context_bytes,
+        workspace_bytes=workspace_bytes(cluster.device),
     )
     return costs, _facts(graph, strategy, cluster)
 
@@ -238,7 +238,7 @@ class _UnitPricer:
         if layer.segment not in self._params:
             d = self.strategy.dims
             self._params[layer.segment] = stage_params(layer.ops, block_counts={}, tensor_parallel=d.tp,
-                                                       vocab_parallel=d.pp == 1).trainable
+                                                       vocab_parallel=shards_vocabulary(tp=d.tp, pp=d.pp)).trainable
         return self._params[layer.segment]
 
     def chunk(self, layer: Layer) -> ChunkCost:
@@ -401,7 +401,7 @@ def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int, pp: int) -> 
             counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
     seen_segments = {layer.segment: layer for layer in layers}
     ops = [op for layer in seen_segments.values() for op in layer.ops]
-    return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel, vocab_parallel=pp == 1)
+    return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel, vocab_parallel=shards_vocabulary(tp=tensor_parallel, pp=pp))
 
 
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from costmodel.memory import MemoryBreakdown
 from costmodel.simulator_costs import StepCosts
 from costmodel.simulator_engine import Task
 from costmodel.simulator_step import MemoryEvent
@@ -45,22 +46,6 @@ class TimeBreakdown:
             "compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
             "optimizer": self.optimizer, "other": self.other,
         }
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    weights: int
-    grads: int
-    optimizer: int
-    activations: int
-    buffers: int
-    overhead: int
-    host: int = 0
-    """Offloaded to host memory; not part of `total` (device bytes)."""
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
 
 
 @dataclass(frozen=True)
@@ -223,7 +208,7 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
         grads = sum(costs.stages[s].grads_bytes for s in stages)
         opt = sum(costs.stages[s].optimizer_bytes for s in stages)
         host = sum(costs.stages[s].host_bytes for s in stages)
-        constant = weights + grads + opt + costs.buffer_bytes + costs.overhead_bytes
+        constant = weights + grads + opt + costs.buffer_bytes + costs.workspace_bytes
         current = {"activations": 0, "buffers": 0}
         best = dict(current)
         best_total = 0
@@ -239,7 +224,7 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
                 rank=rank, stages=stages, timeline=tuple(timeline),
                 at_peak=MemoryBreakdown(
                     weights=weights, grads=grads, optimizer=opt, activations=best["activations"],
-                    buffers=costs.buffer_bytes + best["buffers"], overhead=costs.overhead_bytes, host=host,
+                    buffers=costs.buffer_bytes + best["buffers"], workspace=costs.workspace_bytes, host=host,
                 ),
             )
         )

@@ -177,6 +177,13 @@ class TrainingConfig:
         return dict(self.recompute_per_block).get(block_id or "", self.recompute)
 
 
+def shards_vocabulary(*, tp: int, pp: int) -> bool:
+    """Whether tensor parallelism shards the token embedding, the LM head and the loss over the vocabulary
+    (`executor.tensor_parallel.apply_vocab_parallel`): tp > 1 with the whole model on the rank (pp == 1).
+    The executor, the simulator's placements and both memory models read this one rule."""
+    return tp > 1 and pp == 1
+
+
 def runs_on_fsdp2(*, dp: int, cp: int, tp: int, pp: int, zero: int, offload: bool) -> bool:
     """Whether data parallelism runs on FSDP2 rather than DDP (`executor.data_parallel`): zero 2/3, DTensor
     parameters under TP, a pipeline (DDP's reducer breaks under many micro-batch backwards), or offload

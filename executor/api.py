@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from costmodel.strategy import shards_vocabulary
 from executor import precision as precision_mod
 from executor.context_parallel import apply_cp
 from executor.data_parallel import apply_ddp, apply_fsdp, uses_ddp, uses_fsdp
@@ -61,7 +62,7 @@ class ParallelModel:
     def vocab_parallel(self) -> bool:
         """The logits are a DTensor sharded on the vocabulary (tp > 1 with the whole model on the rank)."""
         p = self.plan.parallelism
-        return p.tp > 1 and p.pp == 1
+        return shards_vocabulary(tp=p.tp, pp=p.pp)
 
     def loss_parallel(self) -> Any:
         """The context the loss and its backward run in: torch's `loss_parallel()` for vocab-sharded
@@ -167,7 +168,7 @@ def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
         # every stage enters and leaves the sequence-parallel region itself, so HF's model-level code
         # (masks, position embeddings) always sees whole sequences
         apply_tp(part, mesh.tp, plan.tp_plan, sequence_parallel=p.sequence_parallel,
-                 first_block=modules[0], last_block=modules[-1], vocab_parallel=p.pp == 1)
+                 first_block=modules[0], last_block=modules[-1], vocab_parallel=shards_vocabulary(tp=p.tp, pp=p.pp))
     if p.cp > 1:
         apply_cp(part, mesh.cp)
     apply_recompute(part, _recompute_policy(plan))

@@ -195,7 +195,7 @@ def compare_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str
 def predicted_memory_bytes(result: Any, workspace_bytes: int = 0) -> int:
     """The simulator's peak over ranks without the per-process context overhead, plus the runtime
     workspace (comparable to the measured growth)."""
-    return max(m.at_peak.total - m.at_peak.overhead for m in result.memory) + workspace_bytes
+    return max(m.at_peak.total - m.at_peak.workspace for m in result.memory) + workspace_bytes
 
 
 def _log_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str], path: str | None) -> None:

@@ -116,7 +116,7 @@ def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
             graphs[key] = trace_plan_model(plan, cluster)
         parts.append(step_parts(plan, graphs[key], cluster, record["step_time_s"]))
         if record.get("peak_memory_source") in COMPARABLE_MEMORY_SOURCES and record.get("peak_memory_gib", 0) > 0:
-            predicted = max(m.at_peak.total - m.at_peak.overhead for m in simulate_on(plan, graphs[key], cluster).memory)
+            predicted = max(m.at_peak.total - m.at_peak.workspace for m in simulate_on(plan, graphs[key], cluster).memory)
             residuals.append(record["peak_memory_gib"] * 2**30 - predicted)
     multipliers = fit_multipliers(parts)
     source = f"refit by soap calibrate --from-runs on {len(parts)} runs"

@@ -49,13 +49,13 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import ParamSet, buffer_bytes, model_state_bytes
+from costmodel.memory import MemoryBreakdown, ParamSet, buffer_bytes, model_state_bytes, workspace_bytes
 from costmodel.memory_activations import activation_parts
 from costmodel.opcost import op_time
 from costmodel.placement import vocab_parallel_ops
 from costmodel.profiles import ClusterSpec
 from costmodel.simulator_pricing import offload_host_bytes
-from costmodel.strategy import TrainingConfig
+from costmodel.strategy import TrainingConfig, shards_vocabulary
 from planner.space import MeshChoice
 from planner.stages import partition_stages
 from planner.units import Unit, is_expert, layer_units
@@ -66,25 +66,10 @@ ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}
 
 
 @dataclass(frozen=True)
-class MemoryParts:
-    """Per-GPU bytes on the worst pipeline rank, by what they hold."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-    other: float
-    """ZeRO-3 gathered parameters, communication buffers, and the framework/context overhead."""
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.other
-
-
-@dataclass(frozen=True)
 class Estimate:
     step_time_s: float
-    memory: MemoryParts
+    memory: MemoryBreakdown
+    """Per-GPU bytes on the worst pipeline rank, by term."""
     compute_s: float
     comm_s: float
     bubble_s: float
@@ -248,7 +233,7 @@ class Estimator:
         # memory shards expert weights like every matmul weight, by tp, as `costmodel.memory.stage_params` does
         # TP shards the blocks' weights, and without a pipeline the token embedding and LM head too
         # (costmodel.memory.stage_params)
-        vocab_share = (d.tp - 1) / d.tp if d.pp == 1 else 0.0
+        vocab_share = (d.tp - 1) / d.tp if shards_vocabulary(tp=d.tp, pp=d.pp) else 0.0
         params_unit = np.array([unit.params / d.tp if not unit.id.startswith("<")
                                 else unit.params - vocab_share * self._vocab_params[u]
                                 for u, unit in enumerate(self.units)], dtype=float)
@@ -321,7 +306,7 @@ class Estimator:
         return dp_exposed, zero3
 
     def _rank_memory(self, mesh: MeshChoice, t: TrainingConfig, rank_act: np.ndarray, rank_transient: np.ndarray,
-                     state, params_local: float) -> MemoryParts:
+                     state, params_local: float) -> MemoryBreakdown:
         d = mesh.dims
         pp, v, m = d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum
         ranks = np.arange(pp)
@@ -344,8 +329,7 @@ class Estimator:
                                          precision=t.precision, zero=t.zero, dp=d.dp, dp_shard=d.dp_shard,
                                          offload=t.offload_optimizer))
         device = self.cluster.device
-        return MemoryParts(
+        return MemoryBreakdown(
             weights=float(state.weights), grads=float(state.grads), optimizer=float(state.optimizer),
-            activations=activations,
-            other=gathered + buffers + device.context_bytes,
+            activations=activations, buffers=gathered + buffers, workspace=workspace_bytes(device), host=state.offloaded,
         )

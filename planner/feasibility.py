@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.estimate import Estimator, MemoryParts
+from costmodel.memory import MemoryBreakdown
+from planner.estimate import Estimator
 from planner.space import SpaceRequest, mesh_choices, recompute_choices, training_config, training_heads
 from tracer.errors import SoapError
 
@@ -22,12 +23,13 @@ MAX_GPUS = 1 << 20
 """Give up doubling past a million GPUs."""
 
 _PART_NAMES = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer state",
-               "activations": "activations", "other": "framework overhead and gathered parameters"}
+               "activations": "activations", "buffers": "communication buffers and gathered parameters",
+               "workspace": "framework context and workspace"}
 
 
-def memory_floor(req: SpaceRequest, estimator: Estimator) -> MemoryParts | None:
+def memory_floor(req: SpaceRequest, estimator: Estimator) -> MemoryBreakdown | None:
     """The least per-GPU memory over the request's meshes, or None when the pins leave no mesh."""
-    best: MemoryParts | None = None
+    best: MemoryBreakdown | None = None
     recompute = recompute_choices(req)[-1]
     for mesh in mesh_choices(req):
         heads = training_heads(req, mesh)
@@ -66,7 +68,7 @@ def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit:
     if floor is None:
         return SoapError(f"no configuration of {model} on {req.gpus} GPUs satisfies the pins; unpin a dimension")
     parts = {"weights": floor.weights, "grads": floor.grads, "optimizer": floor.optimizer,
-             "activations": floor.activations, "other": floor.other}
+             "activations": floor.activations, "buffers": floor.buffers, "workspace": floor.workspace}
     term = max(parts, key=lambda k: (parts[k], k))
     need = f"{floor.total / GIB:.1f} GiB per GPU"
     more = minimum_gpus(req, estimator, limit)

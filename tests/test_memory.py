@@ -136,7 +136,7 @@ def test_offload_buffers_are_one_unit_of_gradients_or_the_gathered_units():
                                offload_optimizer=True)
         est = estimate_memory(graph, device=device, train=train)
         assert est.buffers == expected
-        assert est.grads == est.optimizer == 0 and est.offloaded > est.weights
+        assert est.grads == est.optimizer == 0 and est.host > est.weights
 
 
 def test_adafactor_keeps_factored_row_and_column_statistics():
@@ -199,8 +199,8 @@ def test_estimate_memory_adds_state_activations_buffers_and_context():
     assert (est.weights, est.grads, est.optimizer) == (4 * params, 4 * params, 8 * params)
     assert est.activations == _acts("none")
     assert est.buffers == 4 * params  # DDP's buckets: one more fp32 copy of every gradient
-    assert est.overhead == device.context_bytes
-    assert est.total == sum((est.weights, est.grads, est.optimizer, est.activations, est.buffers, est.overhead))
+    assert est.workspace == device.context_bytes
+    assert est.total == sum((est.weights, est.grads, est.optimizer, est.activations, est.buffers, est.workspace))
     fsdp = estimate_memory(graph, device=device, train=TrainingConfig(global_batch=8, seq_len=T, micro_batch=B,
                            precision="fp32", zero=3), dp=4, dp_shard=4)
     assert fsdp.weights == 4 * params // 4
@@ -336,5 +336,5 @@ def test_runtime_workspace_is_optional_profile_data_counted_in_the_overhead():
     assert again.runtime_workspace_bytes == 13 * 2**20 and again.sources["runtime_workspace_mib"] == "measured"
     train = TrainingConfig(global_batch=2, seq_len=T, micro_batch=B)
     est = estimate_memory(toy_graph(), device=device, train=train)
-    assert est.overhead == shipped.context_bytes + 13 * 2**20
+    assert est.workspace == shipped.context_bytes + 13 * 2**20
     assert est.total - estimate_memory(toy_graph(), device=shipped, train=train).total == 13 * 2**20

@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from costmodel.strategy import ParallelDims, TrainingConfig
-from planner.estimate import Estimate, MemoryParts
+from costmodel.memory import MemoryBreakdown
+from planner.estimate import Estimate
 from planner.search import Candidate, Priced, SearchConfig, search
 from planner.space import MeshChoice
 
@@ -13,7 +14,7 @@ from planner.space import MeshChoice
 def _candidate(tp, dp, mb, estimated_s):
     mesh = MeshChoice(dims=ParallelDims(dp_replicate=dp, tp=tp), zero=0)
     train = TrainingConfig(global_batch=dp * 8, seq_len=128, micro_batch=mb, num_microbatches=8 // mb, grad_accum=8 // mb)
-    parts = MemoryParts(weights=1e8 * tp, grads=0, optimizer=0, activations=0, other=0)
+    parts = MemoryBreakdown(weights=1e8 * tp, grads=0, optimizer=0, activations=0, buffers=0, workspace=0)
     est = Estimate(step_time_s=estimated_s, memory=parts, compute_s=0, comm_s=0, bubble_s=0, optimizer_s=0)
     return Candidate(mesh, train, est)
 

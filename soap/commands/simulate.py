@@ -118,11 +118,11 @@ def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace
     for key, value in c["breakdown_s"].items():
         table.add_row(f"  {key}", f"{value * 1e3:.2f} ms ({value / c['step_time_s']:.1%})" if c["step_time_s"] else "0")
     console.print(table)
-    mem = Table("rank", "stages", "weights", "grads", "optimizer", "activations", "buffers", "overhead", "peak GiB")
+    mem = Table("rank", "stages", "weights", "grads", "optimizer", "activations", "buffers", "workspace", "peak GiB")
     for m in result.memory:
         b = m.at_peak
         mem.add_row(str(m.rank), ",".join(map(str, m.stages)),
-                    *(f"{x / 2**30:.2f}" for x in (b.weights, b.grads, b.optimizer, b.activations, b.buffers, b.overhead, b.total)))
+                    *(f"{x / 2**30:.2f}" for x in (b.weights, b.grads, b.optimizer, b.activations, b.buffers, b.workspace, b.total)))
     console.print(mem)
     for stage in plan.stages:
         mods = stage.modules
