@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from costmodel.profiles import DeviceProfile
 from tracer.errors import SoapError
-from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta
+from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
 
 MATMUL_LIKE = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
@@ -75,7 +75,7 @@ def activation_itemsize(precision: str) -> int:
 def local_scale(t: TensorMeta, *, sample_scale: float, split: Mapping[str, int]) -> float:
     """Factor from the traced tensor's size to its local size on one rank (see the module docstring)."""
     factor = 1.0
-    present = set(t.roles)
+    present = split_roles(t.roles)
     if DimRole.SAMPLE in present:
         factor *= sample_scale
     for role, degree in split.items():
@@ -109,7 +109,7 @@ def local_work(
     split = _check_split(split)
     sample_scale = micro_batch / batch_traced
     tensors = (*op.inputs, *op.outputs)
-    roles = {r for t in tensors for r in t.roles}
+    roles = split_roles(r for t in tensors for r in t.roles)
     flop_scale = sample_scale if DimRole.SAMPLE in roles else 1.0
     for role, degree in split.items():
         if DimRole(role) in roles:

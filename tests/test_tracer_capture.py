@@ -156,13 +156,15 @@ def test_bf16_trace_halves_activation_bytes_of_bf16_ops():
         tracer.trace("gpt2", dtype="int8")
 
 
-def test_moe_expert_matmuls_keep_the_token_dim_as_sample():
+def test_moe_expert_matmuls_keep_the_flattened_token_dim():
+    """The routed tokens are [batch * seq * top_k]: a token dim, which the micro-batch scales and context
+    parallelism divides."""
     graph = tracer.trace("mixtral-8x7b", batch=2, seq_len=16)
     bmms = [op for op in graph.ops if op.module_fqn.endswith("experts") and op.target.startswith("aten.bmm")]
     assert len(bmms) == 2
     for op in bmms:
         assert op.outputs[0].shape[0] == 2 * 16 * 2  # tokens x experts per token
-        assert op.outputs[0].roles[0] is DimRole.SAMPLE
+        assert op.outputs[0].roles[0] is DimRole.TOKEN
         assert op.saved_bytes < op.inputs[0].nbytes  # the gathered expert weights are not activations
     labels_pad = next(op for op in graph.ops if op.target.startswith(("aten.pad", "aten.constant_pad_nd")))
     assert labels_pad.outputs[0].roles == (DimRole.SAMPLE, DimRole.ATTRIBUTE)

@@ -21,7 +21,7 @@ tensor dimension carries a `DimRole` so that the cost model can compute local sh
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -47,6 +47,18 @@ class DimRole(str, Enum):
     ATTRIBUTE = "attribute"
     PARAMETER = "parameter"
     NONE = "none"
+    TOKEN = "token"
+    """A sample and an attribute (sequence) dim flattened into one, [batch * seq] (the LM head's logits
+    and the loss as HF computes them, MoE routing): it grows with the micro-batch and a sequence split
+    (context parallelism) divides it, as if it were both (`split_roles`)."""
+
+
+def split_roles(roles: Iterable[DimRole]) -> set[DimRole]:
+    """The roles a tensor's dims answer to when it is split or scaled: TOKEN counts as SAMPLE and ATTRIBUTE."""
+    out = set(roles)
+    if DimRole.TOKEN in out:
+        out |= {DimRole.SAMPLE, DimRole.ATTRIBUTE}
+    return out
 
 
 class OpKind(str, Enum):

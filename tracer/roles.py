@@ -5,9 +5,12 @@ Seeds:
   pixel_values are (sample, none, attribute, attribute); a 1-D label vector is (sample,);
 - every dimension of a parameter, buffer or parameter-derived tensor is parameter.
 Rules, per op (the first that applies):
-- views/reshapes align input and output dims by running size products; a merged group takes its
-  strongest role (sample > attribute > parameter > none); a split dim passes its role to its first
-  part and the remaining parts get attribute when it was sample, its own role otherwise;
+- views/reshapes align input and output dims by running size products; a merged group takes token
+  when it merges a sample and an attribute dim ([batch * seq]: HF flattens logits and labels for the
+  loss, MoE layers their tokens), its strongest role otherwise (token > sample > attribute >
+  parameter > none); a split dim passes its role to its first part, and the remaining parts get
+  attribute when it was sample, none when it was token (MoE's [tokens * top_k] -> [tokens, top_k]),
+  its own role otherwise;
 - transpose/permute/movedim permute roles; unsqueeze inserts none; squeeze/select/reductions drop the
   dim (or make it none with keepdim); slice/narrow keep roles;
 - contractions: rows from the first operand, columns from the second operand's last dim, batch dims the
@@ -18,8 +21,10 @@ Rules, per op (the first that applies):
 - attention: the query's roles (the last dim from the value);
 - anything else aligns dims from the right with the inputs (broadcasting) and takes the strongest role
   among same-sized input dims.
-Dimensions of size 1 are none, except a sample dim (a batch of 1 keeps its sample dim). A dim with no source gets sample if it is the leading dim of the
-batch's size, attribute if it is the sequence length, parameter otherwise.
+Dimensions of size 1 are none, except a sample dim (a batch of 1 keeps its sample dim). A dim with no
+source gets token if it is the leading dim, of batch * seq_len, of a tensor of 2+ dims (the loss's
+log-probabilities over flattened tokens), sample if it is the leading dim of the batch's size,
+attribute if it is the sequence length, parameter otherwise.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from tracer.ir import DimRole
 from tracer.oprules import KIND_BY_NAME, base_name, tensor_args
 from tracer.ir import OpKind
 
-S, A, P, N = DimRole.SAMPLE, DimRole.ATTRIBUTE, DimRole.PARAMETER, DimRole.NONE
-_STRENGTH = {S: 3, A: 2, P: 1, N: 0}
+S, A, P, N, T = DimRole.SAMPLE, DimRole.ATTRIBUTE, DimRole.PARAMETER, DimRole.NONE, DimRole.TOKEN
+_STRENGTH = {T: 4, S: 3, A: 2, P: 1, N: 0}
 Roles = tuple[DimRole, ...]
 
 
@@ -47,7 +52,9 @@ class RoleInference:
     def guess(self, shape: tuple[int, ...]) -> Roles:
         out = []
         for i, s in enumerate(shape):
-            if i == 0 and s == self.batch and (len(shape) > 1 or s > 1):
+            if i == 0 and s == self.batch * self.seq_len and len(shape) > 1 and self.seq_len > 1:
+                out.append(T)
+            elif i == 0 and s == self.batch and (len(shape) > 1 or s > 1):
                 out.append(S)
             elif s == 1:
                 out.append(N)
@@ -216,8 +223,9 @@ def _reshape_roles(src: tuple[int, ...], src_roles: Roles, dst: tuple[int, ...])
             group.append(i)
             prod_s *= src[i]
             i += 1
-        role = _strongest([src_roles[k] for k in group if k < len(src_roles)])
+        merged = [src_roles[k] for k in group if k < len(src_roles)]
+        role = T if len(group_d) == 1 and S in merged and A in merged else _strongest(merged)
         for n, _ in enumerate(group_d):
-            out.append(role if n == 0 else (A if role is S else role))
+            out.append(role if n == 0 else A if role is S else N if role is T else role)
         j += 1
     return tuple(out[: len(dst)])
