@@ -16,12 +16,14 @@ Megatron rules (`block_placements`), over a block's ops in execution order:
   attention core exchanges K/V;
 - MoE expert ops (module path containing `experts`) are Parameter x ep (experts split; their local
   work is unchanged, see `OpSplit.local`); TP does not split experts.
-Outside blocks, as `executor.tensor_parallel` runs them (`vocab_parallel_ops` names the two ops):
-with the whole model on the rank (pp == 1) the token embedding is vocab-parallel (Parameter x tp),
-the LM head column-parallel over the vocabulary (ops on its logits stay vocab-sharded) and the loss
-vocab-parallel; under a pipeline (pp > 1) they replicate, as torch's pipelining needs plain stage
-outputs. Position and token-type embeddings and other non-block ops replicate (Attribute x tp with
-sequence parallelism).
+Outside blocks, as `executor.tensor_parallel` runs them (`vocab_parallel_ops` names the two ops;
+`costmodel.strategy.shards_vocabulary` says when: tp > 1, pipelined or not): the token embedding is
+vocab-parallel (Parameter x tp), the LM head column-parallel over the vocabulary (ops on its logits
+stay vocab-sharded) and the loss vocab-parallel. A pipeline's last stage hands its vocabulary shard of
+the logits to the schedule's loss as a plain tensor, which wraps it back into the sharded DTensor and
+runs torch's `loss_parallel` (`executor.pipeline.vocab_parallel_loss`): the same collectives and the
+same 1/tp logits as without a pipeline. Position and token-type embeddings and other non-block ops
+replicate (Attribute x tp with sequence parallelism).
 
 Collectives a split implies (`Collective`, sizes in nccl-tests' convention, one micro-batch, one
 rank; h = [micro_batch, seq/cp, hidden] at activation width, S = its bytes):
@@ -65,7 +67,7 @@ from dataclasses import dataclass
 
 from costmodel.strategy import ParallelDims, Strategy, shards_vocabulary
 from tracer.errors import SoapError
-from tracer.ir import DimRole, OpKind, OpNode, TensorMeta
+from tracer.ir import DimRole, OpKind, OpNode, TensorMeta, split_roles
 
 COLWISE = frozenset({
     "q", "k", "v", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_attn", "c_fc", "query", "key",
@@ -161,7 +163,8 @@ class ActivationShape:
 
 
 def _has(op: OpNode, role: DimRole) -> bool:
-    return any(role in t.roles for t in (*op.inputs, *op.outputs))
+    """Whether a tensor of `op` has a `role` dim (a flattened token dim has both sample and attribute)."""
+    return any(role in split_roles(t.roles) for t in (*op.inputs, *op.outputs))
 
 
 def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: ActivationShape) -> tuple[OpPlacement, ...]:
@@ -246,7 +249,7 @@ def _outside_placement(
     dp, cp, tp = d.dp, d.cp, d.tp
     if tp == 1:
         return OpPlacement(op, OpSplit(dp, cp, 1, None))
-    sharded = shards_vocabulary(tp=tp, pp=d.pp)  # a pipeline keeps the embedding, head and loss replicated
+    sharded = shards_vocabulary(tp=tp, pp=d.pp)
     embedding, head = vocab
     if after_head and op.kind is not OpKind.LOSS and _has(op, DimRole.PARAMETER):  # vocab-sharded logits
         return OpPlacement(op, OpSplit(dp, cp, tp, None))

@@ -70,6 +70,18 @@ class ParallelDims:
             raise SoapError(f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}")
 
     @property
+    def shard_degree(self) -> int:
+        """Ranks that shard model state under ZeRO/FSDP: dp_shard x cp, the executor's FSDP mesh
+        (`executor.mesh`'s dp_shard_cp): CP ranks hold other tokens of the same samples, so they hold
+        the same parameters and can share them out."""
+        return self.dp_shard * self.cp
+
+    @property
+    def sync_degree(self) -> int:
+        """Ranks that average gradients: dp x cp (`executor.mesh`'s dp_cp)."""
+        return self.dp * self.cp
+
+    @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -179,9 +191,10 @@ class TrainingConfig:
 
 def shards_vocabulary(*, tp: int, pp: int) -> bool:
     """Whether tensor parallelism shards the token embedding, the LM head and the loss over the vocabulary
-    (`executor.tensor_parallel.apply_vocab_parallel`): tp > 1 with the whole model on the rank (pp == 1).
+    (`executor.tensor_parallel.apply_vocab_parallel`): whenever tp > 1, as Megatron-Core and torchtitan
+    do; under a pipeline (any `pp`) the first stage shards the embedding and the last the head and loss.
     The executor, the simulator's placements and both memory models read this one rule."""
-    return tp > 1 and pp == 1
+    return tp > 1
 
 
 def runs_on_fsdp2(*, dp: int, cp: int, tp: int, pp: int, zero: int, offload: bool) -> bool:

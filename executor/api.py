@@ -30,8 +30,8 @@ from executor.context_parallel import apply_cp
 from executor.data_parallel import apply_ddp, apply_fsdp, uses_ddp, uses_fsdp
 from executor.mesh import MeshView, build_mesh
 from executor.model import materialize, normalize_for_tp
-from executor.pipeline import (TiedAcrossStages, build_schedule, set_position_ids, split_stage, stages_of_rank,
-                               tied_across_stages)
+from executor.pipeline import (LossParallelSchedule, TiedAcrossStages, build_schedule, set_position_ids, split_stage,
+                               stages_of_rank, tied_across_stages, vocab_parallel_loss)
 from executor.tensor_parallel import apply_tp, find_block_list
 from planner.plan import Plan
 from tracer.errors import SoapError
@@ -60,14 +60,16 @@ class ParallelModel:
 
     @property
     def vocab_parallel(self) -> bool:
-        """The logits are a DTensor sharded on the vocabulary (tp > 1 with the whole model on the rank)."""
+        """The token embedding, LM head and loss are vocab-parallel (tp > 1); without a pipeline the model's
+        logits are then a DTensor sharded on the vocabulary."""
         p = self.plan.parallelism
         return shards_vocabulary(tp=p.tp, pp=p.pp)
 
     def loss_parallel(self) -> Any:
-        """The context the loss and its backward run in: torch's `loss_parallel()` for vocab-sharded
-        logits (cross-entropy without gathering them), otherwise a no-op."""
-        if not self.vocab_parallel:
+        """The context the loss and its backward run in without a pipeline: torch's `loss_parallel()` for
+        vocab-sharded logits (cross-entropy without gathering them), otherwise a no-op. A pipeline's
+        schedule enters it itself (`executor.pipeline.LossParallelSchedule`)."""
+        if not self.vocab_parallel or self.plan.parallelism.pp > 1:
             return contextlib.nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -112,8 +114,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     `loss_fn(logits, labels)` is the pipeline's loss (pp > 1); by default the mean token cross-entropy.
     `seed` / `weights` fill a meta-device model; `device` defaults to cuda:LOCAL_RANK or the CPU.
 
-    With tp > 1 and pp == 1 the token embedding and LM head are vocab-parallel (as torchtitan runs
-    them): the model's logits are a DTensor sharded on the vocabulary (`Shard(-1)` over the TP mesh).
+    With tp > 1 the token embedding and LM head are vocab-parallel (as torchtitan and Megatron run
+    them, on pipeline stages too); with pp == 1 the model's logits are a DTensor sharded on the
+    vocabulary (`Shard(-1)` over the TP mesh).
     Compute the loss and run its backward inside `loss_parallel()` (`ParallelModel.loss_parallel()`
     enters it only when needed), where `F.cross_entropy` on the DTensor logits all-reduces per-token
     statistics instead of gathering the logits:
@@ -156,7 +159,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     result = ParallelModel(parts=parts, plan=plan, mesh=mesh, stage_indices=stage_indices, precision=runtime,
                            tied=tied)
     if p.pp > 1:
-        result.schedule = _pipeline(result, device, runtime.scaled_loss(loss_fn or _mean_loss()))
+        result.schedule = _pipeline(result, device, loss_fn or _mean_loss())
     return result
 
 
@@ -167,8 +170,11 @@ def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
         modules = list(blocks)
         # every stage enters and leaves the sequence-parallel region itself, so HF's model-level code
         # (masks, position embeddings) always sees whole sequences
+        index = getattr(part, "soap_stage_index", None)
+        ends = None if index is None else (index == 0, index == p.pp * p.virtual_stages - 1)
         apply_tp(part, mesh.tp, plan.tp_plan, sequence_parallel=p.sequence_parallel,
-                 first_block=modules[0], last_block=modules[-1], vocab_parallel=shards_vocabulary(tp=p.tp, pp=p.pp))
+                 first_block=modules[0], last_block=modules[-1], vocab_parallel=shards_vocabulary(tp=p.tp, pp=p.pp),
+                 ends=ends)
     if p.cp > 1:
         apply_cp(part, mesh.cp)
     apply_recompute(part, _recompute_policy(plan))
@@ -230,5 +236,11 @@ def _pipeline(parallel: ParallelModel, device: torch.device, loss_fn: Callable) 
         inner = part.module if hasattr(part, "module") and isinstance(part.module, nn.Module) else part
         set_position_ids(inner, lambda x, d=device: (torch.arange(local, device=d) + offset).unsqueeze(0))
         stages.append(PipelineStage(part, index, p.pp * p.virtual_stages, device, group=mesh.pp.get_group()))
-    return build_schedule(plan, stages, loss_fn)
+    scaled = parallel.precision.scaled_loss
+    if not parallel.vocab_parallel:
+        return build_schedule(plan, stages, scaled(loss_fn))
+    # the last stage returns its vocabulary shard of the logits (executor.tensor_parallel)
+    if parallel.has_last_stage:
+        loss_fn = vocab_parallel_loss(loss_fn, mesh.tp, parallel.parts[-1].get_output_embeddings().weight.shape[0])
+    return LossParallelSchedule(build_schedule(plan, stages, scaled(loss_fn)))
 

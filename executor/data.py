@@ -130,7 +130,7 @@ class ScaledTokenLoss:
         self.unscaled_sum = torch.zeros(())
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The scaled loss of one micro-batch. Vocab-sharded DTensor logits (tp > 1, pp == 1) need the call
+        """The scaled loss of one micro-batch. Vocab-sharded DTensor logits (tp > 1, `costmodel.strategy.shards_vocabulary`) need the call
         and its backward inside `loss_parallel()`; the loss then comes back as a plain tensor, the same on
         every TP rank."""
         total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")

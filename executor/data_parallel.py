@@ -68,7 +68,9 @@ def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
 def apply_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
+    # the gradients are views of the reducer's buckets: one copy of them, not a .grad plus a bucket
+    return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False,
+                                   gradient_as_bucket_view=True)
 
 
 def uses_ddp(plan: Plan) -> bool:

@@ -21,11 +21,18 @@ the tied weight's full gradient and their optimizer steps keep them equal.
 Schedules come from `get_schedule_class(plan.parallelism.schedule)`, with `scale_grads=False`: the loss
 is already scaled so that gradients sum to the global mean (see `executor.data`). Ranks own stages
 `s` with `s % pp == pp_rank` (looped), one per rank unless the plan has virtual stages.
+
+Vocabulary-parallel ends (tp > 1, `executor.tensor_parallel.apply_vocab_parallel`): the last stage's LM
+head returns the rank's vocabulary shard of the logits as a plain tensor; the schedule's loss
+(`vocab_parallel_loss`) wraps it back into the vocab-sharded DTensor and runs the loss on it, and the
+schedule steps inside torch's `loss_parallel()` (`LossParallelSchedule`), which the loss's backward,
+run by the schedule, needs too. So a pipeline's loss never gathers the logits, as without one.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -149,6 +156,41 @@ def build_schedule(plan: Plan, stages: list[Any], loss_fn: Callable) -> Any:
             raise SoapError(f"schedule {p.schedule} runs one stage per rank; the plan has {len(stages)}")
         return cls(stages[0], n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
+
+
+def vocab_parallel_loss(loss_fn: Callable, tp_mesh: Any, vocab: int) -> Callable:
+    """`loss_fn` for a last stage whose output is its local vocabulary shard of `vocab` logits: the loss of
+    the vocab-sharded DTensor those shards make up (Shard(-1) over `tp_mesh`, uneven when tp does not
+    divide `vocab`), returned as a plain tensor (a DTensor loss is replicated: its local value is whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def loss(local: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shape = (*local.shape[:-1], vocab)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        logits = DTensor.from_local(local, tp_mesh, [Shard(-1)], run_check=False, shape=torch.Size(shape),
+                                    stride=stride)
+        out = loss_fn(logits, labels)
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    return loss
+
+
+class LossParallelSchedule:
+    """A pipeline schedule whose every step runs inside torch's `loss_parallel()`, so that the last
+    stage's vocab-parallel loss (`vocab_parallel_loss`) and its backward, which the schedule runs, use
+    the vocab-parallel cross-entropy; everything else is the wrapped schedule's."""
+
+    def __init__(self, schedule: Any) -> None:
+        self.schedule = schedule
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return self.schedule.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.schedule, name)
 
 
 @dataclass(frozen=True)

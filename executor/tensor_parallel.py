@@ -9,25 +9,30 @@
 A `FusedQKV` named colwise is split as its three Linears. The blocks are the entries of the model's
 layer list.
 
-Outside the blocks (torchtitan's layout), when the whole model is on the rank (pp == 1,
-`vocab_parallel=True`):
-    token embedding  RowwiseParallel(input Replicate, output Replicate): torch's vocab-parallel
-                     embedding, weight Shard(0); each rank looks up its vocabulary rows, the partial
-                     sums are all-reduced in forward
-    LM head          ColwiseParallel(input Replicate, output Shard(-1), use_local_output=False): weight
-                     (and bias) Shard(0); the logits stay a DTensor sharded on the vocabulary, and its
-                     input gradient is all-reduced in backward
+Outside the blocks (torchtitan's and Megatron's layout), `vocab_parallel=True` (tp > 1, with or without
+a pipeline: `costmodel.strategy.shards_vocabulary`):
+    token embedding  `shard_embedding_rows`: weight Shard(0); each rank looks up its vocabulary rows,
+                     the partial sums are all-reduced in forward (as torch's RowwiseParallel embedding),
+                     and backward leaves each rank the gradient of its rows only (Megatron's
+                     VocabParallelEmbedding)
+    LM head          ColwiseParallel(input Replicate, output Shard(-1)): weight (and bias) Shard(0); the
+                     logits stay sharded on the vocabulary, and its input gradient is all-reduced in
+                     backward. The whole model returns them as a DTensor (use_local_output=False); a
+                     pipeline's last stage returns the rank's local vocabulary shard, a plain tensor as
+                     torch.distributed.pipelining needs, and the schedule's loss wraps it back into that
+                     DTensor (`executor.pipeline.vocab_parallel_loss`)
     loss             cross-entropy on those logits inside `torch.distributed.tensor.parallel.loss_parallel()`
-                     (forward and backward; see `executor.train.train_step`): all-reduces of the
-                     per-token max, sum of exponentials and target logit, never the whole logits
+                     (forward and backward; see `executor.train.train_step`, and for a pipeline
+                     `executor.pipeline.LossParallelSchedule`, which runs each schedule step inside it):
+                     all-reduces of the per-token max, sum of exponentials and target logit, never the
+                     whole logits
+A pipeline stage shards what it holds (`ends`): the first stage the token embedding, the last the LM head.
 Tied embeddings (GPT-2, BERT) are re-tied after sharding: both styles shard the weight on dim 0, so the
 embedding and the head share one DTensor parameter (BERT's `cls.predictions.bias` likewise stays the
-decoder's bias). Position and token-type embeddings and the final norm stay replicated. A vocabulary
-that tp does not divide is sharded unevenly (DTensor's Shard gives the first ranks one row more).
-
-Pipelines (pp > 1) keep the token embedding, final norm, LM head and loss replicated: a stage's outputs
-must be plain tensors for torch.distributed.pipelining, and the schedule's loss runs outside
-`loss_parallel()`.
+decoder's bias); a pipeline's first and last stage each hold their own copy, sharded alike, so the
+local shards that `executor.pipeline.TiedAcrossStages` sums hold the same rows. Position and
+token-type embeddings and the final norm stay replicated. A vocabulary that tp does not divide is
+sharded unevenly (DTensor's Shard gives the first ranks one row more).
 
 Attention modules then get their head counts divided by tp (`num_heads`, `num_attention_heads`,
 `num_key_value_heads`, `all_head_size`, `embed_dim`, `split_size`), so HF's reshapes see local heads.
@@ -77,12 +82,14 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, sequence_parallel: bool,
-             first_block: nn.Module | None, last_block: nn.Module | None, vocab_parallel: bool = False) -> None:
+             first_block: nn.Module | None, last_block: nn.Module | None, vocab_parallel: bool = False,
+             ends: tuple[bool, bool] | None = None) -> None:
     """Shard every block in `model`'s layer list as `tp_plan` says (see the module docstring).
 
     `first_block` / `last_block` enter and leave the sequence-parallel region (the first and last
-    blocks of the model or of its pipeline stage). `vocab_parallel` (the whole model, pp == 1) also
-    shards the token embedding and the LM head over the vocabulary.
+    blocks of the model or of its pipeline stage). `vocab_parallel` also shards the token embedding and
+    the LM head over the vocabulary, those of them the model holds: `ends` says whether a pipeline stage
+    holds the embedding and the head (None: the whole model, both).
     """
     if not tp_plan:
         raise SoapError("the plan has tp > 1 but an empty tp_plan; regenerate it with `soap plan`")
@@ -109,29 +116,70 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, 
         if last_block is not None:
             last_block.register_forward_hook(_gather_output_hook(tp_mesh))
     if vocab_parallel:
-        apply_vocab_parallel(model, tp_mesh)
+        apply_vocab_parallel(model, tp_mesh, ends=ends)
 
 
-def apply_vocab_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard the token embedding and the LM head over the vocabulary, keeping ties (module docstring)."""
+def apply_vocab_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, ends: tuple[bool, bool] | None = None) -> None:
+    """Shard the token embedding and the LM head over the vocabulary, keeping ties (module docstring).
+
+    `ends`: (holds the embedding, holds the head) for a pipeline stage, whose head then returns its
+    local vocabulary shard as a plain tensor; None: the whole model, whose head returns a DTensor."""
+    with_embedding, with_head = ends or (True, True)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(embed, nn.Embedding) or not isinstance(head, nn.Linear):
+    if (with_embedding and not isinstance(embed, nn.Embedding)) or (with_head and not isinstance(head, nn.Linear)):
         raise SoapError(f"{type(model).__name__}: vocab-parallel TP needs an nn.Embedding input embedding and an "
                         f"nn.Linear LM head, not {type(embed).__name__} / {type(head).__name__}")
+    sharded = [m for m, held in ((embed, with_embedding), (head, with_head)) if held]
     places: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None:
                 places.setdefault(id(param), []).append((module, name))
-    shared = [places[key] for key in {id(p) for p in (*embed.parameters(), *head.parameters())} if len(places[key]) > 1]
-    parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
-                                                      use_local_output=False))
+    shared = [places[key] for key in {id(p) for m in sharded for p in m.parameters()} if len(places[key]) > 1]
+    if with_embedding:
+        shard_embedding_rows(embed, tp_mesh)
+    if with_head:
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                          use_local_output=ends is not None))
     for group in shared:
         # the first sharded copy wins: the embedding's for a tied head weight, the head's for BERT's bias alias
         keep = next(getattr(m, n) for m, n in group if isinstance(getattr(m, n), DTensor))
         for module, name in group:
             module.register_parameter(name, keep)
+
+
+def shard_embedding_rows(embed: nn.Embedding, tp_mesh: DeviceMesh) -> None:
+    """Megatron's vocab-parallel embedding on DTensor: the weight is Shard(0) over `tp_mesh`; forward looks
+    up the rank's rows (tokens outside them give zeros) and all-reduces the partial sums, as torch's
+    RowwiseParallel embedding does; backward needs no communication and gives each rank the gradient of
+    its rows only. (Under RowwiseParallel, torch's sharding rule for the embedding backward computes the
+    whole vocabulary's gradient on every rank and keeps it replicated: a whole [vocab, hidden] gradient
+    per rank beside a sharded weight.)"""
+    from torch.distributed.tensor import Partial, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
+        raise SoapError("vocab-parallel TP shards plain embeddings; this one has max_norm, scale_grad_by_freq "
+                        "or sparse gradients")
+    embed.weight = nn.Parameter(distribute_tensor(embed.weight, tp_mesh, [Shard(0)], src_data_rank=0))
+
+    def forward(ids: Any) -> Any:
+        import torch.nn.functional as F
+
+        weight = embed.weight  # FSDP2 swaps in its gathered parameter: a DTensor over the TP mesh
+        local = weight.to_local()
+        _, (start, _) = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        rows = local.shape[0]
+        pad = embed.padding_idx
+        local_ids = ids - start
+        outside = (local_ids < 0) | (local_ids >= rows)
+        out = F.embedding(local_ids.masked_fill(outside, 0), local,
+                          padding_idx=pad - start if pad is not None and start <= pad < start + rows else None)
+        partial = DTensor.from_local(out.masked_fill(outside.unsqueeze(-1), 0.0), weight.device_mesh, [Partial()],
+                                     run_check=False)
+        return partial.redistribute(weight.device_mesh, [Replicate()]).to_local()
+
+    embed.forward = forward
 
 
 def _expand_styles(block: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:

@@ -4,7 +4,10 @@
   same seed match a single-process run (fp32, relative 1e-4) on tiny llama, gpt2 and bert; also GPT-2's
   tied embeddings split across pipeline stages, optimizer CPU offload, fp16 loss scaling through a
   pipeline and under TP (plain and DTensor gradients in one optimizer; against a single-process fp16
-  run), BERT through a pipeline, and vocab-parallel TP over a vocabulary tp does not divide.
+  run), BERT through a pipeline, and vocab-parallel TP over a vocabulary tp does not divide; under
+  TP x PP the first stage's token embedding and the last stage's LM head and loss are vocab-parallel
+  (GPT-2's tied pair and BERT's too, an uneven vocabulary too); DDP's gradients are views of its buckets
+  (fp16 loss scaling and ZeRO-1 gradient accumulation through them too).
 - Vocab-parallel TP (pp == 1): the token embedding and LM head are sharded over the vocabulary (tied
   ones stay one parameter), the logits come out vocab-sharded, and loss and gradients equal an
   unsharded copy's.
@@ -71,6 +74,10 @@ def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
         # BERT's head bias sits on `cls.predictions`, which no stage names: it must go with the last stage
         "bert-pp-tied-1f1b": ("bert", dict(pp=2, micro_batch=2, num_microbatches=2, schedule="1F1B")),
         "gpt2-tp-vocab-95": ("gpt2", dict(tp=2, micro_batch=4, **ODD_VOCAB)),
+        # DDP's gradients are views of its buckets: unscaled in place, accumulated under no_sync
+        "llama-ddp-fp16": ("llama", dict(dp_replicate=2, micro_batch=2, precision="fp16", optimizer="sgd",
+                                         **UNTIED["llama"])),
+        "llama-zero1-grad-accum": ("llama", dict(dp_shard=2, zero=1, micro_batch=1, num_microbatches=2)),
     }
     return cases
 
@@ -91,6 +98,9 @@ def _cases_4_ranks() -> dict[str, tuple[str, dict]]:
         "bert-fsdp-x-tp": ("bert", dict(dp_shard=2, zero=3, tp=2, micro_batch=2)),
         "gpt2-pp-tied-x-fsdp": ("gpt2", dict(pp=2, dp_shard=2, zero=3, micro_batch=1, num_microbatches=2)),
         "gpt2-tp-x-pp-tied": ("gpt2", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2)),
+        # vocab-parallel ends on pipeline stages: tied across them, over an uneven vocabulary, BERT's head
+        "gpt2-tp-x-pp-tied-vocab-95": ("gpt2", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2, **ODD_VOCAB)),
+        "bert-tp-x-pp": ("bert", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2)),
     }
     return cases
 
