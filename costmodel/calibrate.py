@@ -299,7 +299,7 @@ def default_paths(name: str) -> tuple[Path, Path]:
     return PROFILES_DIR / "devices" / f"{name}.json", PROFILES_DIR / "clusters" / f"{name}.json"
 
 
-KEPT_FROM_RUNS = ("runtime_workspace_mib",)
+KEPT_FROM_RUNS = ("runtime_workspace_mib", "allocator_reserve_fraction")
 """Device fields microbenchmarks do not measure but `soap calibrate --from-runs` fits from real training runs:
 a recalibration keeps them from the profile it replaces."""
 

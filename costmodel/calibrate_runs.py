@@ -29,18 +29,29 @@ bandwidth), and the device's per-call framework overhead (`collective_call_overh
 the activation collectives ride the same links, so the device's `activation_collective_factor` is
 multiplied by d / c.
 Each changed number gets a source naming the runs log and the date.
+
+Allocator reserve (`fit_allocator_reserve`). PyTorch's caching allocator reserves more device memory than
+its live tensors hold (fragmentation, per-stream pools); CUDA runs out when the reserved bytes reach the
+device's. Runs that report both peaks (CUDA's `max_memory_allocated` a_i and `max_memory_reserved` r_i
+over the same window) give the device's reserve as a fraction of the allocated peak:
+
+    f = median_i (r_i / a_i - 1),   clamped to [0, MAX_ALLOCATOR_RESERVE]
+
+(the median: one run with a fragmented cache must not move it), so that predicted reserved memory is
+allocated x (1 + f) (`costmodel.memory.reserve_bytes`).
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.profiles_json import MAX_STEP_FACTOR
+from costmodel.profiles_json import MAX_ALLOCATOR_RESERVE, MAX_STEP_FACTOR
 from tracer.errors import SoapError
 
 TERMS = ("compute", "kernel_overhead", "communication", "activation_communication")
@@ -145,3 +156,12 @@ def _scale(entry: dict, factor: float, source: str) -> None:
     entry["value"] = float(f"{entry['value'] * factor:.4g}")
     entry["source"] = f"{entry['source']}; x{factor:.3g} {source}" if "refit" not in entry["source"] else \
         f"{entry['source'].split('; x')[0]}; x{factor:.3g} {source}"
+
+
+def fit_allocator_reserve(peaks: Sequence[tuple[float, float]]) -> float:
+    """The allocator reserve fraction from (allocated, reserved) peak pairs (see the module docstring)."""
+    ratios = [reserved / allocated - 1 for allocated, reserved in peaks if allocated > 0 and reserved > 0]
+    if not ratios:
+        raise SoapError("no run reports both max_memory_allocated and max_memory_reserved; run `soap validate "
+                        "--device cuda` or `soap execute` on CUDA to record some")
+    return min(max(statistics.median(ratios), 0.0), MAX_ALLOCATOR_RESERVE)

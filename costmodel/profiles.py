@@ -28,6 +28,18 @@ per collective it issues, read by the simulator's pricer). Absent, they are neut
 efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
 slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
+
+Memory beyond the device's own:
+- A cluster's `host_memory_gib` (`ClusterSpec.host_memory_bytes`) is the host RAM of one node, with its
+  source (a datasheet, or measured). Offload plans must fit it, all ranks of a node together
+  (`planner.host_memory`). Every shipped cluster carries it; in a user's older file (or an older plan.json)
+  it may be absent, which loads as unknown (None): such a cluster's offload plans are not checked
+  against host memory, rather than refusing files that were valid when written.
+- A device's optional `allocator_reserve_fraction` is what PyTorch's caching allocator reserves beyond
+  the tensors it hands out (fragmentation, per-stream pools), relative to the allocated peak, fitted from
+  runs by `soap calibrate --from-runs`; CUDA runs out of memory when the reserved bytes reach the device's.
+  With it, soap predicts reserved memory (`costmodel.memory.reserve_bytes`); without it, allocated memory
+  (`DeviceProfile.predicted_memory_kind` says which).
 """
 
 from __future__ import annotations
@@ -136,8 +148,25 @@ class DeviceProfile:
     issued through DTensor, every rank waiting for the slowest) against the same collective priced from
     the links, beyond what gradient and parameter collectives pay; fitted from runs by `soap calibrate
     --from-runs`. 1 where absent."""
+    allocator_reserve_fraction: float | None = None
+    """What PyTorch's caching allocator reserves beyond what tensors hold at the peak, as a fraction of the
+    allocated peak (fragmentation, per-stream pools): reserved = allocated x (1 + fraction). Fitted by
+    `soap calibrate --from-runs` from runs that report both `max_memory_allocated` and
+    `max_memory_reserved`; None: not fitted, and soap predicts allocated memory (`predicted_memory_kind`)."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Provenance per JSON field path, e.g. `peak_tflops.bf16` -> "NVIDIA PB-11133"."""
+
+    @property
+    def predicts_reserved_memory(self) -> bool:
+        """Whether predicted device memory is the allocator's reserved peak (a reserve is fitted) rather
+        than its allocated peak."""
+        return self.allocator_reserve_fraction is not None
+
+    @property
+    def predicted_memory_kind(self) -> str:
+        """"reserved" when the profile has a fitted allocator reserve, else "allocated": which of
+        `torch.cuda.max_memory_reserved` / `max_memory_allocated` soap's memory predictions stand for."""
+        return "reserved" if self.predicts_reserved_memory else "allocated"
 
     @property
     def supports_fp8(self) -> bool:
@@ -180,6 +209,12 @@ class ClusterSpec:
     inter_node: LinkLevel
     tp_across_nodes: bool = False
     description: str = ""
+    host_memory_bytes: int | None = None
+    """Host RAM of one node (bytes), which the offloaded model state of all its ranks must fit in
+    (`planner.host_memory`); None: not recorded (a profile written before it was a field), and then
+    offload plans are not checked against host memory."""
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    """Provenance of the cluster's own numbers (`host_memory_gib`)."""
 
 
 # ---------------------------------------------------------------------------------------------

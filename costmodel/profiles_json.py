@@ -3,6 +3,13 @@
 `_Reader` walks one document and raises SoapError naming the file and the field path; the
 `*_from_json` functions convert units (TFLOP/s, GiB, GB/s, microseconds in the JSON; SI in Python).
 The `*_to_dict` functions write the same format back, so a profile round-trips with its provenance.
+
+Optional memory fields (their meaning: `costmodel.profiles` module docstring):
+- cluster `host_memory_gib` `{"value": GiB > 0, "source": ...}`: host RAM per node; absent loads as
+  unknown (`ClusterSpec.host_memory_bytes` None), so profiles and plan.json files written before it
+  existed still load; every shipped cluster has it.
+- device `allocator_reserve_fraction` `{"value": f in [0, MAX_ALLOCATOR_RESERVE], "source": ...}`:
+  reserved / allocated - 1 of the caching allocator at the peak; absent: not fitted (None).
 """
 
 from __future__ import annotations
@@ -143,6 +150,11 @@ _DEVICE_STEP_FIELDS = ("optimizer_factors", "concurrency_efficiency", "communica
 """Optional device fields about a rank inside a training step (`costmodel.profiles` module docstring)."""
 MAX_STEP_FACTOR = 1000.0
 """Bound on a fitted step multiplier (`activation_collective_factor`): beyond it the profile is wrong."""
+MAX_ALLOCATOR_RESERVE = 1.0
+"""Bound on `allocator_reserve_fraction`: an allocator reserving more than twice what it hands out is a
+measurement problem (a leak, a cache never emptied), not a property of the device."""
+MAX_HOST_MEMORY_GIB = 2.0**30
+"""Bound on `host_memory_gib` (an exbibyte per node): beyond it the value is in the wrong unit."""
 _CLUSTER_REQUIRED = {"schema_version", "name", "description", "device", "gpus_per_node", "tp_across_nodes", "links"}
 _LINK_REQUIRED = {"bandwidth_gbps", "latency_us", "efficiency", "sharp"}
 
@@ -155,7 +167,7 @@ def _check_version(r: _Reader, data: dict) -> None:
 def device_from_json(data: Any, origin: str) -> DeviceProfile:
     r = _Reader(origin)
     r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "runtime_workspace_mib", "notes",
-                                             *_DEVICE_STEP_FIELDS})
+                                             "allocator_reserve_fraction", *_DEVICE_STEP_FIELDS})
     _check_version(r, data)
     sources: dict[str, str] = {}
 
@@ -211,6 +223,13 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
             data["activation_collective_factor"], "activation_collective_factor")
         if activation_factor > MAX_STEP_FACTOR:
             raise r.fail("activation_collective_factor.value", f"must be at most {MAX_STEP_FACTOR}, got {activation_factor}")
+    reserve = None
+    if "allocator_reserve_fraction" in data:
+        reserve, sources["allocator_reserve_fraction"] = r.number(
+            data["allocator_reserve_fraction"], "allocator_reserve_fraction", positive=False)
+        if reserve > MAX_ALLOCATOR_RESERVE:
+            raise r.fail("allocator_reserve_fraction.value",
+                         f"must be in [0, {MAX_ALLOCATOR_RESERVE:g}] (reserved / allocated - 1), got {reserve}")
     matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
     memory = r.curve(data["memory_efficiency"], "memory_efficiency")
     return DeviceProfile(
@@ -232,6 +251,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         communication_overlap=overlap,
         collective_call_overhead_s=call_overhead * 1e-6,
         activation_collective_factor=activation_factor,
+        allocator_reserve_fraction=reserve,
         sources=sources,
     )
 
@@ -270,7 +290,7 @@ def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
 def cluster_from_json(data: Any, origin: str, device_by_name: Callable[[str], DeviceProfile]) -> ClusterSpec:
     """A cluster document; a device given by name is resolved with `device_by_name`."""
     r = _Reader(origin)
-    r.obj(data, "<root>", _CLUSTER_REQUIRED, {"notes"})
+    r.obj(data, "<root>", _CLUSTER_REQUIRED, {"notes", "host_memory_gib"})
     _check_version(r, data)
     device_ref = data["device"]
     if isinstance(device_ref, dict):
@@ -280,6 +300,12 @@ def cluster_from_json(data: Any, origin: str, device_by_name: Callable[[str], De
     else:
         raise r.fail("device", "must be a device profile name or an inline device object")
     links = r.obj(data["links"], "links", {"intra_node", "inter_node"})
+    host_memory, sources = None, {}
+    if "host_memory_gib" in data:
+        gib, sources["host_memory_gib"] = r.number(data["host_memory_gib"], "host_memory_gib")
+        if gib > MAX_HOST_MEMORY_GIB:
+            raise r.fail("host_memory_gib.value", f"must be at most {MAX_HOST_MEMORY_GIB:g} GiB per node, got {gib:g}")
+        host_memory = round(gib * GIB)
     return ClusterSpec(
         name=r.text(data, "name", ""),
         description=r.text(data, "description", ""),
@@ -288,6 +314,8 @@ def cluster_from_json(data: Any, origin: str, device_by_name: Callable[[str], De
         tp_across_nodes=r.flag(data, "tp_across_nodes", ""),
         intra_node=_link_from_json(r, links["intra_node"], "links.intra_node"),
         inter_node=_link_from_json(r, links["inter_node"], "links.inter_node"),
+        host_memory_bytes=host_memory,
+        sources=sources,
     )
 
 
@@ -335,6 +363,8 @@ def device_to_dict(device: DeviceProfile) -> dict:
     if device.activation_collective_factor != 1.0 or "activation_collective_factor" in device.sources:
         out["activation_collective_factor"] = _number(device.activation_collective_factor,
                                                       src("activation_collective_factor"))
+    if device.allocator_reserve_fraction is not None:
+        out["allocator_reserve_fraction"] = _number(device.allocator_reserve_fraction, src("allocator_reserve_fraction"))
     return out
 
 
@@ -365,13 +395,16 @@ def _link_dict(link: LinkLevel) -> dict:
 
 def cluster_to_dict(cluster: ClusterSpec) -> dict:
     """The inline JSON form (cluster with its device profile, provenance kept)."""
-    return {
+    out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "name": cluster.name,
         "description": cluster.description or cluster.name,
         "device": device_to_dict(cluster.device),
         "gpus_per_node": cluster.gpus_per_node,
         "tp_across_nodes": cluster.tp_across_nodes,
-        "links": {"intra_node": _link_dict(cluster.intra_node), "inter_node": _link_dict(cluster.inter_node)},
     }
+    if cluster.host_memory_bytes is not None:
+        out["host_memory_gib"] = _number(cluster.host_memory_bytes / GIB, cluster.sources.get("host_memory_gib"))
+    out["links"] = {"intra_node": _link_dict(cluster.intra_node), "inter_node": _link_dict(cluster.inter_node)}
+    return out
 

@@ -2,7 +2,8 @@
 
 Default path `~/.cache/soap/runs.jsonl`, overridden by the environment variable `SOAP_RUNS_LOG`.
 A record holds the run report's measured numbers (`step_time_s`, `step_times_s`, `peak_memory_gib`
-and its source, `losses`, `parallelism`, predicted numbers) plus, when given, the plan itself (so the
+and its source, `losses`, `parallelism`, predicted numbers; on CUDA also `peak_memory_allocated_gib` and
+`peak_memory_reserved_gib`, the caching allocator's two peaks) plus, when given, the plan itself (so the
 refit can re-simulate it on a changed profile), a UTC timestamp and the host name.
 
 Appends are atomic: the whole line is written with one `os.write` on a descriptor opened with
@@ -24,7 +25,8 @@ from tracer.errors import SoapError
 
 ENV_VAR = "SOAP_RUNS_LOG"
 REPORT_KEYS = ("step_time_s", "step_times_s", "peak_memory_gib", "peak_memory_source", "losses", "parallelism",
-               "predicted_step_time_s", "predicted_peak_memory_gib", "tokens_per_s", "first_step")
+               "predicted_step_time_s", "predicted_peak_memory_gib", "tokens_per_s", "first_step",
+               "peak_memory_allocated_gib", "peak_memory_reserved_gib")
 
 
 def runs_log_path(path: str | os.PathLike[str] | None = None) -> Path:

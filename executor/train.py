@@ -4,7 +4,11 @@ Per step: the global batch of the step (`executor.data`), this rank's slice of i
 over the plan's micro-batches (a loop with pp == 1, the pipeline schedule `grad_accum` times with
 pp > 1), the optimizer step, then the loss (all-reduced), the step time (wall clock, synchronized on
 CUDA) and tokens/s; at the end each rank's peak memory (CUDA max allocated, or the process's peak RSS
-on the CPU), gathered; `peak_memory_gib` is their max. Rank 0 shows a progress bar on stderr and, at the end, measured against predicted.
+on the CPU), gathered; `peak_memory_gib` is their max. On CUDA the caching allocator's reserved peak
+(`max_memory_reserved`, what runs out first) is gathered too: the report then holds
+`peak_memory_allocated_gib` and `peak_memory_reserved_gib` (max over ranks), which `soap calibrate
+--from-runs` fits the device's `allocator_reserve_fraction` from. Rank 0 shows a progress bar on stderr
+and, at the end, measured against predicted.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class RunResult:
     parallelism: dict[str, Any]
     first_step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    peak_memory_reserved_per_rank_gib: list[float] | None = None
+    """CUDA's `max_memory_reserved` per rank (None off CUDA); `peak_memory_per_rank_gib` is then the allocated peak."""
 
     @property
     def step_time_s(self) -> float:
@@ -86,7 +92,15 @@ class RunResult:
             "predicted_peak_memory_gib": self.predicted_peak_memory_gib,
             "first_step": self.first_step,
             "parallelism": self.parallelism,
+            **self._allocator_peaks(),
         }
+
+    def _allocator_peaks(self) -> dict[str, Any]:
+        if self.peak_memory_reserved_per_rank_gib is None:
+            return {}
+        return {"peak_memory_allocated_gib": max(self.peak_memory_per_rank_gib),
+                "peak_memory_reserved_gib": max(self.peak_memory_reserved_per_rank_gib),
+                "peak_memory_reserved_per_rank_gib": self.peak_memory_reserved_per_rank_gib}
 
 
 def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
@@ -121,9 +135,10 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
                                           (config.checkpoint_every and done % config.checkpoint_every == 0)):
                 save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers)
     memory, memory_source = _peak_memory_gib(device)
+    reserved = _gather_gib(torch.cuda.max_memory_reserved(device), device) if device.type == "cuda" else None
     return RunResult(
         losses=losses, step_times_s=times, tokens_per_step=plan.global_batch * plan.seq_len,
-        peak_memory_per_rank_gib=memory, memory_source=memory_source,
+        peak_memory_per_rank_gib=memory, memory_source=memory_source, peak_memory_reserved_per_rank_gib=reserved,
         predicted_step_time_s=plan.predicted.get("step_time_s"),
         predicted_peak_memory_gib=plan.predicted.get("peak_memory_gib"),
         parallelism=p.model_dump(), first_step=start,
@@ -202,13 +217,18 @@ def _now(device: torch.device) -> float:
 def _peak_memory_gib(device: torch.device) -> tuple[list[float], str]:
     """Every rank's peak memory (GiB), gathered on all ranks."""
     if device.type == "cuda":
-        value, source = torch.cuda.max_memory_allocated(device) / 2**30, "cuda max_memory_allocated"
+        nbytes, source = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
     else:
-        value, source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process peak RSS"
+        nbytes, source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+    return _gather_gib(nbytes, device), source
+
+
+def _gather_gib(nbytes: float, device: torch.device) -> list[float]:
+    """Every rank's `nbytes` in GiB, gathered on all ranks."""
     where = device if device.type == "cuda" else "cpu"
     peaks = [torch.zeros((), dtype=torch.float64, device=where) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, torch.tensor(value, dtype=torch.float64, device=where))
-    return [float(p) for p in peaks], source
+    dist.all_gather(peaks, torch.tensor(nbytes / 2**30, dtype=torch.float64, device=where))
+    return [float(p) for p in peaks]
 
 
 @contextlib.contextmanager

@@ -73,7 +73,8 @@ class ValidationReport:
 
     def to_json(self) -> dict[str, Any]:
         # the per-plan rows replace the summary's plan count under "plans"
-        return {**self.summary.to_json(), "plans": [r.to_json() for r in self.rows],
+        return {**self.summary.to_json(),
+                "plans": [{**r.to_json(), **m.allocator_peaks_gib()} for r, m in zip(self.rows, self.measurements)],
                 "failed": [{"name": n, "error": e} for n, e in self.failed]}
 
 
@@ -208,6 +209,6 @@ def _log_runs(built: Sequence[BuiltCase], results: Sequence[Measurement | str], 
                   "peak_memory_gib": m.peak_memory_bytes / 2**30, "peak_memory_source": m.memory_source,
                   "predicted_step_time_s": b.result.step_time_s,
                   "predicted_peak_memory_gib": predicted_memory_bytes(b.result, b.workspace_bytes) / 2**30,
-                  "parallelism": b.plan.parallelism.model_dump()}
+                  "parallelism": b.plan.parallelism.model_dump(), **m.allocator_peaks_gib()}
         append_run(report, path, plan=b.plan, name=b.case.name,
                    extra={"source": "soap validate", "timed_steps": "median of steps after the first"})

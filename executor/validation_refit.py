@@ -11,6 +11,10 @@ split follows overlap and the pipeline schedule the way the simulator does.
 Memory: the device's runtime workspace (`runtime_workspace_mib`) is refitted as the median, over the
 runs whose peak memory was measured comparably (peak growth during the plan, or CUDA's allocated
 peak), of measured minus predicted peak (context excluded, workspace not yet added), at least 0.
+The device's `allocator_reserve_fraction` is refitted (`costmodel.calibrate_runs.fit_allocator_reserve`)
+from the records that report both `peak_memory_allocated_gib` and `peak_memory_reserved_gib` (CUDA runs
+of `soap validate` and `soap execute`; they need no plan), its source naming the runs; without such
+records the profile's fraction is kept as it was.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class Refit:
     after_mape_pct: float
     """The same with the fitted multipliers (linear model, before re-simulation)."""
     written: tuple[Path, ...]
+    allocator_reserve_fraction: float | None = None
+    """The device's allocator reserve after the refit (None: no run reported both peaks, none before)."""
 
 
 def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
@@ -127,7 +133,34 @@ def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
             "value": float(f"{workspace:.4g}"),
             "source": f"median measured minus predicted peak memory of {len(residuals)} runs, {source}, "
                       f"{datetime.date.today().isoformat()}"}
+    reserve = allocator_reserve_entry(records)
+    if reserve is not None:
+        refitted["device"]["allocator_reserve_fraction"] = reserve
     return multipliers, refitted, parts
+
+
+RESERVE_KEYS = ("peak_memory_allocated_gib", "peak_memory_reserved_gib")
+NAMED_RUNS = 6
+"""Runs named one by one in the reserve's source; more are counted."""
+
+
+def allocator_reserve_entry(records: Sequence[dict[str, Any]]) -> dict | None:
+    """The profile entry `{"value": f, "source": ...}` fitted from the records that report both allocator
+    peaks, or None when none does."""
+    from costmodel.calibrate_runs import fit_allocator_reserve
+
+    def positive(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+    both = [r for r in records if all(positive(r.get(k)) for k in RESERVE_KEYS)]
+    if not both:
+        return None
+    fraction = fit_allocator_reserve([(r["peak_memory_allocated_gib"], r["peak_memory_reserved_gib"]) for r in both])
+    names = [str(r.get("name") or r.get("time") or "unnamed") for r in both]
+    shown = ", ".join(names[:NAMED_RUNS]) + (f" and {len(names) - NAMED_RUNS} more" if len(names) > NAMED_RUNS else "")
+    return {"value": float(f"{fraction:.4g}"),
+            "source": f"median max_memory_reserved / max_memory_allocated - 1 of {len(both)} runs ({shown}), "
+                      f"refit by soap calibrate --from-runs, {datetime.date.today().isoformat()}"}
 
 
 def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Refit:
@@ -152,6 +185,7 @@ def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Ref
         write_atomic(path, json.dumps(data, indent=2) + "\n", what="profile")
     workspace = refitted["device"].get("runtime_workspace_mib", {}).get("value")
     return Refit(multipliers=multipliers, workspace_bytes=None if workspace is None else int(workspace * 2**20),
+                 allocator_reserve_fraction=refitted["device"].get("allocator_reserve_fraction", {}).get("value"),
                  runs=len(parts),
                  before_mape_pct=mape([sum(p.features) for p in parts], measured),
                  after_mape_pct=mape([multipliers.predict(p) for p in parts], measured),

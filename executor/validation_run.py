@@ -18,7 +18,11 @@ runs reuse without returning them, inflating their peaks.)
 
 Measured peak memory, per rank, max over ranks (the simulator's `peak_memory_gib` is a max over ranks):
 - CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, i.e. what the caching
-  allocator handed out (the simulator's context overhead is excluded on both sides).
+  allocator handed out (the simulator's context overhead is excluded on both sides). The window's
+  absolute peaks of `max_memory_allocated` and `max_memory_reserved` (what the allocator took from the
+  device: live tensors plus fragmentation and per-stream pools) are recorded beside it
+  (`Measurement.allocator_peaks_gib`), for `soap calibrate --from-runs` to fit the device's
+  `allocator_reserve_fraction` from their ratio.
 - CPU: peak resident-set growth of the rank's process during the plan: VmHWM from /proc/self/status
   after resetting it (`echo 5 > /proc/self/clear_refs`) at the plan's start, minus VmRSS at that
   moment. The ranks run with `MALLOC_MMAP_THRESHOLD_=65536`, so every tensor storage above 64 KiB is
@@ -59,11 +63,22 @@ class Measurement:
     peak_memory_bytes: int
     memory_source: str
     losses: tuple[float, ...]
+    peak_allocated_bytes: int | None = None
+    """CUDA's `max_memory_allocated` over the memory run, max over ranks (None off CUDA)."""
+    peak_reserved_bytes: int | None = None
+    """CUDA's `max_memory_reserved` over the memory run, max over ranks (None off CUDA)."""
+
+    def allocator_peaks_gib(self) -> dict[str, float]:
+        """`peak_memory_allocated_gib` and `peak_memory_reserved_gib` (the runs-log keys) where measured."""
+        if self.peak_allocated_bytes is None or self.peak_reserved_bytes is None:
+            return {}
+        return {"peak_memory_allocated_gib": self.peak_allocated_bytes / 2**30,
+                "peak_memory_reserved_gib": self.peak_reserved_bytes / 2**30}
 
     def to_json(self) -> dict[str, Any]:
         return {"step_time_s": self.step_time_s, "step_times_s": list(self.step_times_s),
                 "peak_memory_bytes": self.peak_memory_bytes, "peak_memory_source": self.memory_source,
-                "losses": list(self.losses)}
+                "losses": list(self.losses), **self.allocator_peaks_gib()}
 
 
 def execute_plans(plan_jsons: list[str], *, world: int, steps: int, device: str) -> list[Measurement | str]:
@@ -88,7 +103,8 @@ def execute_plans(plan_jsons: list[str], *, world: int, steps: int, device: str)
             raw = json.load(f)
     return [Measurement(step_time_s=r["step_time_s"], step_times_s=tuple(r["step_times_s"]),
                         peak_memory_bytes=r["peak_memory_bytes"], memory_source=r["peak_memory_source"],
-                        losses=tuple(r["losses"])) if isinstance(r, dict) else r for r in raw]
+                        losses=tuple(r["losses"]), peak_allocated_bytes=r.get("peak_allocated_bytes"),
+                        peak_reserved_bytes=r.get("peak_reserved_bytes")) if isinstance(r, dict) else r for r in raw]
 
 
 def _rank_main(rank: int, world: int, store: str, plan_jsons: list[str], steps: int, device: str, out: str) -> None:
@@ -129,8 +145,9 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def _peak_memory(plan_json: str, steps: int, device: str) -> int:
-    """Peak memory growth of `MEMORY_STEPS` steps of the plan, max over ranks."""
+def _peak_memory(plan_json: str, steps: int, device: str) -> dict[str, int]:
+    """Peak memory growth of `MEMORY_STEPS` steps of the plan, max over ranks (`peak_memory_bytes`); on
+    CUDA also the window's allocated and reserved peaks (`peak_allocated_bytes`, `peak_reserved_bytes`)."""
     import torch
     import torch.distributed as dist
 
@@ -140,13 +157,17 @@ def _peak_memory(plan_json: str, steps: int, device: str) -> int:
     plan = plan_from_dict(json.loads(plan_json))
     base = _start_memory_window(device)
     train(plan, RunConfig(steps=min(steps, MEMORY_STEPS), progress=False))
-    grown = _memory_window_peak(device) - base
-    peak = torch.tensor(float(grown), dtype=torch.float64, device="cuda" if device == "cuda" else "cpu")
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak.item())
+    values = {"peak_memory_bytes": _memory_window_peak(device) - base}
+    if device == "cuda":
+        values["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        values["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    peaks = torch.tensor([float(v) for v in values.values()], dtype=torch.float64,
+                         device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return {k: int(v) for k, v in zip(values, peaks.tolist())}
 
 
-def _timed_run(plan_json: str, steps: int, device: str, peak_bytes: int) -> dict[str, Any]:
+def _timed_run(plan_json: str, steps: int, device: str, memory: dict[str, int]) -> dict[str, Any]:
     import statistics
 
     from executor.train import RunConfig, train
@@ -155,7 +176,7 @@ def _timed_run(plan_json: str, steps: int, device: str, peak_bytes: int) -> dict
     result = train(plan_from_dict(json.loads(plan_json)), RunConfig(steps=steps, progress=False))
     timed = result.step_times_s[1:] or result.step_times_s
     return {"step_time_s": statistics.median(timed), "step_times_s": list(result.step_times_s),
-            "peak_memory_bytes": peak_bytes,
+            **memory,
             "peak_memory_source": "cuda max_memory_allocated" if device == "cuda" else "peak RSS growth (VmHWM)",
             "losses": list(result.losses)}
 

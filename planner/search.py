@@ -8,7 +8,8 @@ Pipeline (`search`):
    exceeds the estimate of the `keep_meshes`-th best mesh found (branch and bound). Expanding a
    mesh: recompute and offload only ever add time, so per (micro-batch, schedule, precision,
    optimizer) only the first fitting recompute policy is kept, with and without offload (offload
-   only when it lets a cheaper recompute policy fit).
+   only when it lets a cheaper recompute policy fit). An offloaded configuration fits only when its
+   nodes' host memory does too (`host_fits`: `planner.host_memory`).
 2. Estimate: `planner.estimate.Estimator` prices each expanded configuration analytically.
 3. Price: the best estimate of each of the `simulate_meshes` best meshes, the `simulate_top` best
    estimates overall, and every baseline family's best estimates are simulated (`price`, the full
@@ -150,21 +151,36 @@ def _bubble_factor(head: TrainingHead) -> float:
     return (0.5 if head.schedule == "ZBVZeroBubble" else 1.0) / head.virtual_stages
 
 
+HostFits = Callable[[MeshChoice, TrainingConfig, Estimate], bool]
+"""Whether an estimated configuration fits host memory (`planner.host_memory.HostMemoryCheck.estimate_fits`)."""
+
+
+def _any_host(mesh: MeshChoice, train: TrainingConfig, estimate: Estimate) -> bool:
+    return True
+
+
 def _frugal_fits(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: list[TrainingHead],
-                 memory_limit: float) -> bool:
+                 memory_limit: float, host_fits: HostFits = _any_host) -> bool:
     """Whether the mesh's most memory-frugal configuration fits (smallest micro-batch, the strongest
-    recompute policy allowed, model state offloaded)."""
+    recompute policy allowed, model state offloaded; or not offloaded, where offloading does not fit
+    host memory)."""
     smallest = min(h.micro_batch for h in heads)
     recompute = recompute_choices(req)[-1]
-    return any(
-        estimator.estimate(mesh, training_config(req, mesh, h, recompute=recompute, offload=True)).memory_bytes
-        <= memory_limit
-        for h in heads if h.micro_batch == smallest
-    )
+    for h in heads:
+        if h.micro_batch != smallest:
+            continue
+        for offload in (True, False):
+            t = training_config(req, mesh, h, recompute=recompute, offload=offload)
+            est = estimator.estimate(mesh, t)
+            if est.memory_bytes > memory_limit:
+                break  # without offload the device holds more still
+            if host_fits(mesh, t, est):
+                return True
+    return False
 
 
 def _expand(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: list[tuple[float, TrainingHead]],
-            memory_limit: float, global_bar: float) -> tuple[list[Candidate], int]:
+            memory_limit: float, global_bar: float, host_fits: HostFits = _any_host) -> tuple[list[Candidate], int]:
     """The mesh's fitting configurations: per head, the first recompute policy that fits, without
     offload and (only when offload lets a cheaper policy fit) with it. Heads come sorted by their time
     floor; a head is skipped once its floor can beat neither this mesh's best so far nor `global_bar`."""
@@ -181,7 +197,7 @@ def _expand(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: li
                 t = training_config(req, mesh, head, recompute=recompute, offload=offload)
                 est = estimator.estimate(mesh, t)
                 estimated += 1
-                if est.memory_bytes <= memory_limit:
+                if est.memory_bytes <= memory_limit and host_fits(mesh, t, est):
                     kept.append(Candidate(mesh, t, est))
                     best = min(best, est.step_time_s)
                     fitting_level = level
@@ -193,7 +209,7 @@ def _expand(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: li
 
 def enumerate_candidates(
     req: SpaceRequest, estimator: Estimator, memory_limit: float, *, keep_meshes: int = 24, keep_top: int = 16,
-    always: Callable[[MeshChoice], bool] = lambda mesh: False,
+    always: Callable[[MeshChoice], bool] = lambda mesh: False, host_fits: HostFits = _any_host,
 ) -> tuple[list[Candidate], int]:
     """Candidates that fit by estimate, sorted by (estimated time, key), and how many were estimated.
 
@@ -201,7 +217,8 @@ def enumerate_candidates(
     (`Estimator.time_floor`). A mesh is skipped when its floor exceeds both the `keep_meshes`-th best
     mesh's estimate and the `keep_top`-th best candidate's (it can enter neither set that
     `select_for_simulation` draws from), unless `always(mesh)`: the baseline families' meshes are
-    always expanded."""
+    always expanded. A configuration fits when its estimated device memory is within `memory_limit` and
+    `host_fits` accepts it (host memory of offload plans)."""
     scored = []
     estimated = 0
     for mesh in mesh_choices(req):
@@ -209,7 +226,7 @@ def enumerate_candidates(
         if not heads:
             continue
         estimated += 1
-        if not _frugal_fits(req, estimator, mesh, heads, memory_limit):
+        if not _frugal_fits(req, estimator, mesh, heads, memory_limit, host_fits):
             continue
         floors = sorted(
             ((estimator.time_floor(mesh, h.micro_batch, h.num_microbatches, h.grad_accum, h.precision,
@@ -227,7 +244,7 @@ def enumerate_candidates(
         forced = always(mesh)
         if floor > mesh_bar and floor > top_bar and not forced:
             continue
-        found, n = _expand(req, estimator, mesh, heads, memory_limit, math.inf if forced else top_bar)
+        found, n = _expand(req, estimator, mesh, heads, memory_limit, math.inf if forced else top_bar, host_fits)
         estimated += n
         if found:
             kept.extend(found)

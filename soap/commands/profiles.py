@@ -46,6 +46,7 @@ def cluster_row(c: ClusterSpec) -> dict:
         "description": c.description,
         "device": c.device.name,
         "gpus_per_node": c.gpus_per_node,
+        "host_memory_gib": None if c.host_memory_bytes is None else c.host_memory_bytes / GIB,
         "intra_node_gbps": c.intra_node.bandwidth / 1e9,
         "inter_node_gbps": c.inter_node.bandwidth / 1e9,
         "intra_node_sharp": c.intra_node.sharp,
@@ -76,12 +77,13 @@ def _print_tables(devices: list[dict], clusters: list[dict]) -> None:
             "name", "peak_bf16_tflops", "peak_fp16_tflops", "peak_fp8_tflops", "memory_gib", "memory_bandwidth_gbps"
         )))
     clu = Table(title="Clusters (bandwidth per GPU, one direction)")
-    for col in ("name", "device", "GPUs/node", "intra GB/s", "inter GB/s", "SHARP intra/inter"):
+    for col in ("name", "device", "GPUs/node", "host GiB/node", "intra GB/s", "inter GB/s", "SHARP intra/inter"):
         clu.add_column(col, no_wrap=True)
     for c in clusters:
         sharp = f"{_fmt(c['intra_node_sharp'])}/{_fmt(c['inter_node_sharp'])}"
         clu.add_row(
-            c["name"], c["device"], _fmt(c["gpus_per_node"]), _fmt(c["intra_node_gbps"]), _fmt(c["inter_node_gbps"]),
+            c["name"], c["device"], _fmt(c["gpus_per_node"]), _fmt(c["host_memory_gib"] and round(c["host_memory_gib"], 1)),
+            _fmt(c["intra_node_gbps"]), _fmt(c["inter_node_gbps"]),
             sharp,
         )
     console.print(dev)
