@@ -1,29 +1,59 @@
 """Memory per rank: model state, activations, communication buffers and context overhead.
 
-Model state (`model_state_bytes`), per parameter element (shared/reference/techniques.md):
+Model state (`model_state_bytes`), per trainable parameter element, as the executor holds it at the
+step's peak (forward done, backward under way), by the engine `executor.data_parallel` runs each ZeRO
+stage on; d = dp_shard, S = the optimizer's state per element (below):
 
-| precision       | weights                         | gradients | adamw        | adamw8bit | sgd | adafactor |
-|-----------------|---------------------------------|-----------|--------------|-----------|-----|-----------|
-| fp32, tf32      | 4                               | 4         | 8            | 2         | 4   | factored  |
-| fp16, bf16      | 6 (fp32 master + 16-bit copy)   | 4 (fp32)  | 8            | 2         | 4   | factored  |
-| fp8 (MS-AMP O2) | 3 (fp16 master + fp8 copy)      | 1 (fp8)   | 3 (fp8 m, fp16 v) | 2    | 4   | factored  |
+| zero: engine                       | precision        | weights                          | gradients   | optimizer |
+|------------------------------------|------------------|----------------------------------|-------------|-----------|
+| 0: one rank, or DDP                | fp32, tf32       | 4 (the fp32 parameters)          | 4           | S         |
+|                                    | fp16, bf16       | 6: 4 + 2 (autocast's copy)       | 4 (fp32)    | S         |
+| 1: DDP + ZeroRedundancyOptimizer   | as zero 0        | as zero 0                        | as zero 0   | S / d     |
+| 2: FSDP2, gathered fwd to bwd      | fp32, tf32       | 4/d (fp32 shard) + 4 (gathered)  | 4/d (pp: 4) | S / d     |
+|                                    | bf16             | 4/d + 2 (gathered in bf16)       | 4/d (pp: 4) | S / d     |
+|                                    | fp16             | 4/d + 4 + 2 (autocast's copy)    | 4/d (pp: 4) | S / d     |
+| 3: FSDP2, resharded after forward  | fp32, tf32, bf16 | 4/d (gathered units: buffers)    | 4/d (pp: 4) | S / d     |
+|                                    | fp16             | 4/d + 2 (autocast's copy)        | 4/d (pp: 4) | S / d     |
+| any (MS-AMP O2)                    | fp8              | 3 (fp16 master + fp8 copy)       | 1           | S         |
 
-- adamw: two fp32 moments. adamw8bit: bitsandbytes' two 8-bit moments (its per-block absmax scales,
-  8 bytes per 2048 elements, are ignored). sgd: one fp32 momentum buffer.
+S: adamw 8 (two fp32 moments; fp8: 3), adamw8bit 2, sgd 4, adafactor factored (below). fp8 shards by
+stage: the optimizer state from zero 1, the gradients from zero 2, the weights at zero 3.
+- 16-bit without FSDP runs fp32 parameters under autocast: they are the master, and autocast's 16-bit
+  copy of each matmul weight is saved for its backward, so it lives from forward to backward (counted
+  for every element). bf16 under FSDP2 is its MixedPrecisionPolicy instead: the gathered parameters
+  are bf16 (`fsdp_param_bytes`) and nothing autocasts; fp16 under FSDP2 gathers fp32 and autocasts.
+- DDP's gradients are views of its reducer's buckets (`gradient_as_bucket_view`): one copy, no buffer.
+- ZeroRedundancyOptimizer gives each rank whole parameters (greedily, largest first): S / d is the
+  balanced share, which the busiest rank exceeds by less than one parameter's state.
+- ZeRO 2 is Megatron-Core's distributed optimizer and more: the fp32 master is sharded with the
+  moments (and the gradients too), and the 16-bit compute copy exists only from each unit's forward
+  to its backward: bf16 holds 2 + 16/d against Megatron's 6 + 12/d (16-bit weights and fp32
+  gradients whole). ZeRO 1 cannot shard the master: DDP's fp32 parameters are the master (autocast
+  makes the 16-bit copies) and torch has no DDP-compatible optimizer that keeps 16-bit weights beside
+  sharded fp32 masters; it holds 10 + 8/d in bf16 against Megatron's 6 + 12/d (d = 4: 12 against 9).
+  In fp32 both hold 8 + 8/d.
+- With a pipeline (`pipeline`, pp > 1), torch's pipeline stage turns FSDP's gradient sync (and
+  resharding after backward) off until each schedule run's last backward, so the unsharded fp32
+  gradients accumulate: 4 per element, whatever d.
+- DDP cannot run with tp > 1 (DTensor parameters), a pipeline or offload: zero 0/1 then run on FSDP2
+  without resharding over (dp_replicate, dp_shard), holding the zero-2 row with d = dp_shard (zero 0:
+  d = 1): callers pass `fsdp=costmodel.strategy.runs_on_fsdp2(...)`, the executor's own rule.
+- fp8 follows MS-AMP's O2 level (FP8-LM): fp16 master weights with an fp8 compute copy, fp8 weight
+  gradients, Adam's first moment in fp8 and second in fp16; O2 changes Adam only, so sgd and adafactor
+  keep their fp32 state; adamw8bit is already 8-bit. (The executor's fp8, torchao float8 on GPUs,
+  keeps the fp32 row's state instead; the planner prices MS-AMP's.)
+- adamw8bit: bitsandbytes' two 8-bit moments (its per-block absmax scales, 8 bytes per 2048
+  elements, are ignored). sgd: one fp32 momentum buffer.
 - adafactor (`adafactor_bytes`): fp32 second-moment statistics, factored for a tensor of 2+ dims into
   a row vector (all dims but the last) and a column vector (all dims but the second to last), 4 bytes
   each: 4 * (prod(shape[:-1]) + prod(shape[:-2]) * shape[-1]); a 1-D tensor keeps a full fp32 vector
   (4 bytes per element). No first moment (transformers' default beta1=None). Exact when the shapes are
   given; without them every parameter is assumed to sit in square matrices of side
   `ADAFACTOR_ASSUMED_SIDE` (8 / side bytes per element), an approximation.
-- fp8 follows MS-AMP's O2 level (FP8-LM): fp16 master weights with an fp8 compute copy, fp8 weight
-  gradients, Adam's first moment in fp8 and second in fp16. O2 changes Adam only, so sgd and adafactor
-  keep their fp32 state; adamw8bit is already 8-bit.
 - Optimizer-step scalars (torch keeps one `step` value per parameter tensor) are not counted.
 - Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit, 1 in fp8.
-
-ZeRO over the `dp_shard` ranks: stage 1 shards the optimizer state, 2 also the gradients, 3 also the
-weights (both the master and the low-precision copy): each sharded term is ceil(bytes / dp_shard).
+- Sharded terms are ceil(bytes / d); zero 2 and 3 shard only over d > 1 (with d = 1 they hold the zero
+  0 row).
 
 Offload (`offload_optimizer`) is what the executor runs: FSDP2 with `CPUOffloadPolicy` over the
 dp_shard ranks, whatever the ZeRO stage (`executor.data_parallel`), as ZeRO-Offload does. Per element:
@@ -43,13 +73,10 @@ Activations: `costmodel.memory_activations.activation_bytes` (re-exported here) 
 (its terms: prologue, blocks kept, epilogue, recompute window; re-exported).
 
 Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parallel`):
-- ZeRO 0/1 with dp > 1 (DDP): the reducer's buckets, allocated once for every gradient (25 MB
-  `bucket_cap_mb` only splits them): a second copy of the gradients, trainable x GRAD_BYTES.
-- ZeRO 2 (FSDP2 without resharding after forward): the parameters stay gathered from forward through
-  backward next to their fp32 shard, so beyond the weights term there is the shard of the fp32 master
-  plus the gathered compute copy, less what the weights term already counts (4/dp_shard + width - w
-  per element, at least 0); and during backward the unsharded fp32 gradients of one unit and their
-  reduce-scatter input (2 x largest unit x 4).
+- ZeRO 0/1 (DDP): none; the reducer's buckets are the gradients (`gradient_as_bucket_view`).
+- ZeRO 2 over dp_shard > 1 (FSDP2 without resharding after forward; its gathered parameters are in the
+  weights term): during backward the unsharded fp32 gradients of one unit and their reduce-scatter
+  input (2 x largest unit x 4).
 - ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at compute width (the
   current unit and the prefetched next one, 2x) plus that unit's fp32 gradients before their
   reduce-scatter.
@@ -59,12 +86,12 @@ Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parall
 A unit is one block instance, or the non-block parameters together (the root FSDP unit).
 
 Tensor parallelism shards the weights of matmuls and embeddings inside the repeated blocks (their
-first dimension, ceil(rows / tp)). With the whole model on the rank (pp == 1) it also shards the
-token embedding and the LM head over the vocabulary (`costmodel.placement.vocab_parallel_ops`), so
-their weights, gradients and optimizer state are divided by tp too; position and token-type
-embeddings and the final norm stay replicated, and a pipeline stage keeps the token embedding and LM
-head whole (`stage_params(vocab_parallel=...)`; by default: sharded when `ops` hold both, as only the
-whole model does), as `executor.tensor_parallel` runs them. Activations are sized with every
+first dimension, ceil(rows / tp)). It also shards the token embedding and the LM head over the
+vocabulary (`costmodel.placement.vocab_parallel_ops`), on pipeline stages too (the first stage's
+embedding, the last stage's head: `costmodel.strategy.shards_vocabulary`, which callers pass as
+`stage_params(vocab_parallel=...)`; by default only when `ops` hold both), so their weights, gradients
+and optimizer state are divided by tp too; position and token-type embeddings and the final norm stay
+replicated, as `executor.tensor_parallel` runs them. Activations are sized with every
 parameter-role dimension divided by tp (`split`), the [tokens, vocab] logits of the head and the
 loss's working set included: the vocab-parallel head and loss keep only the rank's vocabulary shard.
 
@@ -83,11 +110,11 @@ from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
-from costmodel.placement import vocab_parallel_ops
+from costmodel.placement import linear_style, vocab_parallel_ops
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
-from tracer.ir import OpGraph, OpKind, OpNode
+from tracer.ir import OpGraph, OpNode
 
 WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 6, "bf16": 6, "fp8": 3}
 FROZEN_WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -100,7 +127,8 @@ FSDP_MASTER_BYTES = 4
 """FSDP2 keeps each parameter's shard in fp32 and reduce-scatters fp32 gradients."""
 FSDP_GRAD_BYTES = 4
 """FSDP2's sharded gradients are in the parameters' dtype (fp32), also when offloaded."""
-TENSOR_PARALLEL_KINDS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING})
+AUTOCAST_COPY_BYTES = 2
+"""fp16/bf16 autocast's copy of a matmul weight, saved for its backward (in WEIGHT_BYTES without FSDP)."""
 __all__ = [
     "ActivationParts", "MEMORY_TERMS", "MemoryBreakdown", "ParamSet", "StateBytes", "activation_bytes", "activation_parts",
     "adafactor_bytes", "buffer_bytes", "estimate_memory", "fsdp_param_bytes", "model_state_bytes", "optimizer_state_bytes",
@@ -189,28 +217,41 @@ def model_state_bytes(
     param_shapes: Iterable[Sequence[int]] | None = None,
     frozen: int = 0,
     pipeline: bool = False,
+    fsdp: bool = False,
 ) -> StateBytes:
-    """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding.
+    """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding
+    (the module docstring's table).
 
     `params` counts trainable elements (their shapes in `param_shapes`, for adafactor); `frozen`
-    elements add weights only; `pipeline` (pp > 1) matters to offload only."""
+    elements add weights only; `pipeline` (pp > 1): FSDP2's gradients accumulate unsharded; `fsdp`: the
+    executor runs data parallelism on FSDP2 (`costmodel.strategy.runs_on_fsdp2`: tp, a pipeline or
+    offload), where zero 0/1 hold the zero-2 row (FSDP2 without resharding over dp_shard)."""
     _check_state_args(precision, optimizer, zero, dp_shard)
-    weights = params * WEIGHT_BYTES[precision] + frozen * FROZEN_WEIGHT_BYTES[precision]
-    grads = params * GRAD_BYTES[precision]
+    if fsdp and zero < 2:
+        zero = 2
     state = optimizer_state_bytes(params, precision=precision, optimizer=optimizer, param_shapes=param_shapes)
+    frozen_bytes = frozen * FROZEN_WEIGHT_BYTES[precision]
+    if offload_optimizer:
+        host = math.ceil(params * (FSDP_MASTER_BYTES + FSDP_GRAD_BYTES) / dp_shard) + math.ceil(state / dp_shard)
+        gathered = 0 if zero == 3 else params * fsdp_param_bytes(precision)
+        return StateBytes(weights=gathered + frozen_bytes,
+                          grads=params * FSDP_GRAD_BYTES if pipeline else 0, optimizer=0, offloaded=host)
+    optimizer_local = math.ceil(state / dp_shard) if zero >= 1 else state
+    if zero >= 2 and dp_shard > 1 and precision != "fp8":  # FSDP2
+        master = math.ceil(params * FSDP_MASTER_BYTES / dp_shard)
+        gathered = params * fsdp_param_bytes(precision) if zero == 2 else 0
+        autocast_copy = params * AUTOCAST_COPY_BYTES if precision == "fp16" else 0
+        grads = params * FSDP_GRAD_BYTES if pipeline else math.ceil(params * FSDP_GRAD_BYTES / dp_shard)
+        frozen_local = frozen_bytes if zero == 2 else math.ceil(frozen_bytes / dp_shard)
+        return StateBytes(weights=master + gathered + autocast_copy + frozen_local, grads=grads,
+                          optimizer=optimizer_local, offloaded=0)
 
     def shard(nbytes: int, stage: int) -> int:
         return math.ceil(nbytes / dp_shard) if zero >= stage else nbytes
 
-    optimizer_local = shard(state, 1)
-    if offload_optimizer:
-        host = math.ceil(params * (FSDP_MASTER_BYTES + FSDP_GRAD_BYTES) / dp_shard) + math.ceil(state / dp_shard)
-        gathered = 0 if zero == 3 else params * fsdp_param_bytes(precision)
-        return StateBytes(weights=gathered + frozen * FROZEN_WEIGHT_BYTES[precision],
-                          grads=params * FSDP_GRAD_BYTES if pipeline else 0, optimizer=0, offloaded=host)
     return StateBytes(
-        weights=shard(weights, 3),
-        grads=shard(grads, 2),
+        weights=shard(params * WEIGHT_BYTES[precision] + frozen_bytes, 3),
+        grads=shard(params * GRAD_BYTES[precision], 2),
         optimizer=optimizer_local,
         offloaded=0,
     )
@@ -234,33 +275,66 @@ class ParamSet:
     """Elements of the largest FSDP unit: one block instance, or all non-block parameters."""
 
 
+def is_expert(op: OpNode) -> bool:
+    """An MoE expert op (its module path holds `experts`): split by expert parallelism, not TP."""
+    return "experts" in op.module_fqn.split(".")
+
+
+def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert_parallel: int = 1,
+                      vocab_parallel: bool = False) -> dict[str, int]:
+    """How many ways each parameter read by `ops` is sharded, decided per parameter: the largest degree
+    of any op that reads it, whatever op reads it first (under autocast an elementwise cast reads every
+    weight before its matmul does). What shards, as the executor applies it:
+    - an MoE expert op with expert_parallel > 1: its parameters over ep (each rank holds 1/ep of the
+      experts; TP does not split them, `costmodel.placement.block_placements`);
+    - a block's colwise/rowwise linear (`placement.linear_style`, the module names `executor.tensor_parallel`
+      applies ColwiseParallel/RowwiseParallel to): over tp;
+    - with `vocab_parallel` (`costmodel.strategy.shards_vocabulary`), the token embedding and LM head
+      (`placement.vocab_parallel_ops`): over tp.
+    Everything else (norms, biases of unsharded modules, position tables, routers) replicates."""
+    ops = tuple(ops)
+    vocab = {name for name in vocab_parallel_ops(ops) if name is not None} if vocab_parallel else set()
+    degrees: dict[str, int] = {}
+    for op in ops:
+        if op.block_id is not None and expert_parallel > 1 and is_expert(op):
+            degree = expert_parallel
+        elif (op.block_id is not None and linear_style(op)) or op.name in vocab:
+            degree = tensor_parallel
+        else:
+            degree = 1
+        for p in op.params:
+            degrees[p.name] = max(degree, degrees.get(p.name, 1))
+    return degrees
+
+
 def stage_params(
-    ops: Iterable[OpNode], *, block_counts: Mapping[str, int], tensor_parallel: int = 1,
-    vocab_parallel: bool | None = None,
+    ops: Iterable[OpNode], *, block_counts: Mapping[str, int], tensor_parallel: int = 1, expert_parallel: int = 1,
+    vocab_parallel: bool | None = None, degrees: Mapping[str, int] | None = None,
 ) -> ParamSet:
-    """Distinct parameters (by name) of `ops`, each block's times its instance count. Parameters read by
-    matmuls and embeddings inside blocks are sharded `tensor_parallel` ways (their first dimension);
-    with `vocab_parallel` also those of the token embedding and the LM head (pp == 1; None: when `ops`
-    hold both, i.e. the whole model); others (position embeddings, norms) replicate.
+    """Distinct parameters (by name) of `ops`, each block's times its instance count, at the local size
+    `parameter_degrees` gives them (the first dimension divided, rounded up), or `degrees` (by parameter
+    name) when the caller decided them over more ops than these. Callers pass `vocab_parallel` by
+    `costmodel.strategy.shards_vocabulary`; None shards the vocabulary only where `ops` hold both the
+    token embedding and the LM head (a whole model) and tp > 1.
     Frozen floating-point tensors (frozen weights, buffers such as rotary `inv_freq`) count as frozen;
     integer buffers (position ids) are left out."""
     ops = tuple(ops)
-    vocab_ops = {name for name in vocab_parallel_ops(ops) if name is not None}
     if vocab_parallel is None:
-        vocab_parallel = len(vocab_ops) == 2
-    sharded = vocab_ops if vocab_parallel else set()
+        vocab_parallel = tensor_parallel > 1 and None not in vocab_parallel_ops(ops)
+    if degrees is None:
+        degrees = parameter_degrees(ops, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                    vocab_parallel=vocab_parallel)
     seen: set[str] = set()
     trainable = frozen = 0
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
     for op in ops:
-        in_tp = op.kind in TENSOR_PARALLEL_KINDS and op.block_id is not None
-        degree = tensor_parallel if in_tp or op.name in sharded else 1
         count = 1 if op.block_id is None else block_counts.get(op.block_id, 1)
         for p in op.params:
             if p.name in seen:
                 continue
             seen.add(p.name)
+            degree = degrees[p.name]
             local = math.ceil(p.numel / degree)
             units[op.block_id] = units.get(op.block_id, 0) + local
             if p.trainable:
@@ -272,20 +346,19 @@ def stage_params(
     return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0))
 
 
-def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False) -> int:
-    """Communication buffers (see the module docstring)."""
+def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False,
+                 fsdp: bool = False) -> int:
+    """Communication buffers (see the module docstring); `fsdp` as in `model_state_bytes`."""
+    if fsdp and zero < 2:
+        zero = 2
     if offload:
         if zero == 3:
             return params.largest_unit * (2 * fsdp_param_bytes(precision) + FSDP_GRAD_BYTES)
         return 2 * params.largest_unit * FSDP_GRAD_BYTES
-    width = activation_itemsize(precision)
     if zero == 3 and dp_shard > 1:
-        return params.largest_unit * (2 * width + 4)
-    if zero == 2 and dp > 1:
-        gathered = max(0.0, FSDP_MASTER_BYTES / dp_shard + width - WEIGHT_BYTES[precision])
-        return math.ceil(params.trainable * gathered) + 2 * params.largest_unit * FSDP_MASTER_BYTES
-    if dp > 1:
-        return params.trainable * GRAD_BYTES[precision]
+        return params.largest_unit * (2 * activation_itemsize(precision) + 4)
+    if zero == 2 and dp_shard > 1 and dp > 1:
+        return 2 * params.largest_unit * FSDP_GRAD_BYTES
     return 0
 
 
@@ -359,3 +432,25 @@ def estimate_memory(
         workspace=workspace_bytes(device),
         host=state.offloaded,
     )
+
+
+def reserve_bytes(device: DeviceProfile, allocated: float) -> float:
+    """The bytes PyTorch's caching allocator reserves beyond `allocated` (the allocator's peak of live
+    tensors): `allocated x allocator_reserve_fraction`, 0 when the profile has no fitted reserve
+    (`DeviceProfile.allocator_reserve_fraction`, fitted by `soap calibrate --from-runs` as the median of
+    measured max_memory_reserved / max_memory_allocated - 1)."""
+    fraction = device.allocator_reserve_fraction
+    return 0.0 if fraction is None else allocated * fraction
+
+
+def rank_breakdown(*, weights: float, grads: float, optimizer: float, activations: float, buffers: float,
+                   host: float, workspace: float, reserve_fraction: float | None) -> MemoryBreakdown:
+    """One rank's memory at its peak: the one place the estimator (`planner.memory_estimate`) and the
+    simulator (`costmodel.simulator_result`) assemble it. `workspace` is `workspace_bytes(device)`; with a
+    fitted allocator reserve (`reserve_fraction`, the device's `allocator_reserve_fraction`) it also holds
+    what the caching allocator reserves beyond the tensors (`reserve_bytes`), so the total is the reserved
+    peak; without one the total is the allocated peak."""
+    tensors = weights + grads + optimizer + activations + buffers
+    reserve = 0.0 if reserve_fraction is None else tensors * reserve_fraction
+    return MemoryBreakdown(weights=weights, grads=grads, optimizer=optimizer, activations=activations, buffers=buffers,
+                           workspace=workspace + reserve, host=host)

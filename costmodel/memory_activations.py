@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from costmodel.opcost import FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, local_scale
 from tracer.errors import SoapError
-from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta
+from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 ATTENTION_IMPLS = ("sdpa", "eager")
@@ -70,21 +70,50 @@ def _is_logsumexp(t: TensorMeta, q: TensorMeta) -> bool:
     return t.dtype == "float32" and t.shape == q.shape[:-1]
 
 
-def attention_saved(op: OpNode, attention: str) -> tuple[TensorMeta, ...]:
-    """What an ATTENTION op saves under `attention` (see the module docstring)."""
+def _whole_sequence(t: TensorMeta) -> TensorMeta:
+    """`t` as a context-parallel rank holds it after an all-gather over the sequence (cp no longer divides it)."""
+    return TensorMeta(t.shape, t.dtype, tuple(DimRole.NONE if r is DimRole.ATTRIBUTE else r for r in t.roles))
+
+
+def context_parallel_saved(op: OpNode, saved: Sequence[TensorMeta]) -> tuple[TensorMeta, ...]:
+    """What an attention core saves under context parallelism as `executor.context_parallel` runs it: the
+    K and V it all-gathers over the sequence, whole (in place of any local K or V the trace attributed to
+    it: every saved tensor of K's size but the query), and for a causal model the [S/cp, S] boolean mask
+    it builds (in place of the traced s x s mask; an encoder attends without one)."""
     q, k = op.inputs[:2]
+    v = op.inputs[2] if len(op.inputs) > 2 else k
+    seq_k = k.shape[-2]
+    out: list[TensorMeta] = []
+    query_seen = q.numel != k.numel
+    for t in saved:
+        if len(t.shape) >= 2 and t.shape[-1] == t.shape[-2] == seq_k:
+            continue  # the traced mask
+        if t.numel == k.numel and query_seen:
+            continue  # a local K or V
+        query_seen = query_seen or t.numel == q.numel
+        out.append(t)
+    out.extend((_whole_sequence(k), _whole_sequence(v)))
+    if op.attrs.get("causal"):
+        out.append(TensorMeta((q.shape[-2], seq_k), "bool", (DimRole.ATTRIBUTE, DimRole.NONE)))
+    return tuple(out)
+
+
+def attention_saved(op: OpNode, attention: str, cp: int = 1) -> tuple[TensorMeta, ...]:
+    """What an ATTENTION op saves under `attention` and context parallelism `cp` (see the module docstring)."""
+    q, k = op.inputs[:2]
+    saved = op.saved if cp == 1 else context_parallel_saved(op, op.saved)
     if attention == "sdpa":
-        return op.saved
-    probs = TensorMeta((*q.shape[:-1], k.shape[-2]), q.dtype, (*q.roles[:-1], k.roles[-2]))
-    kept = tuple(t for t in op.saved if not _is_logsumexp(t, q))
+        return saved
+    probs = TensorMeta((*q.shape[:-1], k.shape[-2]), q.dtype, (*q.roles[:-1], DimRole.NONE if cp > 1 else k.roles[-2]))
+    kept = tuple(t for t in saved if not _is_logsumexp(t, q))
     if float(op.attrs.get("dropout", 0.0)) > 0:
         return (*kept, probs, TensorMeta(probs.shape, "bool", probs.roles), probs)
     return (*kept, probs)
 
 
-def op_saved(op: OpNode, attention: str) -> tuple[TensorMeta, ...]:
+def op_saved(op: OpNode, attention: str, cp: int = 1) -> tuple[TensorMeta, ...]:
     if op.kind is OpKind.ATTENTION and len(op.inputs) >= 2:
-        return attention_saved(op, attention)
+        return attention_saved(op, attention, cp)
     return op.saved
 
 
@@ -92,23 +121,24 @@ def block_input(ops: Sequence[OpNode]) -> TensorMeta | None:
     """The tensor entering a block: the first input with a sample dimension of its first such op."""
     for op in ops:
         for t in op.inputs:
-            if DimRole.SAMPLE in t.roles:
+            if DimRole.SAMPLE in split_roles(t.roles):
                 return t
     return None
 
 
-def block_saved(ops: Sequence[OpNode], policy: str, attention: str) -> tuple[TensorMeta, ...]:
-    """Tensors one block instance keeps through the forward pass under `policy`."""
+def block_saved(ops: Sequence[OpNode], policy: str, attention: str, cp: int = 1) -> tuple[TensorMeta, ...]:
+    """Tensors one block instance keeps through the forward pass under `policy` (and context parallelism `cp`)."""
     if policy == "none":
-        return tuple(t for op in ops for t in op_saved(op, attention))
+        return tuple(t for op in ops for t in op_saved(op, attention, cp))
     if policy == "selective":
         kept: list[TensorMeta] = []
         for op in ops:
             if op.kind in SELECTIVE_KEEPS:
-                kept.extend(op_saved(op, attention))
+                kept.extend(op_saved(op, attention, cp))
             elif op.kind is OpKind.ATTENTION and len(op.inputs) >= 2:
                 q = op.inputs[0]
-                kept.extend(t for t in op.saved if not _is_logsumexp(t, q))
+                saved = op.saved if cp == 1 else context_parallel_saved(op, op.saved)
+                kept.extend(t for t in saved if not _is_logsumexp(t, q))
         return tuple(kept)
     first = block_input(ops)
     return () if first is None else (first,)
@@ -191,13 +221,14 @@ def activation_parts(
     size = _Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=split, precision=precision,
                   traced_low_precision=traced_in_low_precision(ops))
     counts = dict(block_counts or {})
+    cp = int(dict(split or {}).get("attribute", 1))
     policies = dict(recompute_per_block or {})
     prologue = epilogue = kept = window = 0.0
     blocks: dict[str, list[OpNode]] = {}
     seen_block = False
     for op in ops:
         if op.block_id is None:
-            saved = size(op_saved(op, attention)) + size(loss_working_set(op))
+            saved = size(op_saved(op, attention, cp)) + size(loss_working_set(op))
             if seen_block:
                 epilogue += saved
             else:
@@ -207,10 +238,10 @@ def activation_parts(
             blocks.setdefault(op.block_id, []).append(op)
     for block_id, block_ops in blocks.items():
         policy = policies.get(block_id, recompute)
-        instance = size(block_saved(block_ops, policy, attention))
+        instance = size(block_saved(block_ops, policy, attention, cp))
         kept += counts.get(block_id, 1) * instance
         if policy != "none":
-            window = max(window, size(block_saved(block_ops, "none", attention)) - instance)
+            window = max(window, size(block_saved(block_ops, "none", attention, cp)) - instance)
     return ActivationParts(prologue, kept, epilogue, window)
 
 
@@ -235,3 +266,45 @@ def activation_bytes(
         ops, micro_batch=micro_batch, batch_traced=batch_traced, recompute=recompute, attention=attention,
         split=split, precision=precision, block_counts=block_counts, recompute_per_block=recompute_per_block,
     ).peak
+
+
+def chunk_activations(
+    placed: Iterable[tuple[OpNode, Mapping[str, int]]],
+    *,
+    policy: str,
+    micro_batch: int,
+    batch_traced: int,
+    attention: str,
+    precision: str,
+    block_input_bytes: float,
+) -> tuple[int, int]:
+    """(kept, recompute window) bytes of one chunk (a block instance, or a run of non-block ops) for one
+    micro-batch, each op sized at its own local split (`costmodel.placement`): the one rule the
+    simulator's chunks and the planner's estimate share (`costmodel.memory_schedule` schedules them).
+
+    - none: kept = everything the ops save; no window.
+    - selective: kept = the selective set (`block_saved`); window = the none set less it.
+    - full: kept = the block's input, `block_input_bytes` ([micro_batch, seq/cp, hidden] at activation
+      width, /tp under sequence parallelism); window = the none set, re-materialized while the block's
+      backward runs.
+    """
+    ops = tuple(placed)
+
+    def saved(p: str) -> int:
+        by_split: dict[tuple, list[OpNode]] = {}
+        for op, split in ops:
+            by_split.setdefault(tuple(sorted(split.items())), []).append(op)
+        total = 0.0
+        for split, group in by_split.items():
+            parts = activation_parts(group, micro_batch=micro_batch, batch_traced=batch_traced, recompute=p,
+                                     attention=attention, split=dict(split), precision=precision)
+            total += parts.prologue + parts.blocks + parts.epilogue
+        return int(total)
+
+    none = saved("none")
+    if policy == "full":
+        return int(block_input_bytes), none
+    if policy == "selective":
+        kept = saved("selective")
+        return kept, none - kept
+    return none, 0

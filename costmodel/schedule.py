@@ -131,7 +131,8 @@ def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
     return ranks
 
 
-def _stage_to_rank(name: str, pp: int, v: int) -> tuple[int, ...]:
+def stage_to_rank(name: str, pp: int, v: int) -> tuple[int, ...]:
+    """The pipeline rank of each of the pp*v stages: looped (s % pp), or V-shaped for ZBVZeroBubble."""
     if name == "ZBVZeroBubble":
         return tuple(s if s < pp else 2 * pp - 1 - s for s in range(2 * pp))
     return tuple(s % pp for s in range(pp * v))
@@ -182,8 +183,8 @@ def build_schedule(name: str, pp: int, num_microbatches: int, stages_per_rank: i
             f"unknown schedule {name!r}; choose GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
             "InterleavedZeroBubble or ZBVZeroBubble"
         )
-    stage_to_rank = _stage_to_rank(name, pp, v)
-    return PipelineSchedule(name, pp, v, m, stage_to_rank, _with_comms(compute, stage_to_rank))
+    ranks = stage_to_rank(name, pp, v)
+    return PipelineSchedule(name, pp, v, m, ranks, _with_comms(compute, ranks))
 
 
 # --- dry run -------------------------------------------------------------------------------------

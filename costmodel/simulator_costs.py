@@ -43,8 +43,6 @@ class ChunkCost:
     """Saved for backward per micro-batch (after recomputation policy)."""
     recompute_bytes: int = 0
     """Extra activations alive while the chunk's backward recomputes its forward."""
-    gathered_bytes: int = 0
-    """Unsharded parameters held while the chunk runs (zero 3)."""
 
     @property
     def bwd_s(self) -> float:
@@ -86,10 +84,13 @@ class StepCosts:
     backward and reshards after it)."""
     links: Mapping[str, str] = field(default_factory=lambda: {"tp-comm": "intra_node", "dp-comm": "inter_node", "pp-p2p": "inter_node"})
     """The link level each communication stream crosses; streams on one link are serialized."""
-    buffer_bytes: int = 0
-    """Communication buckets and workspace per rank, constant."""
+    rank_buffer_bytes: tuple[int, ...] = ()
+    """Communication buffers of each pipeline rank, constant through the step (`costmodel.memory.buffer_bytes`
+    over the rank's stages: DDP buckets, FSDP's gathered units and unsharded gradients); () for none."""
     workspace_bytes: int = 0
     """Framework and CUDA context plus the runtime workspace per rank (`costmodel.memory.workspace_bytes`)."""
+    allocator_reserve_fraction: float | None = None
+    """The device's fitted allocator reserve (`costmodel.memory.rank_breakdown`); None: allocated memory."""
     comm_compute_share: float = 0.0
     """Fraction [0, 1] of every communication task's time that also occupies its rank's compute stream
     (1 - the device's `communication_overlap`; 0 on GPUs, where NCCL runs beside compute)."""

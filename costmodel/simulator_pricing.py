@@ -45,6 +45,8 @@ share of the compute stream (1 - `communication_overlap`) is `StepCosts.comm_com
 collective the step issues costs the device's `collective_call_overhead_us` of framework host time on
 top of `collective_time` (`ProfilePricer.collective`).
 
+Data parallelism runs over cp too, as the executor's mesh does: gradients are averaged over dp x cp
+(`ParallelDims.sync_degree`) and ZeRO/FSDP shards over dp_shard x cp (`ParallelDims.shard_degree`).
 Mesh groups follow torch DeviceMesh order (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a group
 of size n whose ranks are `stride` apart shares a node with min(n, gpus_per_node // stride) of its
 members; a stream's link is intra_node when its groups fit in one node.
@@ -60,9 +62,10 @@ from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import (
-    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, activation_parts, buffer_bytes,
+    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes,
     model_state_bytes, stage_params, workspace_bytes,
 )
+from costmodel.memory_activations import chunk_activations
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
@@ -161,7 +164,7 @@ def mesh_groups(strategy: Strategy, gpus_per_node: int) -> MeshGroups:
     g = gpus_per_node
     return MeshGroups(
         tp=_group(d.tp, 1, g), cp=_group(d.cp, d.tp, g), ep=_group(d.ep, d.tp, g),
-        dp=_group(d.dp, d.cp * d.tp, g), dp_shard=_group(d.dp_shard, d.cp * d.tp, g),
+        dp=_group(d.sync_degree, d.tp, g), dp_shard=_group(d.shard_degree, d.tp, g),
         dp_replicate=_group(d.dp_replicate, d.dp_shard * d.cp * d.tp, g),
         pp_pair=_group(min(2, d.pp), d.dp * d.cp * d.tp, g),
     )
@@ -203,22 +206,26 @@ def price_step(
         schedule, passes = build_schedule("1F1B", 1, t.num_microbatches), 1
     else:
         schedule, passes = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages), t.grad_accum
-    # buffers hold one stage's parameters or gradients: the largest stage's bound every rank
-    buffers = max(buffer_bytes(params=_stage_param_set(layers[bounds[k]:bounds[k + 1]], d.tp, d.pp), precision=t.precision,
-                               zero=t.zero, dp=d.dp, dp_shard=d.dp_shard, offload=t.offload_optimizer)
-                  for k in range(n_stages))
+    # a rank's buffers hold its own stages' parameters or gradients (all of them: DDP's buckets)
+    buffers = tuple(
+        buffer_bytes(params=_stage_param_set([layer for k in schedule.stages_of(rank) for layer in layers[bounds[k]:bounds[k + 1]]],
+                                             d.tp, d.pp, d.ep),
+                     precision=t.precision, zero=t.zero, dp=d.sync_degree, dp_shard=d.shard_degree, offload=t.offload_optimizer,
+                     fsdp=fsdp_engine(strategy))
+        for rank in range(schedule.pp))
     costs = StepCosts(
         stages=stages, schedule=schedule, grad_accum=passes,
-        grad_sync_every_microbatch=(t.zero == 3 and d.dp_shard > 1) or (d.pp == 1 and d.dp > 1 and fsdp_engine(strategy)),
+        grad_sync_every_microbatch=(t.zero == 3 and d.shard_degree > 1) or (d.pp == 1 and d.sync_degree > 1 and fsdp_engine(strategy)),
         gather_in_backward=units.fsdp,
         links={
             "tp-comm": "inter_node" if _spans(groups.tp) or _spans(groups.cp) else "intra_node",
             "dp-comm": "inter_node" if _spans(groups.dp) else "intra_node",
             "pp-p2p": "inter_node" if _spans(groups.pp_pair) else "intra_node",
         },
-        buffer_bytes=0 if units.fsdp else buffers,  # FSDP's gathered units follow the memory events
+        rank_buffer_bytes=buffers,
         comm_compute_share=1.0 - cluster.device.communication_overlap,
         workspace_bytes=workspace_bytes(cluster.device),
+        allocator_reserve_fraction=cluster.device.allocator_reserve_fraction,
     )
     return costs, _facts(graph, strategy, cluster)
 
@@ -237,7 +244,7 @@ class _UnitPricer:
     def params(self, layer: Layer) -> int:
         if layer.segment not in self._params:
             d = self.strategy.dims
-            self._params[layer.segment] = stage_params(layer.ops, block_counts={}, tensor_parallel=d.tp,
+            self._params[layer.segment] = stage_params(layer.ops, block_counts={}, tensor_parallel=d.tp, expert_parallel=d.ep,
                                                        vocab_parallel=shards_vocabulary(tp=d.tp, pp=d.pp)).trainable
         return self._params[layer.segment]
 
@@ -262,7 +269,7 @@ class _UnitPricer:
                                             for p in placements for c in p.collectives if c.phase == phase)
 
     def _price(self, layer: Layer) -> ChunkCost:
-        d, t = self.strategy.dims, self.strategy.train
+        t = self.strategy.train
         placements = self._placements(layer)
         fwd = bwd_in = bwd_w = selective = 0.0
         for p in placements:
@@ -272,57 +279,51 @@ class _UnitPricer:
                 selective += f
         fwd_comm, bwd_comm = self._comm(placements, "fwd"), self._comm(placements, "bwd")
         policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
-        kept_none = self._activations(placements, "none")
+        kept, recompute_bytes = placed_activations(placements, self.strategy, self.graph.batch, self.shape, policy)
         if policy == "full":
-            sp = t.sequence_parallel and d.tp > 1
-            kept = int(self.shape.hidden_bytes(d.cp) / (d.tp if sp else 1))
-            recompute_s, recompute_bytes, bwd_comm = fwd, kept_none, bwd_comm + fwd_comm
+            recompute_s, bwd_comm = fwd, bwd_comm + fwd_comm
         elif policy == "selective":
-            kept = self._activations(placements, "selective")
-            recompute_s, recompute_bytes = selective, kept_none - kept
+            recompute_s = selective
         else:
-            kept, recompute_s, recompute_bytes = kept_none, 0.0, 0
+            recompute_s = 0.0
         params = self.params(layer)
         return ChunkCost(
             name=layer.name, fwd_s=fwd, bwd_input_s=bwd_in, bwd_weight_s=bwd_w, recompute_s=recompute_s,
             fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, grad_sync_s=self._grad_sync(params),
             param_gather_s=self._gather(params), activation_bytes=kept, recompute_bytes=recompute_bytes,
-            gathered_bytes=params * activation_itemsize(t.precision) if self.fsdp else 0,
         )
 
     @property
     def fsdp(self) -> bool:
-        """ZeRO 3 over dp_shard > 1: parameters gathered per chunk (`ChunkCost.gathered_bytes`)."""
-        return self.strategy.train.zero == 3 and self.strategy.dims.dp_shard > 1
-
-    def _activations(self, placements: Sequence[OpPlacement], policy: str) -> int:
-        """Bytes one micro-batch keeps for backward (no recompute window: the schedule adds it)."""
-        t = self.strategy.train
-        by_split: dict[tuple, list[OpNode]] = {}
-        for p in placements:
-            by_split.setdefault(tuple(sorted(p.split.local().items())), []).append(p.op)
-        total = 0.0
-        for split, ops in by_split.items():
-            parts = activation_parts(ops, micro_batch=t.micro_batch, batch_traced=self.graph.batch, recompute=policy,
-                                     attention=t.attention, split=dict(split), precision=t.precision)
-            total += parts.prologue + parts.blocks + parts.epilogue
-        return int(total)
+        """ZeRO 3 over dp_shard > 1: parameters gathered per chunk (held in `memory.buffer_bytes`)."""
+        return self.strategy.train.zero == 3 and self.strategy.dims.shard_degree > 1
 
     def _grad_sync(self, params: int) -> float:
         d, t = self.strategy.dims, self.strategy.train
         nbytes = params * GRAD_BYTES[t.precision]
-        if d.dp == 1 or nbytes == 0:
+        if d.sync_degree == 1 or nbytes == 0:
             return 0.0
-        if t.zero >= 2 and d.dp_shard > 1:
+        if t.zero >= 2 and d.shard_degree > 1:
             return (self.pricer.collective("reduce_scatter", nbytes, self.groups.dp_shard)
-                    + self.pricer.collective("all_reduce", nbytes / d.dp_shard, self.groups.dp_replicate))
+                    + self.pricer.collective("all_reduce", nbytes / d.shard_degree, self.groups.dp_replicate))
         return self.pricer.collective("all_reduce", nbytes, self.groups.dp)
 
     def _gather(self, params: int) -> float:
         t, d = self.strategy.train, self.strategy.dims
-        if not (self.fsdp or (t.zero == 2 and d.dp_shard > 1)) or params == 0:
+        if not (self.fsdp or (t.zero == 2 and d.shard_degree > 1)) or params == 0:
             return 0.0
         return self.pricer.collective("all_gather", params * activation_itemsize(t.precision), self.groups.dp_shard)
+
+
+def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, batch_traced: int,
+                       shape: ActivationShape, policy: str) -> tuple[int, int]:
+    """(kept, recompute window) bytes of one chunk under its placements: `memory_activations.chunk_activations`
+    with each op at its local split; the planner's estimate calls this too."""
+    d, t = strategy.dims, strategy.train
+    sp = t.sequence_parallel and d.tp > 1
+    return chunk_activations(((p.op, p.split.local()) for p in placements), policy=policy, micro_batch=t.micro_batch,
+                             batch_traced=batch_traced, attention=t.attention, precision=t.precision,
+                             block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1))
 
 
 def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int, int]:
@@ -336,11 +337,11 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
     d, t = strategy.dims, strategy.train
     chunks = _ddp_buckets(tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers),
                           [units.params(layer) for layer in layers], strategy, pricer, groups)
-    params = _stage_param_set(layers, d.tp, d.pp)
+    params = _stage_param_set(layers, d.tp, d.pp, d.ep)
     state = model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
-                              dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer,
+                              dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
-                              pipeline=d.pp > 1)
+                              pipeline=d.pp > 1, fsdp=fsdp_engine(strategy))
     sp = t.sequence_parallel and d.tp > 1
     hidden = shape.hidden_bytes(d.cp) / (d.tp if sp else 1)
     p2p = pricer.collective("send_recv", hidden, groups.pp_pair) if d.pp > 1 else 0.0
@@ -349,7 +350,7 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
         optimizer_s=_optimizer_time(params.trainable, strategy, pricer),
         host_bytes=state.offloaded,
         post_step_gather_s=(pricer.collective("all_gather", params.trainable * activation_itemsize(t.precision), groups.dp_shard)
-                            if t.zero == 1 and d.dp_shard > 1 else 0.0),
+                            if t.zero == 1 and d.shard_degree > 1 else 0.0),
         weights_bytes=state.weights, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
     )
 
@@ -374,7 +375,7 @@ def _ddp_buckets(chunks: tuple[ChunkCost, ...], params: Sequence[int], strategy:
     1 + ceil((bytes - first bucket) / bucket_cap) fixed call costs (latency and per-call overhead) are
     shared out by gradient bytes, so the sync still follows each chunk's backward."""
     d, t = strategy.dims, strategy.train
-    if d.dp == 1 or fsdp_engine(strategy):
+    if d.sync_degree == 1 or fsdp_engine(strategy):
         return chunks
     sizes = [n * GRAD_BYTES[t.precision] for n in params]
     total = sum(sizes)
@@ -391,24 +392,25 @@ def _ddp_buckets(chunks: tuple[ChunkCost, ...], params: Sequence[int], strategy:
     return tuple(out)
 
 
-def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int, pp: int) -> ParamSet:
+def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int, pp: int, expert_parallel: int = 1) -> ParamSet:
     """The parameters one rank of a stage holds (its layers, each block instance counted); tp shards the
-    token embedding and LM head only without a pipeline (`executor.tensor_parallel`), also where one rank
-    holds both ends of a pipeline (ZBV)."""
+    token embedding and LM head by `costmodel.strategy.shards_vocabulary` (`executor.tensor_parallel`)."""
     counts: dict[str, int] = {}
     for layer in layers:
         if layer.block_id is not None:
             counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
     seen_segments = {layer.segment: layer for layer in layers}
     ops = [op for layer in seen_segments.values() for op in layer.ops]
-    return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel, vocab_parallel=shards_vocabulary(tp=tensor_parallel, pp=pp))
+    return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                        vocab_parallel=shards_vocabulary(tp=tensor_parallel, pp=pp))
 
 
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:
     d, t = strategy.dims, strategy.train
     if t.offload_optimizer:
-        return pricer.host_time(offload_host_bytes(params / d.dp_shard, pp=d.pp, train=t))
-    return pricer.optimizer_time(t.optimizer, params / (d.dp_shard if t.zero >= 1 else 1))
+        return pricer.host_time(offload_host_bytes(params / d.shard_degree, pp=d.pp, train=t))
+    sharded = t.zero >= 1 or fsdp_engine(strategy)  # FSDP2 steps on its shards whatever the stage
+    return pricer.optimizer_time(t.optimizer, params / (d.shard_degree if sharded else 1))
 
 
 def offload_host_bytes(elems: float, *, pp: int, train: TrainingConfig) -> float:

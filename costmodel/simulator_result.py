@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from costmodel.memory import MemoryBreakdown
+from costmodel.memory import MemoryBreakdown, rank_breakdown
+from costmodel.memory_schedule import StageActivations, backward_peak, rank_activation_peaks
 from costmodel.simulator_costs import StepCosts
 from costmodel.simulator_engine import Task
 from costmodel.simulator_step import MemoryEvent
@@ -136,6 +137,9 @@ class SimResult:
             "parallelism": dict(self.facts.parallelism),
             "breakdown_s": self.breakdown.as_dict(),
             "peak_memory_per_stage_gib": [m.peak_bytes / GIB for m in self.memory],
+            "memory_breakdown_gib": [
+                {"rank": m.rank, "stages": list(m.stages), **m.at_peak.as_gib()} for m in self.memory
+            ],
         }
 
 
@@ -195,12 +199,20 @@ def _rank_breakdown(rank: int, own: Sequence[Task], tasks: Sequence[Task], step:
 
 
 def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEvent]) -> tuple[RankMemory, ...]:
+    """Per pipeline rank: the constant terms, the activation peak of `memory_schedule.rank_activation_peaks`
+    (the estimator's rule) and the activation timeline the events draw."""
     sched = costs.schedule
-    per_rank: list[list[tuple[float, int, str]]] = [[] for _ in range(sched.pp)]
+    stage_acts = [StageActivations(kept=sum(c.activation_bytes for c in s.chunks),
+                                   backward_peak=backward_peak([c.activation_bytes for c in s.chunks],
+                                                               [c.recompute_bytes for c in s.chunks]),
+                                   window=max((c.recompute_bytes for c in s.chunks), default=0))
+                  for s in costs.stages]
+    peaks = rank_activation_peaks(sched, stage_acts)
+    per_rank: list[list[tuple[float, int]]] = [[] for _ in range(sched.pp)]
     for e in events:
         if e.delta:
             t = tasks[e.task]
-            per_rank[t.rank].append((t.end if e.at_end else t.start, e.delta, e.category))
+            per_rank[t.rank].append((t.end if e.at_end else t.start, e.delta))
     out = []
     for rank in range(sched.pp):
         stages = sched.stages_of(rank)
@@ -208,23 +220,19 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
         grads = sum(costs.stages[s].grads_bytes for s in stages)
         opt = sum(costs.stages[s].optimizer_bytes for s in stages)
         host = sum(costs.stages[s].host_bytes for s in stages)
-        constant = weights + grads + opt + costs.buffer_bytes + costs.workspace_bytes
-        current = {"activations": 0, "buffers": 0}
-        best = dict(current)
-        best_total = 0
+        buffers = costs.rank_buffer_bytes[rank] if costs.rank_buffer_bytes else 0
+        constant = weights + grads + opt + buffers + costs.workspace_bytes
+        live = 0
         timeline = [(0.0, constant)]
-        for time, delta, category in sorted(per_rank[rank], key=lambda x: (x[0], x[1])):
-            current[category] += delta
-            total = current["activations"] + current["buffers"]
-            timeline.append((time, constant + total))
-            if total > best_total:
-                best_total, best = total, dict(current)
+        for time, delta in sorted(per_rank[rank]):
+            live += delta
+            timeline.append((time, constant + live))
         out.append(
             RankMemory(
                 rank=rank, stages=stages, timeline=tuple(timeline),
-                at_peak=MemoryBreakdown(
-                    weights=weights, grads=grads, optimizer=opt, activations=best["activations"],
-                    buffers=costs.buffer_bytes + best["buffers"], workspace=costs.workspace_bytes, host=host,
+                at_peak=rank_breakdown(
+                    weights=weights, grads=grads, optimizer=opt, activations=int(peaks[rank]), buffers=buffers,
+                    host=host, workspace=costs.workspace_bytes, reserve_fraction=costs.allocator_reserve_fraction,
                 ),
             )
         )

@@ -28,8 +28,9 @@ with s = 1 a collective and the rank's compute take turns, however the schedule 
 
 Memory events ride along (`MemoryEvent`): activations are saved at a chunk's forward end and freed
 at its backward end (at W's end when the backward is split, since W still reads them); recomputed
-activations live during the chunk's backward; FSDP-gathered parameters live from the gather's end to
-the chunk's compute end.
+activations live during the chunk's backward. They draw the memory timeline; the peak itself is
+`costmodel.memory_schedule.rank_activation_peaks`, the estimator's rule, and a test holds the two equal.
+Buffers (FSDP's gathered units among them) are a constant per rank (`costmodel.memory.buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class MemoryEvent:
     at_end: bool
     """Applied at the task's end (else at its start)."""
     category: str
-    """activations or buffers."""
+    """activations."""
     delta: int
 
 
@@ -129,9 +130,7 @@ class _Builder:
         if chunk.param_gather_s <= 0:
             return []
         bound = [compute_ids[-2]] if len(compute_ids) >= 2 else []
-        ag = self._add(rank, "dp-comm", f"all-gather {label}", "fsdp", chunk.param_gather_s, bound)
-        self.memory.append(MemoryEvent(ag, True, "buffers", chunk.gathered_bytes))
-        return [ag]
+        return [self._add(rank, "dp-comm", f"all-gather {label}", "fsdp", chunk.param_gather_s, bound)]
 
     def _forward(self, rank: int, stage: int, mb: int) -> None:
         deps = self._input_dep(stage, F, mb)
@@ -143,8 +142,6 @@ class _Builder:
             comp = self._add(rank, "compute", label, "compute", chunk.fwd_s, deps + ag)
             compute_ids.append(comp)
             self.memory.append(MemoryEvent(comp, True, "activations", chunk.activation_bytes))
-            if ag:
-                self.memory.append(MemoryEvent(comp, True, "buffers", -chunk.gathered_bytes))
             last = comp
             if chunk.fwd_comm_s > 0:
                 last = self._add(rank, "tp-comm", f"{label} collectives", "tp", chunk.fwd_comm_s, [comp])
@@ -167,8 +164,6 @@ class _Builder:
                 self.memory.append(MemoryEvent(comp, True, "activations", -chunk.recompute_bytes))
             if full:
                 self.memory.append(MemoryEvent(comp, True, "activations", -chunk.activation_bytes))
-            if ag:
-                self.memory.append(MemoryEvent(comp, True, "buffers", -chunk.gathered_bytes))
             last = comp
             if chunk.bwd_comm_s > 0:
                 last = self._add(rank, "tp-comm", f"{label} collectives", "tp", chunk.bwd_comm_s, [comp])

@@ -28,16 +28,9 @@ Step time:
                    they prefetch behind;
     optimizer      device state read and written once at memory bandwidth; with offload the
                    simulator's host traffic (`costmodel.simulator_pricing.offload_host_bytes`).
-Memory of pipeline rank r (`_rank_memory`):
-    state(params_r / tp; precision, optimizer, zero, dp_shard, offload)   costmodel.memory
-    + in_flight_r x activations_r(mb, recompute)                          costmodel.memory
-    + one block's recompute window while it recomputes (selective and full recompute)
-    + ZeRO-3 gathered parameters of the two largest units, or the data-parallel (and offload)
-      buffers of `costmodel.memory.buffer_bytes` (ZeRO 0-2) + context overhead (as the simulator).
-(TP shards the blocks' weights, and without a pipeline the token embedding and LM head, as
-`memory.stage_params`.)
-In flight: GPipe keeps all m micro-batches of a run; 1F1B and ZBV keep pp - r; interleaved keeps
-(v-1)pp + 2(pp-1-r) + 1 chunks of 1/v of the rank's layers.
+Memory: the simulator's model, term by term, from per-unit tables (`planner.memory_estimate`), over
+the same stages (`Estimator.stage_bounds`, which `planner.pricing.Pricer` simulates): equal to the
+simulated peak, so pruning by it never drops a plan the simulator would accept.
 """
 
 from __future__ import annotations
@@ -49,13 +42,13 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import MemoryBreakdown, ParamSet, buffer_bytes, model_state_bytes, workspace_bytes
-from costmodel.memory_activations import activation_parts
+from costmodel.memory import MemoryBreakdown, model_state_bytes
 from costmodel.opcost import op_time
-from costmodel.placement import vocab_parallel_ops
 from costmodel.profiles import ClusterSpec
+from costmodel.schedule import stage_to_rank
 from costmodel.simulator_pricing import offload_host_bytes
-from costmodel.strategy import TrainingConfig, shards_vocabulary
+from costmodel.strategy import TrainingConfig, runs_on_fsdp2, shards_vocabulary
+from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
 from planner.stages import partition_stages
 from planner.units import Unit, is_expert, layer_units
@@ -80,17 +73,6 @@ class Estimate:
         return self.memory.total
 
 
-def _new_elements(ops, seen: set[str]) -> int:
-    """Elements of the parameters of `ops` not in `seen` (which it extends)."""
-    total = 0
-    for op in ops:
-        for p in op.params:
-            if p.name not in seen:
-                seen.add(p.name)
-                total += p.numel
-    return total
-
-
 def group_ranks_per_node(size: int, inner: int, gpus_per_node: int) -> int:
     """Ranks of a mesh group that share a node, when `inner` consecutive ranks sit inside it."""
     if size == 1:
@@ -105,15 +87,11 @@ class Estimator:
         self.graph, self.cluster, self.units = graph, cluster, units
         self.hidden = graph.dims.hidden
         self.kv_width = graph.dims.kv_heads * graph.dims.head_dim
-        vocab, seen = set(vocab_parallel_ops(graph.ops)) - {None}, set()
-        self._vocab_params = [_new_elements((op for op in u.ops if op.name in vocab), seen) for u in units]
-        """Elements of the token embedding and LM head in each unit (sharded by tp when pp == 1), each
-        parameter counted once, as `Unit.params` counts it (a tied head adds nothing)."""
+        self.memory_tables = MemoryTables(graph, units)
         self._costed_ops = [tuple(op for op in u.ops if op.fwd_flops or op.bwd_flops or op.bytes_moved) for u in units]
         """Ops that take time (views move no bytes and run no FLOPs: op_time prices them at zero)."""
         self.unit_time = lru_cache(maxsize=None)(self._unit_time_uncached)
-        self.unit_activation = lru_cache(maxsize=None)(self._unit_activation_uncached)
-        self._stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
+        self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds_uncached)
         self._comm = lru_cache(maxsize=None)(self._comm_uncached)
         self.unit_costs = lru_cache(maxsize=None)(self._unit_costs_uncached)
 
@@ -135,43 +113,31 @@ class Estimator:
                 attn += cost.fwd_s
         return fwd, bwd, attn
 
-    def _unit_activation_uncached(
-        self, u: int, tp: int, cp: int, mb: int, recompute: str, precision: str
-    ) -> tuple[float, float]:
-        """(kept per in-flight micro-batch, transient while recomputing) bytes of one instance of unit u:
-        `costmodel.memory_activations.activation_parts` (a recomputed block's window is live once)."""
-        parts = activation_parts(
-            self.units[u].ops, micro_batch=mb, batch_traced=self.graph.batch, recompute=recompute,
-            attention="sdpa", split={"parameter": tp, "attribute": cp}, precision=precision,
-        )
-        kept = parts.prologue + parts.blocks + parts.epilogue
-        if recompute == "selective":
-            # the simulator (simulator_pricing._price) keeps a selective block's activation_bytes, window
-            # included, per in-flight micro-batch; estimating less would only pick plans it rejects
-            return kept + parts.recompute_window, 0.0
-        return kept, parts.recompute_window
-
     def _comm_uncached(self, kind: str, nbytes: float, size: int, per_node: int) -> float:
         if size <= 1 or nbytes <= 0:
             return 0.0
         return collective_time(kind, nbytes, CommGroup(size=size, ranks_per_node=per_node), self.cluster)
 
-    def _stage_counts_uncached(self, pp: int, v: int) -> np.ndarray:
-        """Instances of each unit on each pipeline rank: shape (pp, units), time-balanced at mb=1."""
+    def _stage_bounds_uncached(self, pp: int, v: int) -> tuple[int, ...]:
+        """Layer bounds of the pp*v stages (`planner.units.layer_units` order), time-balanced at one sample
+        per micro-batch: the partition both the estimate and the simulation (`planner.pricing.Pricer`) use."""
         layers = layer_units(self.units)
         stages = pp * v
-        counts = np.zeros((pp, len(self.units)))
         if stages == 1:
-            counts[0] = [u.repeat for u in self.units]
-            return counts
+            return (0, len(layers))
         times = [sum(self.unit_time(i, 1, 1, 1, 1, "bf16")[:2]) for i in layers]
         zeros = [0.0] * len(layers)
         part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
         assert part is not None, "a partition without memory limits always exists when stages <= layers"
-        for stage, (a, b) in enumerate(zip(part.bounds, part.bounds[1:])):
-            for layer in range(a, b):
-                counts[stage % pp, layers[layer]] += 1
-        return counts
+        return tuple(part.bounds)
+
+    def rank_counts(self, pp: int, v: int, schedule: str) -> np.ndarray:
+        """Instances of each unit on each pipeline rank: shape (pp, units)."""
+        stage_counts = self.memory_tables.stage_counts(self.stage_bounds(pp, v))
+        ranks = np.zeros((pp, len(self.units)))
+        for row, rank in zip(stage_counts, stage_to_rank(schedule, pp, v)):
+            ranks[rank] += row
+        return ranks
 
     def _unit_costs_uncached(
         self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, recompute: str
@@ -221,29 +187,19 @@ class Estimator:
     # --- the estimate ---------------------------------------------------------------------------
     def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
         d, t = mesh.dims, train
-        counts = self._stage_counts(d.pp, t.virtual_stages)
+        counts = self.rank_counts(d.pp, t.virtual_stages, t.schedule)
         policies = [t.recompute_for(None if unit.id.startswith("<") else unit.id) for unit in self.units]
-        costs = np.array([
-            (*self.unit_costs(u, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policy),
-             *self.unit_activation(u, d.tp, d.cp, t.micro_batch, policy, t.precision))
-            for u, policy in enumerate(policies)
-        ])
-        compute_unit, per_unit, bwd_unit, act_unit, transient_unit = costs.T
-
-        # memory shards expert weights like every matmul weight, by tp, as `costmodel.memory.stage_params` does
-        # TP shards the blocks' weights, and without a pipeline the token embedding and LM head too
-        # (costmodel.memory.stage_params)
-        vocab_share = (d.tp - 1) / d.tp if shards_vocabulary(tp=d.tp, pp=d.pp) else 0.0
-        params_unit = np.array([unit.params / d.tp if not unit.id.startswith("<")
-                                else unit.params - vocab_share * self._vocab_params[u]
-                                for u, unit in enumerate(self.units)], dtype=float)
+        costs = np.array([self.unit_costs(u, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policy)
+                          for u, policy in enumerate(policies)])
+        compute_unit, per_unit, bwd_unit = costs.T
+        # local parameters per unit instance, as `costmodel.memory.stage_params` shards them (time only)
+        alone = self.memory_tables.params(d.tp, d.ep, shards_vocabulary(tp=d.tp, pp=d.pp))
+        params_unit = np.array([p.trainable for p in alone], dtype=float)
         p2p = self._p2p(mesh, t.micro_batch, t.precision, t.virtual_stages)
         rank_time = counts @ per_unit + p2p
         rank_compute = counts @ compute_unit
         rank_bwd = counts @ bwd_unit
         rank_params = counts @ params_unit
-        rank_act = counts @ act_unit
-        rank_transient = ((counts > 0) * transient_unit).max(axis=1)
         bottleneck = float(rank_time.max())
 
         m, runs = t.num_microbatches, t.grad_accum
@@ -258,20 +214,21 @@ class Estimator:
         worst = int(np.argmax(rank_params))
         params_local = float(rank_params[worst])
         state = model_state_bytes(
-            int(params_local), precision=t.precision, optimizer=t.optimizer, zero=t.zero if d.dp > 1 else 0,
-            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer, pipeline=d.pp > 1,
+            int(params_local), precision=t.precision, optimizer=t.optimizer, zero=t.zero,
+            dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer, pipeline=d.pp > 1,
+            fsdp=runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer),
         )
         dp_exposed, zero3_exposed = self._dp_comm(mesh, t, params_local, state, float(rank_bwd[worst]),
                                                   float(rank_compute[worst]))
         device = self.cluster.device
         if t.offload_optimizer:
-            optimizer_s = offload_host_bytes(params_local / d.dp_shard, pp=d.pp, train=t) / device.host_bandwidth
+            optimizer_s = offload_host_bytes(params_local / d.shard_degree, pp=d.pp, train=t) / device.host_bandwidth
         else:
             optimizer_s = 2 * (state.weights + state.grads + state.optimizer) / device.memory_bandwidth
         step = pipeline + dp_exposed + zero3_exposed + optimizer_s
         compute_s = m * float(rank_compute.max())
 
-        memory = self._rank_memory(mesh, t, rank_act, rank_transient, state, params_local)
+        memory = self.memory_tables.memory(d, t, self.stage_bounds(d.pp, t.virtual_stages), device)
         return Estimate(
             step_time_s=step, memory=memory, compute_s=compute_s,
             comm_s=max(0.0, pipeline - bubble - compute_s) + dp_exposed + zero3_exposed,
@@ -281,55 +238,26 @@ class Estimator:
     def _dp_comm(self, mesh: MeshChoice, t: TrainingConfig, params_local: float, state, bwd_s: float,
                  compute_s: float) -> tuple[float, float]:
         d, gpn = mesh.dims, self.cluster.gpus_per_node
-        if d.dp == 1:
+        if d.sync_degree == 1:
             return 0.0, 0.0
-        inner = d.tp * d.cp
+        inner = d.tp  # data parallelism runs over dp x cp (`ParallelDims.sync_degree`, `shard_degree`)
         grad_b = 4.0 if t.precision in ("fp32", "tf32") else 2.0
         weight_b = grad_b
         grads = params_local * grad_b
-        dp_group = (d.dp, group_ranks_per_node(d.dp, inner, gpn))
+        dp_group = (d.sync_degree, group_ranks_per_node(d.sync_degree, inner, gpn))
         if t.zero == 0:
             sync = self._comm("all_reduce", grads, *dp_group)
         elif t.zero in (1, 2):
             sync = self._comm("reduce_scatter", grads, *dp_group) + self._comm("all_gather", params_local * weight_b, *dp_group)
         else:
-            shard_group = (d.dp_shard, group_ranks_per_node(d.dp_shard, inner, gpn))
-            replicate_group = (d.dp_replicate, group_ranks_per_node(d.dp_replicate, inner * d.dp_shard, gpn))
+            shard_group = (d.shard_degree, group_ranks_per_node(d.shard_degree, inner, gpn))
+            replicate_group = (d.dp_replicate, group_ranks_per_node(d.dp_replicate, inner * d.shard_degree, gpn))
             sync = self._comm("reduce_scatter", grads, *shard_group)
-            sync += self._comm("all_reduce", grads / d.dp_shard, *replicate_group)
+            sync += self._comm("all_reduce", grads / d.shard_degree, *replicate_group)
         dp_exposed = max(0.0, sync - bwd_s)
         zero3 = 0.0
-        if t.zero == 3 and d.dp_shard > 1:
-            shard_group = (d.dp_shard, group_ranks_per_node(d.dp_shard, inner, gpn))
+        if t.zero == 3 and d.shard_degree > 1:
+            shard_group = (d.shard_degree, group_ranks_per_node(d.shard_degree, inner, gpn))
             gathers = 2 * self._comm("all_gather", params_local * weight_b, *shard_group)
             zero3 = t.num_microbatches * max(0.0, gathers - compute_s)
         return dp_exposed, zero3
-
-    def _rank_memory(self, mesh: MeshChoice, t: TrainingConfig, rank_act: np.ndarray, rank_transient: np.ndarray,
-                     state, params_local: float) -> MemoryBreakdown:
-        d = mesh.dims
-        pp, v, m = d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum
-        ranks = np.arange(pp)
-        if pp == 1:
-            in_flight = np.ones(1)
-        elif t.schedule == "GPipe":
-            in_flight = np.full(pp, float(m))
-        elif v > 1 and t.schedule != "ZBVZeroBubble":
-            in_flight = np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1 - ranks) + 1) / v
-        else:
-            in_flight = np.minimum(m, pp - ranks).astype(float)
-        activations = float((in_flight * rank_act + rank_transient).max())
-        gathered = buffers = 0.0
-        largest_unit = max((u.params for u in self.units), default=0) / d.tp
-        if t.zero == 3 and d.dp_shard > 1:
-            largest = sorted((u.params for u in self.units), reverse=True)[:2]
-            gathered = sum(largest) / d.tp * ACTIVATION_BYTES[t.precision]
-        elif d.dp > 1 or t.offload_optimizer:  # offload runs FSDP2 even on one rank
-            buffers = float(buffer_bytes(params=ParamSet(int(params_local), 0, (), int(largest_unit)),
-                                         precision=t.precision, zero=t.zero, dp=d.dp, dp_shard=d.dp_shard,
-                                         offload=t.offload_optimizer))
-        device = self.cluster.device
-        return MemoryBreakdown(
-            weights=float(state.weights), grads=float(state.grads), optimizer=float(state.optimizer),
-            activations=activations, buffers=gathered + buffers, workspace=workspace_bytes(device), host=state.offloaded,
-        )

@@ -1,17 +1,15 @@
 """Price a candidate by full simulation, and run the whole search for one request.
 
 Pricing one candidate (`Pricer.__call__`):
-1. stage partition (pp > 1): `planner.stages.partition_stages` over the layer sequence (embedding
-   first, blocks, LM head and loss last) with per-layer time = the estimator's per-unit forward +
-   backward + recompute at the candidate's tp/cp/micro-batch/precision, per-layer static memory =
-   model state per parameter x the layer's parameters / tp, per-layer activations, the schedule's
-   in-flight micro-batches per stage, and the memory limit less the context overhead;
+1. stage partition (pp > 1): the estimator's (`Estimator.stage_bounds`: `planner.stages.partition_stages`
+   over the layer sequence, time-balanced), so the simulated memory is the memory the search pruned by;
 2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)` under the Megatron
    placement; with tp > 1, also under the per-op splits of the CP-SAT split search
    (`planner.block_splits.chosen_op_splits`, solved once per block type and degrees) where they
    cost less than it under the search's tables, keeping whichever fits and simulates faster, so the searched splits are never
    slower than the default under the simulator;
-3. the plan fits when the simulated peak memory (max over ranks) is within the limit.
+3. the plan fits when the simulated peak memory (max over ranks) is within the limit and, offloaded, its
+   nodes' host memory within the cluster's (`planner.host_memory`; the estimator stage checks it too).
 
 `run_search` wires enumeration, ranking, baselines and the report together (see `planner.api`); the
 chosen plan's per-op placements in plan.json are the ones its simulation priced.
@@ -23,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
 
-from costmodel.memory import model_state_bytes
 from costmodel.placement import tp_plan
 from costmodel.simulator import simulate
 from planner.api import PlanRequest
@@ -31,66 +28,37 @@ from planner.baselines import baseline_families, baseline_mesh
 from planner.block_splits import block_placements, chosen_op_splits
 from planner.estimate import Estimator
 from planner.explain import explain
-from planner.feasibility import infeasible_error
+from planner.feasibility import infeasible_error, simulated_infeasible_error
+from planner.host_memory import HostMemoryCheck, host_memory_error, rejected_by_host_memory
 from planner.intra_op import BlockSplitCache
 from planner.planfile import build_plan
 from planner.regimes import RegimeEstimator
 from planner.report import PlanReport
 from planner.search import Candidate, Priced, SearchConfig, enumerate_candidates, search, simulation_work
 from planner.space import mesh_choices
-from planner.stages import partition_stages
 from planner.units import layer_units, model_units
-from tracer.errors import SoapError
 from tracer.ir import OpGraph
 
 
-def in_flight_per_stage(schedule: str, pp: int, v: int, microbatches: int) -> list[float]:
-    """Micro-batches whose activations each of the pp*v stages keeps at its peak."""
-    stages = pp * v
-    if schedule == "GPipe":
-        return [float(microbatches)] * stages
-    if v == 1 or schedule == "ZBVZeroBubble":
-        return [float(min(microbatches, pp - (s % pp if s < pp else pp - 1 - s % pp))) for s in range(stages)]
-    return [float(min(microbatches, (v - 1) * pp + 2 * (pp - 1 - s % pp) + 1)) / v for s in range(stages)]
-
-
 class Pricer:
-    """Simulates candidates of one request; stage bounds come from the DP of `planner.stages`."""
+    """Simulates candidates of one request on the estimator's stage partition."""
 
-    def __init__(self, request: PlanRequest, graph: OpGraph, estimator: RegimeEstimator) -> None:
+    def __init__(self, request: PlanRequest, graph: OpGraph, estimator: RegimeEstimator,
+                 host: HostMemoryCheck | None = None) -> None:
         self.request, self.graph, self.estimator = request, graph, estimator
+        self.host = host or HostMemoryCheck(request.cluster, request.space.gpus_per_node, graph)
         self.layers = layer_units(estimator.units)
         self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds)
         self._cache = BlockSplitCache()
         self._splits: dict[tuple, tuple] = {}
 
     def _stage_bounds(self, candidate: Candidate) -> tuple[int, ...] | None:
+        """The estimate's partition (`Estimator.stage_bounds`), so that the memory the search pruned by is
+        the memory simulated."""
         d, t = candidate.mesh.dims, candidate.train
         if d.pp == 1:
             return None
-        est = self.estimator.for_strategy(candidate.strategy)
-        units = est.units
-        state = model_state_bytes(
-            1_000_000, precision=t.precision, optimizer=t.optimizer, zero=candidate.mesh.zero if d.dp > 1 else 0,
-            dp_shard=d.dp_shard, offload_optimizer=t.offload_optimizer, pipeline=True,
-        )
-        per_param = (state.weights + state.grads + state.optimizer) / 1_000_000
-        times, static, acts = [], [], []
-        for index in self.layers:
-            unit = units[index]
-            fwd, bwd, attn = est.unit_time(index, d.tp, d.cp, d.ep, t.micro_batch, t.precision)
-            policy = t.recompute_for(None if unit.id.startswith("<") else unit.id)
-            times.append(fwd + bwd + (fwd if policy == "full" else attn if policy == "selective" else 0.0))
-            static.append(unit.params / d.tp * per_param)
-            kept, transient = est.unit_activation(index, d.tp, d.cp, t.micro_batch, policy, t.precision)
-            acts.append(kept)
-            static[-1] += transient  # an upper bound: only one block recomputes at a time
-        flight = in_flight_per_stage(t.schedule, d.pp, t.virtual_stages, t.num_microbatches // t.grad_accum)
-        limit = self.request.memory_limit - self.request.cluster.device.context_bytes
-        part = partition_stages(times, static, acts, in_flight=flight, memory_limit=limit)
-        if part is None:  # nothing balanced fits: let the simulator report the memory of a time-balanced split
-            part = partition_stages(times, static, acts, in_flight=flight, memory_limit=float("inf"))
-        return part.bounds if part else None
+        return self.estimator.for_strategy(candidate.strategy).stage_bounds(d.pp, t.virtual_stages)
 
     def __call__(self, candidate: Candidate) -> Priced:
         """The simulation of `candidate` under the Megatron placement, or under the per-op splits of the
@@ -108,8 +76,10 @@ class Pricer:
     def _simulate(self, candidate: Candidate, graph: OpGraph, bounds: tuple[int, ...] | None) -> Priced:
         result = simulate(graph, candidate.strategy, self.request.cluster, stages=bounds)
         peak = float(result.peak_memory_bytes)
+        fits = peak <= self.request.memory_limit and self.host.simulation_fits(candidate.mesh.dims, candidate.train,
+                                                                               result)
         return Priced(candidate=candidate, step_time_s=result.step_time_s, peak_memory_bytes=peak, result=result,
-                      fits=peak <= self.request.memory_limit)
+                      fits=fits)
 
     def _op_splits(self, candidate: Candidate, graph: OpGraph) -> tuple:
         d, t = candidate.mesh.dims, candidate.train
@@ -133,13 +103,15 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
     widest_tp = max((m.dims.tp for m in mesh_choices(request.space)), default=1)
     # refinement walks every mesh, so with a time budget nothing is pruned by the bound
     keep = 1 << 30 if time_budget_s else SearchConfig.keep_meshes
+    host = HostMemoryCheck(request.cluster, request.space.gpus_per_node, graph)
     candidates, estimated = enumerate_candidates(
         request.space, estimator, request.memory_limit, keep_meshes=keep, keep_top=max(keep, SearchConfig.simulate_top),
-        always=lambda m: baseline_mesh(m, widest_tp=widest_tp),
+        always=lambda m: baseline_mesh(m, widest_tp=widest_tp), host_fits=host.estimate_fits,
     )
     if not candidates:
-        raise infeasible_error(request.model_name, request.space, estimator, request.memory_limit)
-    pricer = Pricer(request, graph, estimator)
+        raise (host_memory_error(request.model_name, request.space, estimator, request.memory_limit, host)
+               or infeasible_error(request.model_name, request.space, estimator, request.memory_limit))
+    pricer = Pricer(request, graph, estimator, host)
     bandwidth = request.cluster.intra_node.bandwidth
     outcome = search(
         candidates, pricer,
@@ -148,12 +120,10 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
         work=lambda c: simulation_work(c, len(pricer.layers)),
     )
     if not outcome.ranked:
-        closest = min(outcome.rejected_by_simulation, key=lambda p: (p.peak_memory_bytes, p.candidate.key))
-        raise SoapError(
-            f"{request.model_name} does not fit on {request.space.gpus} x {request.memory_limit / 2**30:g} GiB: "
-            f"the most frugal plan simulated needs {closest.peak_memory_bytes / 2**30:.1f} GiB per GPU; "
-            "add GPUs or use a larger --mem-limit"
-        )
+        raise (rejected_by_host_memory(request.model_name, request.space.gpus, request.memory_limit,
+                                       outcome.rejected_by_simulation, host)
+               or simulated_infeasible_error(request.model_name, request.space, estimator, request.memory_limit,
+                                             outcome.rejected_by_simulation, pricer))
     chosen = outcome.ranked[0]
     why = explain(
         chosen, outcome.priced, candidates, model=request.model_name, cluster=request.cluster,

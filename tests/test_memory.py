@@ -43,11 +43,11 @@ def toy_ops():
     return (
         op("embed", OpKind.EMBEDDING, None, (ids,), (X,), (ids,), (weight("embed.weight", 100, H),)),
         op("l.0.norm", OpKind.NORM, "l", (X,), (X,), (X, LSE), (weight("l.0.norm.weight", H),)),
-        op("l.0.qkv", OpKind.MATMUL, "l", (X,), (X,), (X,), (weight("l.0.qkv.weight", 3 * H, H),)),
+        op("l.0.qkv_proj", OpKind.MATMUL, "l", (X,), (X,), (X,), (weight("l.0.qkv.weight", 3 * H, H),)),
         op("l.0.sdpa", OpKind.ATTENTION, "l", (Q, Q, Q), (Q,), (Q, Q, Q, Q, LSE)),
-        op("l.0.up", OpKind.MATMUL, "l", (X,), (FFN,), (X,), (weight("l.0.up.weight", 4 * H, H),)),
+        op("l.0.up_proj", OpKind.MATMUL, "l", (X,), (FFN,), (X,), (weight("l.0.up.weight", 4 * H, H),)),
         op("l.0.gelu", OpKind.ELEMENTWISE, "l", (FFN,), (FFN,), (FFN,)),
-        op("l.0.down", OpKind.MATMUL, "l", (FFN,), (X,), (FFN,), (weight("l.0.down.weight", H, 4 * H),)),
+        op("l.0.down_proj", OpKind.MATMUL, "l", (FFN,), (X,), (FFN,), (weight("l.0.down.weight", H, 4 * H),)),
         op("head", OpKind.MATMUL, None, (X,), (logits,), (X,), (weight("head.weight", 100, H),)),
         op("loss", OpKind.LOSS, None, (logits,), (act(roles=()),), (logits,)),
     )
@@ -94,8 +94,14 @@ def test_zero_stages_shard_optimizer_then_grads_then_weights():
     z = [model_state_bytes(n, precision="bf16", optimizer="adamw", zero=k, dp_shard=d, offload_optimizer=False)
          for k in (1, 2, 3)]
     assert (z[0].weights, z[0].grads, z[0].optimizer) == (full.weights, full.grads, full.optimizer // d)
-    assert (z[1].weights, z[1].grads, z[1].optimizer) == (full.weights, full.grads // d, full.optimizer // d)
-    assert (z[2].weights, z[2].grads, z[2].optimizer) == (full.weights // d, full.grads // d, full.optimizer // d)
+    # zero 2 (FSDP2): the fp32 master is sharded with the moments; the bf16 copy is gathered forward to backward
+    assert (z[1].weights, z[1].grads, z[1].optimizer) == (4 * n // d + 2 * n, full.grads // d, full.optimizer // d)
+    # zero 3: the master shard only (the gathered units are buffers)
+    assert (z[2].weights, z[2].grads, z[2].optimizer) == (4 * n // d, full.grads // d, full.optimizer // d)
+    # under a pipeline torch's stage defers FSDP's gradient sync: the unsharded fp32 gradients accumulate
+    piped = model_state_bytes(n, precision="bf16", optimizer="adamw", zero=2, dp_shard=d, offload_optimizer=False,
+                              pipeline=True)
+    assert (piped.weights, piped.grads) == (z[1].weights, 4 * n)
 
 
 def test_offload_keeps_master_weights_gradients_and_optimizer_state_on_the_host():
@@ -198,7 +204,7 @@ def test_estimate_memory_adds_state_activations_buffers_and_context():
     est = estimate_memory(graph, device=device, train=train, dp=4)
     assert (est.weights, est.grads, est.optimizer) == (4 * params, 4 * params, 8 * params)
     assert est.activations == _acts("none")
-    assert est.buffers == 4 * params  # DDP's buckets: one more fp32 copy of every gradient
+    assert est.buffers == 0  # DDP's buckets are the gradients (gradient_as_bucket_view)
     assert est.workspace == device.context_bytes
     assert est.total == sum((est.weights, est.grads, est.optimizer, est.activations, est.buffers, est.workspace))
     fsdp = estimate_memory(graph, device=device, train=TrainingConfig(global_batch=8, seq_len=T, micro_batch=B,
@@ -287,13 +293,17 @@ def test_zero2_keeps_the_fp32_shard_beside_gathered_parameters_and_one_unit_of_g
     params = 100 * H + 100 * H + 3 * (H + 3 * H * H + 4 * H * H + 4 * H * H)
     largest_unit = H + 11 * H * H
 
-    def buffers(precision, dp_shard):
+    def memory(precision, dp_shard):
         train = TrainingConfig(global_batch=8, seq_len=T, micro_batch=B, precision=precision, zero=2)
-        return estimate_memory(graph, device=device, train=train, dp=dp_shard, dp_shard=dp_shard).buffers
+        return estimate_memory(graph, device=device, train=train, dp=dp_shard, dp_shard=dp_shard)
 
-    assert buffers("fp32", 4) == params * 4 // 4 + 2 * largest_unit * 4
-    # 16-bit: the weights term (fp32 master + 16-bit copy, 6 bytes) already covers shard + gathered copy
-    assert buffers("bf16", 4) == 2 * largest_unit * 4
+    # FSDP2's fp32 shard beside the parameters it gathers from forward to backward (fp32, or bf16 under
+    # its MixedPrecisionPolicy); during backward one unit's unsharded fp32 gradients and their
+    # reduce-scatter input
+    for precision, width in (("fp32", 4), ("bf16", 2)):
+        est = memory(precision, 4)
+        assert est.weights == params * 4 // 4 + params * width
+        assert est.buffers == 2 * largest_unit * 4
 
 
 def test_tensor_parallel_shards_block_weights_and_the_vocabulary_of_embedding_and_head():
@@ -310,15 +320,21 @@ def test_tensor_parallel_shards_block_weights_and_the_vocabulary_of_embedding_an
     assert (50, H) in split.shapes
 
 
-def test_pipeline_stages_keep_embedding_and_head_whole_under_tensor_parallelism():
-    """A stage holds the embedding or the head, not both, and the executor replicates them there."""
+def test_pipeline_stages_shard_the_embedding_or_head_they_hold_under_tensor_parallelism():
+    """A stage holds the embedding or the head, not both; under the executor's rule
+    (`costmodel.strategy.shards_vocabulary`, as Megatron-Core) it shards the one it holds over the
+    vocabulary. Without the rule, stage_params shards them only when `ops` hold both."""
     from costmodel.memory import stage_params
+    from costmodel.strategy import shards_vocabulary
 
     ops = toy_ops()
     first, last = ops[:-2], ops[1:]
     block_matmuls = 3 * (3 * H * H + 4 * H * H + 4 * H * H)
-    assert stage_params(first, block_counts={"l": 3}, tensor_parallel=2).trainable == 100 * H + 3 * H + block_matmuls // 2
-    assert stage_params(last, block_counts={"l": 3}, tensor_parallel=2).trainable == 100 * H + 3 * H + block_matmuls // 2
+    rule = shards_vocabulary(tp=2, pp=2)
+    for stage in (first, last):
+        assert stage_params(stage, block_counts={"l": 3}, tensor_parallel=2, vocab_parallel=rule).trainable == \
+            100 * H // 2 + 3 * H + block_matmuls // 2
+        assert stage_params(stage, block_counts={"l": 3}, tensor_parallel=2).trainable == 100 * H + 3 * H + block_matmuls // 2
     whole_replicated = stage_params(ops, block_counts={"l": 3}, tensor_parallel=2, vocab_parallel=False)
     assert whole_replicated.trainable == 2 * 100 * H + 3 * H + block_matmuls // 2
 

@@ -216,10 +216,11 @@ def test_saved_plan_simulates_with_its_searched_op_splits_after_loading(models, 
 
     graph = tracer.trace(models["tiny-gpt2"], batch=1, seq_len=64)
     cluster = load_cluster("dgx-h100")
-    report = plan_report(models["tiny-gpt2"], graph=graph, gpus=8, tp=2, global_batch=16, seq_len=64)
+    report = plan_report(models["tiny-gpt2"], graph=graph, gpus=8, tp=2, pp=2, global_batch=16, seq_len=64)
     chosen = report.chosen.candidate.strategy
-    assert chosen.op_splits, "the search picks non-Megatron splits for the tiny GPT-2 at tp=2"
-    megatron = simulate(graph, dataclasses.replace(chosen, op_splits=()), cluster).step_time_s
+    assert chosen.op_splits, "the search picks non-Megatron splits for the tiny GPT-2 at tp=2, pp=2"
+    bounds = stage_bounds(report.plan, graph)
+    megatron = simulate(graph, dataclasses.replace(chosen, op_splits=()), cluster, stages=bounds).step_time_s
     assert megatron != pytest.approx(report.chosen.step_time_s, rel=1e-9)
 
     report.plan.save(tmp_path / "plan.json")

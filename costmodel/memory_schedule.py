@@ -1,0 +1,116 @@
+"""Activation peak of each pipeline rank, read off the schedule's action order.
+
+One rule for the estimator (`planner.estimate`) and the simulator (`costmodel.simulator_result`): a
+rank runs its compute actions one after the other in the schedule's order (`costmodel.schedule`), so
+which micro-batches hold activations at any moment follows from that order alone, not from timing.
+
+Per stage s (its chunks c_1..c_n in forward order, each keeping k_i bytes from its forward to its
+backward and re-materializing a window w_i while its backward recomputes; `StageActivations`):
+    kept_s          = sum_i k_i                       what one micro-batch holds between F and B
+    backward_peak_s = max_i (k_1 + ... + k_i + w_i)    the most one micro-batch holds during its backward:
+                                                        chunk i recomputes after chunks i+1..n have
+                                                        freed theirs (`backward_peak`)
+    window_s        = max_i w_i                        the largest window (an input-gradient pass frees
+                                                        nothing, so every chunk's kept bytes stay)
+Walking rank r's actions, with live = sum over in-flight (stage, micro-batch) of kept_s:
+    F(s):  live += kept_s;  peak = max(peak, live)
+    B(s):  peak = max(peak, live - kept_s + max(kept_s, backward_peak_s));  live -= kept_s
+    I(s):  peak = max(peak, live + window_s): the activations stay until W (zero-bubble: W still
+           needs the saved inputs)
+    W(s):  live -= kept_s
+Every point is linear in (kept, backward_peak), so `_peak_points` records, once per schedule, the
+distinct in-flight count vectors at forward points and (counts, stage) pairs at backward points;
+`rank_activation_peaks` evaluates them for any stage sizes with two matrix products. Without a
+pipeline (one stage, one micro-batch at a time) the peak is max(kept, backward_peak).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodel.schedule import B, F, I, W, PipelineSchedule, build_schedule
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes of one stage for one micro-batch (see the module docstring)."""
+
+    kept: float
+    backward_peak: float
+    window: float = 0.0
+
+
+def backward_peak(kept: Sequence[float], windows: Sequence[float]) -> float:
+    """max_i (kept_1 + ... + kept_i + window_i) over a stage's chunks in forward order (0 for none)."""
+    if not len(kept):
+        return 0.0
+    return float(np.max(np.cumsum(np.asarray(kept, dtype=float)) + np.asarray(windows, dtype=float)))
+
+
+@dataclass(frozen=True)
+class _RankPoints:
+    forward: np.ndarray
+    """Distinct in-flight count vectors (rows, one column per stage) right after a forward."""
+    backward: np.ndarray
+    """Distinct in-flight count vectors at the start of a backward (the micro-batch included)."""
+    backward_stage: np.ndarray
+    """The stage each row of `backward` runs."""
+    input_grad: np.ndarray
+    """Distinct in-flight count vectors during an input-gradient pass (I)."""
+    input_stage: np.ndarray
+
+
+@functools.lru_cache(maxsize=512)
+def _peak_points(name: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[_RankPoints, ...]:
+    schedule = build_schedule(name, pp, microbatches, stages_per_rank)
+    stages = schedule.num_stages
+    out = []
+    for actions in schedule.actions:
+        counts = [0] * stages
+        forward: set[tuple[int, ...]] = set()
+        backward: set[tuple[tuple[int, ...], int]] = set()
+        input_grad: set[tuple[tuple[int, ...], int]] = set()
+        for a in actions:
+            if a.kind is F:
+                counts[a.stage] += 1
+                forward.add(tuple(counts))
+            elif a.kind is B:
+                backward.add((tuple(counts), a.stage))
+                counts[a.stage] -= 1
+            elif a.kind is I:
+                input_grad.add((tuple(counts), a.stage))
+            elif a.kind is W:
+                counts[a.stage] -= 1
+        back, inputs = sorted(backward), sorted(input_grad)
+        out.append(_RankPoints(
+            forward=np.array(sorted(forward), dtype=float).reshape(-1, stages),
+            backward=np.array([c for c, _ in back], dtype=float).reshape(-1, stages),
+            backward_stage=np.array([s for _, s in back], dtype=int),
+            input_grad=np.array([c for c, _ in inputs], dtype=float).reshape(-1, stages),
+            input_stage=np.array([s for _, s in inputs], dtype=int),
+        ))
+    return tuple(out)
+
+
+def rank_activation_peaks(schedule: PipelineSchedule, stages: Sequence[StageActivations]) -> tuple[float, ...]:
+    """Peak activation bytes of each pipeline rank of `schedule` (see the module docstring)."""
+    if len(stages) != schedule.num_stages:
+        raise ValueError(f"{len(stages)} stage activations for a schedule of {schedule.num_stages} stages")
+    kept = np.array([s.kept for s in stages], dtype=float)
+    extra = np.array([max(0.0, s.backward_peak - s.kept) for s in stages], dtype=float)
+    window = np.array([s.window for s in stages], dtype=float)
+    peaks = []
+    for points in _peak_points(schedule.name, schedule.pp, schedule.num_microbatches, schedule.stages_per_rank):
+        peak = 0.0
+        if len(points.forward):
+            peak = float((points.forward @ kept).max())
+        if len(points.backward):
+            peak = max(peak, float((points.backward @ kept + extra[points.backward_stage]).max()))
+        if len(points.input_grad):
+            peak = max(peak, float((points.input_grad @ kept + window[points.input_stage]).max()))
+        peaks.append(peak)
+    return tuple(peaks)

@@ -1,0 +1,176 @@
+"""The estimator's memory: the simulator's memory model, evaluated from per-unit tables.
+
+The planner prices thousands of candidates, so it cannot build the simulator's cost tables for each;
+but it must never prune a plan the simulator would accept, and never keep one it rejects. So every
+term is computed by the same functions the simulator calls, over the same stages:
+
+    stages            `Estimator.stage_bounds(pp, v)`, the partition `planner.pricing.Pricer` simulates
+    parameters        `costmodel.memory.stage_params` per unit (one instance), summed over a stage's
+                      instances; a parameter two non-block units share (tied embedding and LM head) is
+                      counted once where one stage (state) or rank (buffers) holds both, as
+                      `stage_params` over the stage's ops counts it
+    weights, grads,   `costmodel.memory.model_state_bytes` per stage, summed over the rank's stages
+    optimizer, host
+    buffers           `costmodel.memory.buffer_bytes` over the rank's parameters
+    activations       per unit instance `costmodel.simulator_pricing.placed_activations` (each op at its
+                      Megatron placement, the recompute policy's kept bytes and window); per stage kept =
+                      the sum, backward peak = max over its layers of (prefix of kept + window); per rank
+                      `costmodel.memory_schedule.rank_activation_peaks` over the schedule's action order
+    workspace         `costmodel.memory.workspace_bytes`
+The peak is the worst rank's total; tests/test_memory_agreement.py holds it equal to the simulator's
+peak over the search's candidate families. (A plan whose per-op splits differ from the Megatron
+placement, `Strategy.op_splits`, is simulated again and checked there.)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from costmodel.memory import (
+    MemoryBreakdown, ParamSet, buffer_bytes, model_state_bytes, parameter_degrees, rank_breakdown, stage_params,
+    workspace_bytes,
+)
+from costmodel.memory_schedule import StageActivations, rank_activation_peaks
+from costmodel.placement import block_placements
+from costmodel.profiles import DeviceProfile
+from costmodel.schedule import build_schedule
+from costmodel.simulator_pricing import activation_shape, placed_activations
+from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
+from planner.units import Unit, layer_units
+from tracer.ir import OpGraph
+
+
+class MemoryTables:
+    """Per-unit parameter and activation tables of one graph, and the memory of a candidate from them."""
+
+    def __init__(self, graph: OpGraph, units: tuple[Unit, ...]) -> None:
+        self.graph, self.units = graph, units
+        self.layers = np.array(layer_units(units), dtype=int)
+        """The unit of every layer, in the order a pipeline partition cuts them."""
+        self.outside = [u for u, unit in enumerate(units) if unit.id.startswith("<")]
+        self.degrees = lru_cache(maxsize=None)(self._degrees_uncached)
+        self.params = lru_cache(maxsize=None)(self._params_uncached)
+        self.joint = lru_cache(maxsize=None)(self._joint_uncached)
+        self.unit_activations = lru_cache(maxsize=None)(self._unit_activations_uncached)
+        self.stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
+
+    # --- tables -----------------------------------------------------------------------------------
+    def _degrees_uncached(self, tp: int, ep: int, vocab: bool) -> dict[str, int]:
+        return parameter_degrees(self.graph.ops, tensor_parallel=tp, expert_parallel=ep, vocab_parallel=vocab)
+
+    def _params_uncached(self, tp: int, ep: int, vocab: bool) -> tuple[ParamSet, ...]:
+        """One instance of each unit on its own, its parameters sharded as in the whole model."""
+        degrees = self.degrees(tp, ep, vocab)
+        return tuple(stage_params(u.ops, block_counts={}, degrees=degrees) for u in self.units)
+
+    def _joint_uncached(self, tp: int, ep: int, vocab: bool, group: frozenset) -> ParamSet:
+        """Non-block units held together (a parameter they share counted once)."""
+        ops = [op for u in sorted(group) for op in self.units[u].ops]
+        return stage_params(ops, block_counts={}, degrees=self.degrees(tp, ep, vocab))
+
+    def _unit_activations_uncached(self, u: int, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
+                                   policy: str, precision: str, attention: str) -> tuple[float, float]:
+        """(kept, recompute window) of one instance of unit u: the simulator's chunk rule, on a strategy
+        reduced to what the placements and sizes read (the data-parallel and batch fields do not matter)."""
+        dims = ParallelDims(tp=tp, cp=cp, ep=ep, pp=pp, dp_shard=ep)
+        train = TrainingConfig(global_batch=mb, seq_len=self.graph.seq_len, micro_batch=mb, recompute=policy,
+                               sequence_parallel=sequence_parallel, precision=precision, attention=attention)
+        strategy = Strategy(dims=dims, train=train)
+        shape = activation_shape(self.graph, strategy)
+        return placed_activations(block_placements(self.units[u].ops, strategy, shape), strategy, self.graph.batch, shape,
+                                  policy)
+
+    def _stage_counts_uncached(self, bounds: tuple[int, ...]) -> np.ndarray:
+        """Instances of each unit on each stage: shape (stages, units)."""
+        counts = np.zeros((len(bounds) - 1, len(self.units)))
+        for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            np.add.at(counts[stage], self.layers[a:b], 1)
+        return counts
+
+    # --- one candidate ----------------------------------------------------------------------------
+    def _holding(self, counts: np.ndarray, tp: int, ep: int, vocab: bool) -> ParamSet:
+        """The parameters of unit instances `counts` held together (shared parameters once)."""
+        alone = self.params(tp, ep, vocab)
+        trainable = float(counts @ [p.trainable for p in alone])
+        frozen = float(counts @ [p.frozen for p in alone])
+        present = [u for u in self.outside if counts[u] > 0]
+        largest = max((alone[u].largest_unit for u in range(len(alone)) if counts[u] > 0 and u not in self.outside),
+                      default=0)
+        outside_elements = sum(alone[u].largest_unit for u in present)
+        if len(present) > 1:
+            joint = self.joint(tp, ep, vocab, frozenset(present))
+            trainable -= sum(alone[u].trainable for u in present) - joint.trainable
+            frozen -= sum(alone[u].frozen for u in present) - joint.frozen
+            outside_elements = joint.largest_unit
+        return ParamSet(int(trainable), int(frozen), (), max(largest, outside_elements))
+
+    def _shapes(self, counts: np.ndarray, tp: int, ep: int, vocab: bool) -> tuple:
+        """The local shapes of the trainable tensors of `counts` (adafactor only; shared ones once)."""
+        alone = self.params(tp, ep, vocab)
+        present = [u for u in self.outside if counts[u] > 0]
+        shapes: list = []
+        for u, n in enumerate(counts):
+            if n and u not in present:
+                shapes.extend(alone[u].shapes * int(n))
+        if len(present) > 1:
+            shapes.extend(self.joint(tp, ep, vocab, frozenset(present)).shapes)
+        elif present:
+            shapes.extend(alone[present[0]].shapes)
+        return tuple(shapes)
+
+    def memory(self, dims: ParallelDims, train: TrainingConfig, bounds: tuple[int, ...], device: DeviceProfile
+               ) -> MemoryBreakdown:
+        """The worst pipeline rank's memory (see the module docstring)."""
+        d, t = dims, train
+        vocab = shards_vocabulary(tp=d.tp, pp=d.pp)
+        counts = self.stage_counts(bounds)
+        n_stages = counts.shape[0]
+
+        # activations: per layer, then per stage (kept, backward peak), then per rank over the schedule
+        policies = ["none" if unit.id.startswith("<") else t.recompute_for(unit.id) for unit in self.units]
+        unit_acts = np.array([self.unit_activations(u, d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, policy,
+                                                    t.precision, t.attention) for u, policy in enumerate(policies)])
+        kept_l, window_l = unit_acts[self.layers, 0], unit_acts[self.layers, 1]
+        cumulative = np.cumsum(kept_l)
+        starts = np.array(bounds[:-1])
+        base = np.where(starts > 0, cumulative[np.maximum(starts - 1, 0)], 0.0)
+        kept_s = cumulative[np.array(bounds[1:]) - 1] - base
+        peak_s = np.maximum.reduceat(cumulative + window_l, starts) - base
+        window_s = np.maximum.reduceat(window_l, starts)
+        stage_acts = [StageActivations(float(k), float(p), float(w)) for k, p, w in zip(kept_s, peak_s, window_s)]
+        if d.pp == 1:
+            schedule = build_schedule("1F1B", 1, t.num_microbatches)
+            stage_to_rank: tuple[int, ...] = (0,)
+        else:
+            schedule = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages)
+            stage_to_rank = schedule.stage_to_rank
+        activations = rank_activation_peaks(schedule, stage_acts)
+
+        # model state per stage, on the engine the executor runs
+        fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
+        state = []
+        for s in range(n_stages):
+            params = self._holding(counts[s], d.tp, d.ep, vocab)
+            shapes = self._shapes(counts[s], d.tp, d.ep, vocab) if t.optimizer == "adafactor" else None
+            state.append(model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
+                                           dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
+                                           param_shapes=shapes, frozen=params.frozen, pipeline=d.pp > 1, fsdp=fsdp))
+        workspace = workspace_bytes(device)
+        worst: MemoryBreakdown | None = None
+        for rank in range(schedule.pp):
+            mine = [s for s in range(n_stages) if stage_to_rank[s] == rank]
+            held = self._holding(counts[mine].sum(axis=0), d.tp, d.ep, vocab)
+            total = rank_breakdown(
+                weights=sum(state[s].weights for s in mine), grads=sum(state[s].grads for s in mine),
+                optimizer=sum(state[s].optimizer for s in mine), activations=int(activations[rank]),
+                buffers=buffer_bytes(params=held, precision=t.precision, zero=t.zero, dp=d.sync_degree, dp_shard=d.shard_degree,
+                                     offload=t.offload_optimizer, fsdp=fsdp),
+                host=sum(state[s].offloaded for s in mine), workspace=workspace,
+                reserve_fraction=device.allocator_reserve_fraction,
+            )
+            if worst is None or total.total > worst.total:
+                worst = total
+        assert worst is not None
+        return worst
