@@ -1,20 +1,29 @@
 """`PlanReport`: the chosen plan, its alternatives and baselines, and how `soap plan` shows them.
 
 `report_json` is the `--json` object: the DESIGN contract's keys for the chosen plan (from the
-simulator's `SimResult.to_contract()`), plus `alternatives` and `baselines` (each with its
-parallelism, step time, tokens/s, peak memory and the chosen plan's speedup over it), `why`, and the
-search's size. `render_summary` prints the same as rich tables. Nothing here depends on wall time,
-so the same inputs print the same report.
+simulator's `SimResult.to_contract()`, `memory_breakdown_gib` included), plus `alternatives` and
+`baselines` (each with its parallelism, step time, tokens/s, peak memory and the chosen plan's speedup
+over it), `why`, and the search's size. `render_summary` prints the same as rich tables, with the chosen
+plan's memory per pipeline rank from `memory_table` (which `soap simulate` prints too). Nothing here
+depends on wall time, so the same inputs print the same report.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from costmodel.memory import MEMORY_TERMS
 from planner.plan import Plan
 from planner.search import Priced
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from costmodel.profiles import DeviceProfile
+    from costmodel.simulator_result import RankMemory
 
 GIB = 2**30
 
@@ -102,6 +111,39 @@ def _host_memory(p: Priced) -> str:
     return f" + {host / GIB:.1f} GiB host (offloaded) per GPU" if host else ""
 
 
+def memory_kind(device: DeviceProfile) -> str:
+    """What the predicted peak stands for: the allocator's reserved bytes where the device profile has a
+    fitted reserve, else the bytes tensors hold (allocated)."""
+    if getattr(device, "predicts_reserved_memory", False):
+        return "reserved (allocator reserve fitted from runs)"
+    return f"allocated (no allocator reserve fitted for {device.name})"
+
+
+def memory_table(memory: Sequence[RankMemory], limit_bytes: float, device: DeviceProfile) -> Table:
+    """Per pipeline rank (the stages it holds), its memory at its peak by term in GiB, the device total,
+    and that total as a share of the limit; host memory is per GPU and outside the total."""
+    from rich.table import Table
+
+    table = Table(title=f"Memory per GPU at its peak, GiB (limit {limit_bytes / GIB:.1f} GiB)", title_justify="left",
+                  caption=f"peak = {memory_kind(device)}; host = offloaded, not in the total",
+                  caption_justify="left")
+    for col in ("rank", "stages", *MEMORY_TERMS, "total", "of limit"):
+        table.add_column(col, justify="left" if col in ("rank", "stages") else "right")
+    for m in memory:
+        gib = m.at_peak.as_gib()
+        share = f"{m.at_peak.total / limit_bytes:.0%}" if limit_bytes > 0 else "-"
+        table.add_row(str(m.rank), ",".join(map(str, m.stages)),
+                      *(f"{gib[term]:.2f}" for term in (*MEMORY_TERMS, "total")), share)
+    return table
+
+
+def plan_device(plan: Plan) -> DeviceProfile:
+    """The device profile a plan.json carries inline."""
+    from costmodel.profiles import cluster_from_dict
+
+    return cluster_from_dict(plan.cluster.profile).device
+
+
 def render_summary(report: PlanReport, *, output: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -122,6 +164,7 @@ def render_summary(report: PlanReport, *, output: str | None = None) -> None:
     console.print("  breakdown: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in b.items()))
     for line in report.why:
         console.print(f"  why: {line}")
+    console.print(memory_table(c.result.memory, report.memory_limit_bytes, plan_device(report.plan)))
 
     table = Table(title="Top alternatives", title_justify="left")
     for col in ("plan", "step s", "tokens/s", "GiB/GPU", "slower by"):

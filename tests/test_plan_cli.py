@@ -27,7 +27,7 @@ MEDIUM_LLAMA = {
     "max_position_embeddings": 4096, "tie_word_embeddings": False,
 }
 CONTRACT_KEYS = {"step_time_s", "tokens_per_s", "samples_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
-                 "mfu", "hfu", "peak_memory_gib", "parallelism", "breakdown_s"}
+                 "mfu", "hfu", "peak_memory_gib", "parallelism", "breakdown_s", "memory_breakdown_gib"}
 PARALLELISM_KEYS = {"dp", "zero", "tp", "pp", "cp", "micro_batch", "grad_accum", "num_microbatches", "schedule",
                     "recompute", "precision", "optimizer"}
 

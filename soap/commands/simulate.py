@@ -92,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
 
         gantt_png(result, args.png)
     if args.json:
-        json.dump(result.to_contract(), sys.stdout, sort_keys=True)
+        from planner.report import plan_device
+
+        out = result.to_contract()
+        out["memory_limit_gib"] = plan_device(plan).memory_bytes / 2**30
+        json.dump(out, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
     else:
         _print_summary(plan, graph, result, elapsed, args)
@@ -103,7 +107,11 @@ def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from planner.report import memory_table, plan_device
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 140
     c = result.to_contract()
     p = c["parallelism"]
     console.print(f"[bold]{plan.model.name}[/] ({graph.params_total / 1e9:.2f} B params) on {plan.cluster.gpus} x "
@@ -118,12 +126,8 @@ def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace
     for key, value in c["breakdown_s"].items():
         table.add_row(f"  {key}", f"{value * 1e3:.2f} ms ({value / c['step_time_s']:.1%})" if c["step_time_s"] else "0")
     console.print(table)
-    mem = Table("rank", "stages", "weights", "grads", "optimizer", "activations", "buffers", "workspace", "peak GiB")
-    for m in result.memory:
-        b = m.at_peak
-        mem.add_row(str(m.rank), ",".join(map(str, m.stages)),
-                    *(f"{x / 2**30:.2f}" for x in (b.weights, b.grads, b.optimizer, b.activations, b.buffers, b.workspace, b.total)))
-    console.print(mem)
+    device = plan_device(plan)
+    console.print(memory_table(result.memory, device.memory_bytes, device))
     for stage in plan.stages:
         mods = stage.modules
         span = mods[0] if len(mods) == 1 else f"{mods[0]} .. {mods[-1]}"
