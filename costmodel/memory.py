@@ -7,17 +7,18 @@ stage on; d = dp_shard, S = the optimizer's state per element (below):
 | zero: engine                       | precision        | weights                          | gradients   | optimizer |
 |------------------------------------|------------------|----------------------------------|-------------|-----------|
 | 0: one rank, or DDP                | fp32, tf32       | 4 (the fp32 parameters)          | 4           | S         |
-|                                    | fp16, bf16       | 6: 4 + 2 (autocast's copy)       | 4 (fp32)    | S         |
+|                                    | fp16, bf16, fp8  | 6: 4 + 2 (autocast's copy)       | 4 (fp32)    | S         |
 | 1: DDP + ZeroRedundancyOptimizer   | as zero 0        | as zero 0                        | as zero 0   | S / d     |
 | 2: FSDP2, gathered fwd to bwd      | fp32, tf32       | 4/d (fp32 shard) + 4 (gathered)  | 4/d (pp: 4) | S / d     |
-|                                    | bf16             | 4/d + 2 (gathered in bf16)       | 4/d (pp: 4) | S / d     |
+|                                    | bf16, fp8        | 4/d + 2 (gathered in bf16)       | 4/d (pp: 4) | S / d     |
 |                                    | fp16             | 4/d + 4 + 2 (autocast's copy)    | 4/d (pp: 4) | S / d     |
-| 3: FSDP2, resharded after forward  | fp32, tf32, bf16 | 4/d (gathered units: buffers)    | 4/d (pp: 4) | S / d     |
+| 3: FSDP2, resharded after forward  | fp32, tf32, bf16, fp8 | 4/d (gathered units: buffers) | 4/d (pp: 4) | S / d  |
 |                                    | fp16             | 4/d + 2 (autocast's copy)        | 4/d (pp: 4) | S / d     |
-| any (MS-AMP O2)                    | fp8              | 3 (fp16 master + fp8 copy)       | 1           | S         |
 
-S: adamw 8 (two fp32 moments; fp8: 3), adamw8bit 2, sgd 4, adafactor factored (below). fp8 shards by
-stage: the optimizer state from zero 1, the gradients from zero 2, the weights at zero 3.
+S: adamw 8 (two fp32 moments), adamw8bit 2, sgd 4, adafactor factored (below).
+fp8 is what the executor runs (`executor.precision`), as torchtitan runs it: the bf16 regime (FSDP2's
+bf16 MixedPrecisionPolicy, or bf16 autocast) with torchao's float8 Linear layers, which cast to fp8
+inside each matmul; so its state is bf16's (fp32 master, fp32 gradients, fp32 optimizer state).
 - 16-bit without FSDP runs fp32 parameters under autocast: they are the master, and autocast's 16-bit
   copy of each matmul weight is saved for its backward, so it lives from forward to backward (counted
   for every element). bf16 under FSDP2 is its MixedPrecisionPolicy instead: the gathered parameters
@@ -38,10 +39,6 @@ stage: the optimizer state from zero 1, the gradients from zero 2, the weights a
 - DDP cannot run with tp > 1 (DTensor parameters), a pipeline or offload: zero 0/1 then run on FSDP2
   without resharding over (dp_replicate, dp_shard), holding the zero-2 row with d = dp_shard (zero 0:
   d = 1): callers pass `fsdp=costmodel.strategy.runs_on_fsdp2(...)`, the executor's own rule.
-- fp8 follows MS-AMP's O2 level (FP8-LM): fp16 master weights with an fp8 compute copy, fp8 weight
-  gradients, Adam's first moment in fp8 and second in fp16; O2 changes Adam only, so sgd and adafactor
-  keep their fp32 state; adamw8bit is already 8-bit. (The executor's fp8, torchao float8 on GPUs,
-  keeps the fp32 row's state instead; the planner prices MS-AMP's.)
 - adamw8bit: bitsandbytes' two 8-bit moments (its per-block absmax scales, 8 bytes per 2048
   elements, are ignored). sgd: one fp32 momentum buffer.
 - adafactor (`adafactor_bytes`): fp32 second-moment statistics, factored for a tensor of 2+ dims into
@@ -51,7 +48,7 @@ stage: the optimizer state from zero 1, the gradients from zero 2, the weights a
   given; without them every parameter is assumed to sit in square matrices of side
   `ADAFACTOR_ASSUMED_SIDE` (8 / side bytes per element), an approximation.
 - Optimizer-step scalars (torch keeps one `step` value per parameter tensor) are not counted.
-- Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit, 1 in fp8.
+- Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit and fp8.
 - Sharded terms are ceil(bytes / d); zero 2 and 3 shard only over d > 1 (with d = 1 they hold the zero
   0 row).
 
@@ -116,12 +113,10 @@ from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpNode
 
-WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 6, "bf16": 6, "fp8": 3}
-FROZEN_WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-GRAD_BYTES = {"fp32": 4, "tf32": 4, "fp16": 4, "bf16": 4, "fp8": 1}
+WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 6, "bf16": 6, "fp8": 6}
+FROZEN_WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}
+GRAD_BYTES = {"fp32": 4, "tf32": 4, "fp16": 4, "bf16": 4, "fp8": 4}
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
-FP8_ADAM_BYTES = 3
-"""MS-AMP O2: 1-byte first moment + 2-byte second moment."""
 ADAFACTOR_ASSUMED_SIDE = 1024
 FSDP_MASTER_BYTES = 4
 """FSDP2 keeps each parameter's shard in fp32 and reduce-scatters fp32 gradients."""
@@ -190,8 +185,6 @@ def optimizer_state_bytes(
         if param_shapes is not None:
             return sum(adafactor_bytes(s) for s in param_shapes)
         return math.ceil(params * 8 / ADAFACTOR_ASSUMED_SIDE)
-    if optimizer == "adamw" and precision == "fp8":
-        return params * FP8_ADAM_BYTES
     return params * OPTIMIZER_BYTES[optimizer]
 
 
@@ -237,7 +230,7 @@ def model_state_bytes(
         return StateBytes(weights=gathered + frozen_bytes,
                           grads=params * FSDP_GRAD_BYTES if pipeline else 0, optimizer=0, offloaded=host)
     optimizer_local = math.ceil(state / dp_shard) if zero >= 1 else state
-    if zero >= 2 and dp_shard > 1 and precision != "fp8":  # FSDP2
+    if zero >= 2 and dp_shard > 1:  # FSDP2
         master = math.ceil(params * FSDP_MASTER_BYTES / dp_shard)
         gathered = params * fsdp_param_bytes(precision) if zero == 2 else 0
         autocast_copy = params * AUTOCAST_COPY_BYTES if precision == "fp16" else 0
@@ -258,9 +251,10 @@ def model_state_bytes(
 
 
 def fsdp_param_bytes(precision: str) -> int:
-    """Bytes per element of FSDP2's gathered parameters: bf16 under its MixedPrecisionPolicy; the fp32
-    parameters themselves for the other precisions (fp16 autocasts, fp8 casts inside torchao's linear)."""
-    return 2 if precision == "bf16" else 4
+    """Bytes per element of FSDP2's gathered parameters: bf16 under its MixedPrecisionPolicy (bf16, and fp8,
+    whose float8 Linear layers cast the bf16 weights inside each matmul); the fp32 parameters themselves
+    for the other precisions (fp16 autocasts)."""
+    return 2 if precision in ("bf16", "fp8") else 4
 
 
 @dataclass(frozen=True)

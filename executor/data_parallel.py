@@ -54,7 +54,7 @@ def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
     else:
         dp_mesh, reshard = mesh.hsdp, p.zero == 3
     kwargs: dict[str, Any] = {"mesh": dp_mesh}
-    if p.precision == "bf16":
+    if p.precision in ("bf16", "fp8"):  # fp8: bf16 mixed precision around torchao's float8 Linears
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if p.offload_optimizer:
         # pinned host memory speeds up the copies to an accelerator; without one it cannot be allocated

@@ -9,7 +9,8 @@
            pipeline ranks hold different gradients), checking one parameter group (one DTensor mesh, or
            the plain tensors) at a time. Under pipelining the schedule's loss function
            returns the scaled loss (`PrecisionRuntime.scaled_loss`).
-    fp8    torchao float8 training (Linear layers) on GPUs with compute capability >= 8.9, applied
+    fp8    bf16 as above (FSDP's bf16 MixedPrecisionPolicy, or bf16 autocast), with torchao float8
+           training Linear layers (as torchtitan runs fp8) on GPUs with compute capability >= 8.9, applied
            before compile and FSDP; anywhere else a SoapError
 """
 
@@ -63,7 +64,7 @@ def runtime_for(plan: Plan, device: torch.device, *, fsdp: bool) -> PrecisionRun
     if p.precision in ("tf32", "bf16", "fp8"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if p.precision == "bf16" and not fsdp:
+    if p.precision in ("bf16", "fp8") and not fsdp:
         return PrecisionRuntime(device.type, torch.bfloat16)
     if p.precision == "fp16":
         if fsdp or (dist.is_initialized() and dist.get_world_size() > 1):

@@ -38,15 +38,18 @@ def test_llama_8b_fsdp_at_seq_8192_is_accepted_and_estimated_as_simulated():
 
 @pytest.mark.parametrize("cp, dp, seq", [(4, 2, 131072), (8, 1, 262144)])
 def test_long_context_llama_8b_over_cp_fits_one_node(cp, dp, seq):
-    """torchtitan's 128k and 256k-token rows (full recompute, FSDP over dp x cp) ran at about 84 GiB
-    reserved on 96 GB H100s; soap must not refuse them on 80 GB."""
+    """torchtitan's 128k and 256k-token rows (fp8, full recompute, FSDP over dp x cp, torch.compile) ran
+    at about 84 GiB reserved on its 96 GB H100s; soap refused them at 123-255 GiB. Eager (soap's
+    executor does not price compile) they need more for the fp32 loss on [S/cp, vocab] logits, within
+    those 96 GB."""
     report = plan_report("llama-3-8b", gpus=8, cp=cp, dp=dp, zero=3, micro_batch=1, recompute="full",
-                         global_batch=dp, seq_len=seq, precision="fp8")
+                         global_batch=dp, seq_len=seq, precision="fp8", mem_limit_gib=96)
     assert report.plan.parallelism.cp == cp
     at_peak = max((m.at_peak for m in report.chosen.result.memory), key=lambda b: b.total)
-    assert at_peak.total <= 80 * GIB
-    # term by term against what the executor holds: state sharded over dp_shard x cp (8 ranks)
-    assert at_peak.optimizer < 8.1e9 * 3 / 8 * 1.01
+    assert 84 * GIB <= at_peak.total <= 96 * GIB
+    # term by term against what the executor holds: state sharded over dp_shard x cp (8 ranks), fp8 in
+    # the bf16 regime (fp32 master, gradients and AdamW moments)
+    assert at_peak.optimizer < 8.1e9 * 8 / 8 * 1.01 and at_peak.grads < 8.1e9 * 4 / 8 * 1.01
     # full recompute keeps one [seq/cp, hidden] checkpoint per layer: 32 of them at fp8's 16-bit width
     checkpoint = seq // cp * 4096 * 2
     assert at_peak.activations >= 32 * checkpoint

@@ -35,7 +35,8 @@ real CPU tensors saves what an H100 saved under torch.autocast, to 0.01 GiB per 
 `trace_dtype_for(precision, fsdp)` names the trace regime of a plan the way executor/precision.py
 runs it: fp32/tf32 on the fp32 trace, bf16 under FSDP (MixedPrecisionPolicy, bf16 parameters, no
 autocast) on the bf16 trace, bf16 otherwise and fp16 always (fp16 keeps autocast and a grad scaler,
-FSDP or not) on the autocast trace, fp8 on the fp32 trace rescaled to 16 bits.
+FSDP or not) on the autocast trace; fp8 runs the bf16 regime around float8 Linear layers, so it takes
+bf16's trace.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", 
 
 def trace_dtype_for(precision: str, fsdp: bool) -> str:
     """The trace dtype whose graph carries a run's dtypes (see the module docstring)."""
-    if precision == "bf16":
+    if precision in ("bf16", "fp8"):  # fp8 runs the bf16 regime around float8 Linears (executor.precision)
         return "bfloat16" if fsdp else "autocast-bfloat16"
     if precision == "fp16":
         return "autocast-float16"
