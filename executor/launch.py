@@ -1,12 +1,16 @@
 """Starting the ranks: torch's elastic launcher (what torchrun runs), or in-process under torchrun.
 
-`run_plan(plan, run, launch)`:
+`run_plan(plan, run, launch)` first checks the plan against `costmodel.plan_rules` (what torch would
+refuse fails here, as one `error:` line, before any worker starts); then:
 - under an external torchrun (RANK, WORLD_SIZE and LOCAL_RANK set) this process is one rank: it joins
   the process group from the environment and trains;
 - otherwise it launches `nnodes x nproc_per_node` workers with `elastic_launch(LaunchConfig(...))`, with
   torchrun's semantics: one node and no rendezvous endpoint is `--standalone` (a c10d store on a free
   local port); otherwise the given rendezvous backend (torchrun's default `static`, at
   `--rdzv-endpoint` or `--master-addr:--master-port`, with this node's `--node-rank`).
+A worker that raises writes its traceback into a per-launch log directory; the parent turns the
+group's failure into one line (`worker_failure`: the rank, its exception's message, the log file with
+every rank's traceback), and torch's elastic loggers stay quiet unless `LaunchOptions.debug`.
 The backend is NCCL when CUDA is present, else gloo. Rank 0's `RunResult` comes back as a dict.
 Each worker joins the process group through the agent's store under a per-attempt key prefix
 (`attempt_store`), so a group restarted after a failure (`--max-restarts`) never reads its killed
@@ -15,15 +19,27 @@ predecessor's rendezvous keys.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import shutil
+import tempfile
+import traceback
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from costmodel.plan_rules import check_pipeline
 from planner.plan import Plan, plan_from_dict
 from tracer.errors import SoapError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+"""torch's loggers that print a failed worker group's tracebacks (`E1123 ... elastic/...` lines)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +62,8 @@ class LaunchOptions:
     """Restarts of the worker group after a failure."""
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    debug: bool = False
+    """Let torch's elastic logs (and their tracebacks) reach the terminal."""
 
 
 def under_torchrun() -> bool:
@@ -63,10 +81,19 @@ def node_counts(nnodes: str) -> tuple[int, int]:
     return result
 
 
+def check_plan_rules(plan: Plan) -> None:
+    """Refuse, before any worker starts, a plan torch would refuse (`costmodel.plan_rules`): plan.json
+    is validated on load, but a `Plan` built in Python may skip that."""
+    p = plan.parallelism
+    check_pipeline(p.schedule, pp=p.pp, virtual_stages=p.virtual_stages, num_microbatches=p.num_microbatches,
+                   grad_accum=p.grad_accum)
+
+
 def run_plan(plan: Plan, run: Any, launch: LaunchOptions) -> dict[str, Any] | None:
     """Train `plan` on all ranks; returns rank 0's result dict (None on other ranks and nodes)."""
     from executor.api import check_world_size
 
+    check_plan_rules(plan)
     if under_torchrun():
         check_world_size(plan, int(os.environ["WORLD_SIZE"]))
         return _worker(plan.to_json(), run)
@@ -98,22 +125,73 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
     )
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    log_dir = Path(tempfile.mkdtemp(prefix="soap-workers-"))
     try:
-        results = elastic_launch(config, _worker)(plan.to_json(), run)
+        with _quiet_torch_logs(enabled=not launch.debug):
+            results = elastic_launch(config, _worker)(plan.to_json(), run, str(log_dir))
     except ChildFailedError as exc:
-        rank, first = next(iter(exc.failures.items()))  # keyed by global rank
-        raise SoapError(f"a worker failed (rank {rank}, exit code {first.exitcode}); its error is above. "
-                        "Fix it and rerun, or add --debug") from None
+        raise SoapError(worker_failure(exc.failures, log_dir)) from None
+    shutil.rmtree(log_dir, ignore_errors=True)
     result = results.get(0)
     if isinstance(result, dict) and "error" in result:
         raise SoapError(result["error"])
     return result
 
 
-def _worker(plan_json: str, run: Any) -> dict[str, Any] | None:
-    """One rank: join the process group from torchrun's environment, train, report from rank 0."""
-    import json
+@contextlib.contextmanager
+def _quiet_torch_logs(*, enabled: bool) -> Iterator[None]:
+    """Keep torch's elastic agent and its process spawner off the terminal: a failure reaches the user as
+    `worker_failure`'s line, with the tracebacks in a log file."""
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS] if enabled else []
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
+
+def worker_failure(failures: dict[int, Any], log_dir: Path) -> str:
+    """One line for a failed worker group: the rank torch saw fail first, its exception's message, and a
+    log file holding every rank's traceback.
+
+    `failures` is torch's `ChildFailedError.failures` ({global rank: ProcessFailure}); a rank that raised
+    wrote `rank-R.json` ({"error", "traceback"}) into `log_dir` (`_worker`), including ranks torch
+    stopped after the first failure. A rank that died without raising (a signal, `os._exit`) is named
+    with its exit code."""
+    first = min(failures, key=lambda r: (failures[r].timestamp, r))
+    written = {int(path.stem.removeprefix("rank-")): json.loads(path.read_text())
+               for path in log_dir.glob("rank-*.json")}
+    sections = []
+    for rank in sorted({*failures, *written}, key=lambda r: (r != first, r)):
+        code = f"exit code {failures[rank].exitcode}" if rank in failures else "stopped after the first failure"
+        body = written[rank]["traceback"] if rank in written else "no Python exception"
+        sections.append(f"=== rank {rank} ({code}) ===\n{body.rstrip()}\n")
+    log = log_dir / "workers.log"
+    log.write_text("\n".join(sections))
+    if first in written:
+        return (f"a worker failed (rank {first}): {written[first]['error']}; the tracebacks of all ranks are in "
+                f"{log} (rerun with --debug to see torch's logs)")
+    return (f"a worker failed (rank {first}, exit code {failures[first].exitcode}) without a Python exception "
+            f"(killed, or out of memory?); the other ranks' tracebacks are in {log}")
+
+
+def _worker(plan_json: str, run: Any, log_dir: str | None = None) -> dict[str, Any] | None:
+    """One rank: join the process group from torchrun's environment, train, report from rank 0. An
+    exception other than a SoapError is written to `log_dir` (see `worker_failure`) and re-raised."""
+    try:
+        return _train_rank(plan_json, run)
+    except Exception as exc:
+        if log_dir is not None:
+            message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            record = {"error": message.rstrip(": "), "traceback": traceback.format_exc()}
+            Path(log_dir, f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+        raise
+
+
+def _train_rank(plan_json: str, run: Any) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 

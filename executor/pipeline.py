@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from costmodel.schedule import stage_to_rank
 from executor.model import tied_aliases
 from executor.tensor_parallel import find_block_list
 from planner.plan import Plan
@@ -60,8 +61,10 @@ class ZeroEmbedding(nn.Module):
 
 
 def stages_of_rank(plan: Plan, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds: the schedule IR's layout (`costmodel.schedule.stage_to_rank`:
+    looped, or V-shaped for ZBVZeroBubble), the one the simulator priced and plan.json records."""
     p = plan.parallelism
-    return [s for s in range(p.pp * p.virtual_stages) if s % p.pp == pp_rank]
+    return [s for s, rank in enumerate(stage_to_rank(p.schedule, p.pp, p.virtual_stages)) if rank == pp_rank]
 
 
 def split_stage(model: nn.Module, plan: Plan, stage_index: int) -> nn.Module:

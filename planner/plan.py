@@ -14,10 +14,12 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from costmodel.plan_rules import executed_pipeline_violation, model_violation
 from costmodel.strategy import (
     ATTENTION_IMPLS,
     MESH_DIM_NAMES,
@@ -29,6 +31,7 @@ from costmodel.strategy import (
     Strategy,
     TrainingConfig,
 )
+from tracer.api import model_dims
 from tracer.errors import SoapError
 from tracer.files import write_atomic
 
@@ -199,6 +202,17 @@ class Plan(_Strict):
                 f"global_batch={self.global_batch} must equal dp*micro_batch*num_microbatches="
                 f"{p.dp * p.micro_batch * p.num_microbatches}"
             )
+        reason = executed_pipeline_violation(p.schedule, pp=p.pp, virtual_stages=p.virtual_stages,
+                                             num_microbatches=p.num_microbatches, grad_accum=p.grad_accum)
+        if reason:
+            raise ValueError(reason)
+        dims = model_dims(SimpleNamespace(**self.model.config), [])
+        if dims.heads and dims.num_layers:  # a user's nn.Module may come without an HF config
+            reason = model_violation(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, num_layers=dims.num_layers,
+                                     heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab,
+                                     seq_len=self.seq_len, num_experts=dims.num_experts)
+            if reason:
+                raise ValueError(f"parallelism: {reason}")
         if p.pp > 1:
             if len(self.stages) != p.pp * p.virtual_stages:
                 raise ValueError(f"stages: expected pp*virtual_stages={p.pp * p.virtual_stages} stages, got {len(self.stages)}")
@@ -272,9 +286,9 @@ def parallelism_record(strategy: Strategy) -> ParallelismRecord:
 
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"]) or "plan"
+    loc = ".".join(str(x) for x in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}"
+    return f"{loc}: {msg}" if loc else msg
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

@@ -16,16 +16,18 @@ Mesh rules (`mesh_choices`):
   or shards inside a node and replicates across nodes (HSDP: ZeRO 3 with dp_shard = the data ranks
   that fit in one node);
 - MoE models: expert parallelism ep divides the expert count and borrows ranks from dp_shard x cp.
-`ParallelDims.check_model` states the divisibility rules; the search filters on it instead of raising.
+`costmodel.plan_rules` states the divisibility and schedule rules; the search filters on them instead of
+raising.
 
 Training rules (`training_choices`), per mesh:
 - micro_batch divides the per-rank batch global_batch / dp (and holds at most MAX_MICROBATCH_TOKENS
   tokens unless pinned or 1); with pp == 1 every micro-batch is a
   gradient-accumulation step; with pp > 1 one schedule run takes them all (grad_accum = 1 unless
-  pinned);
+  pinned) and, where the batch allows, a run has at least pp micro-batches;
 - schedules (pp > 1): GPipe, 1F1B, Interleaved1F1B with v in {2, 4} (v·pp <= layers and a
-  micro-batch count divisible by pp, as torch's interleaved schedules require) and the zero-bubble
-  schedules the simulator prices;
+  micro-batch count divisible by pp) and the zero-bubble schedules the simulator prices, each only
+  where `costmodel.plan_rules.executed_pipeline_violation` says torch and soap's executor run it (1F1B needs at least pp
+  micro-batches per schedule run, ...);
 - recompute none / selective / full; precision bf16 (fp16 where the device lacks bf16), plus fp8
   only when `precision="auto"` and the device supports it (fp8 changes numerics, so it is opt-in like
   the optimizer); the optimizer only when `optimizer="auto"`; optimizer offload on/off.
@@ -38,7 +40,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from costmodel.plan_rules import NOT_EXECUTED, executed_pipeline_violation, model_violation
 from costmodel.strategy import (
+    MULTI_STAGE_SCHEDULES,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE,
@@ -143,19 +147,14 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def _rule_violation(req: SpaceRequest, *, tp: int, pp: int, cp: int) -> str | None:
-    """Why (tp, pp, cp) breaks a model or cluster rule, or None. Wraps ParallelDims.check_model."""
+    """Why (tp, pp, cp) breaks a model or cluster rule, or None. Wraps `costmodel.plan_rules.model_violation`."""
     d = req.dims
     if tp > req.gpus_per_node and not req.tp_across_nodes:
         return f"tp={tp} would span nodes of {req.gpus_per_node} GPUs; this cluster keeps TP inside a node"
     if tp > 1 and req.gpus_per_node % tp and not req.tp_across_nodes:
         return f"tp={tp} does not divide the {req.gpus_per_node} GPUs of a node"
-    try:
-        ParallelDims(tp=tp, pp=pp, cp=cp).check_model(
-            num_layers=d.num_layers, heads=d.heads, kv_heads=d.kv_heads, vocab=d.vocab, seq_len=req.seq_len
-        )
-    except SoapError as exc:
-        return str(exc)
-    return None
+    return model_violation(tp=tp, pp=pp, cp=cp, num_layers=d.num_layers, heads=d.heads, kv_heads=d.kv_heads,
+                           vocab=d.vocab, seq_len=req.seq_len)
 
 
 def validate_pins(req: SpaceRequest) -> None:
@@ -165,6 +164,8 @@ def validate_pins(req: SpaceRequest) -> None:
         raise SoapError(f"--gpus={n!r} must be a positive integer")
     if req.global_batch < 1 or req.seq_len < 1:
         raise SoapError(f"global batch ({req.global_batch}) and sequence length ({req.seq_len}) must be positive")
+    if p.schedule in NOT_EXECUTED:
+        raise SoapError(f"--schedule {p.schedule}: {NOT_EXECUTED[p.schedule]}; use Interleaved1F1B, 1F1B or GPipe")
     for name in ("tp", "pp", "dp", "cp"):
         value = getattr(p, name)
         if value is not None and n % value:
@@ -186,6 +187,14 @@ def validate_pins(req: SpaceRequest) -> None:
         )
     if p.precision == "tf32" and "tf32" not in req.precisions:
         raise SoapError("this device has no tf32 support; use --precision fp32")
+    if p.pp and p.pp > 1 and p.schedule == "1F1B" and p.micro_batch:
+        most = req.global_batch // (p.micro_batch * (p.grad_accum or 1) * (p.dp or 1))
+        if most < p.pp:
+            raise SoapError(
+                f"--schedule 1F1B needs at least {p.pp} micro-batches per schedule run with --pp {p.pp}, but "
+                f"--global-batch {req.global_batch} at --micro-batch {p.micro_batch} leaves at most {most}; "
+                "lower --micro-batch, raise --global-batch or use --schedule GPipe"
+            )
     if p.micro_batch is not None and p.grad_accum is not None and req.global_batch % (p.micro_batch * p.grad_accum):
         raise SoapError(
             f"--micro-batch {p.micro_batch} x --grad-accum {p.grad_accum} does not divide the global batch {req.global_batch}"
@@ -252,26 +261,33 @@ def optimizer_choices(req: SpaceRequest) -> tuple[str, ...]:
     return AUTO_OPTIMIZERS if req.pins.optimizer == "auto" else (req.pins.optimizer,)
 
 
-def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int) -> list[tuple[str, int]]:
+def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int,
+                     grad_accum: int = 1) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs for one micro-batching: those the simulator prices (or the pinned
+    schedule) that `costmodel.plan_rules.executed_pipeline_violation` allows, with v·pp <= layers."""
     if pp == 1:
         return [(req.pins.schedule or "1F1B", 1)]
+    candidates = [(name, v) for name, v in req.schedules if not req.pins.schedule or name == req.pins.schedule]
+    if req.pins.schedule and not candidates:
+        name = req.pins.schedule
+        candidates = [(name, 2 if name in MULTI_STAGE_SCHEDULES else 1)]
     out = []
-    for name, v in req.schedules:
-        if req.pins.schedule and name != req.pins.schedule:
-            continue
+    for name, v in candidates:
         if v > 1 and (pp * v > req.dims.num_layers or num_microbatches % pp):
             continue
+        if executed_pipeline_violation(name, pp=pp, virtual_stages=v, num_microbatches=num_microbatches,
+                                       grad_accum=grad_accum):
+            continue
         out.append((name, v))
-    if req.pins.schedule and not out:
-        name = req.pins.schedule
-        v = 2 if name in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "LoopedBFS") else 1
-        if v == 1 or (pp * v <= req.dims.num_layers and num_microbatches % pp == 0):
-            out.append((name, v))
     return out
 
 
 def micro_batching(req: SpaceRequest, *, dp: int, pp: int) -> list[tuple[int, int, int]]:
-    """(micro_batch, num_microbatches, grad_accum) per data-parallel rank, honouring the pins."""
+    """(micro_batch, num_microbatches, grad_accum) per data-parallel rank, honouring the pins.
+
+    With pp > 1 only splittings with at least pp micro-batches per schedule run are offered, while any
+    exist: fewer leave pipeline ranks idle for most of the run (and 1F1B refuses them), so a pipeline
+    with one micro-batch is never a plan the search proposes when the batch allows better."""
     local = req.global_batch // dp
     p = req.pins
     out = []
@@ -287,7 +303,8 @@ def micro_batching(req: SpaceRequest, *, dp: int, pp: int) -> list[tuple[int, in
         if count % accum:
             continue
         out.append((mb, count, accum))
-    return out
+    filled = [(mb, count, accum) for mb, count, accum in out if count // accum >= pp]
+    return filled if pp > 1 and filled else out
 
 
 @dataclass(frozen=True)
@@ -308,7 +325,7 @@ def training_heads(req: SpaceRequest, mesh: MeshChoice) -> list[TrainingHead]:
     return [
         TrainingHead(mb, count, accum, schedule, v, precision, optimizer)
         for mb, count, accum in micro_batching(req, dp=d.dp, pp=d.pp)
-        for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count)
+        for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count, grad_accum=accum)
         for precision in precision_choices(req)
         for optimizer in optimizer_choices(req)
     ]

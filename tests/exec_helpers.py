@@ -79,13 +79,16 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
             "optimizer": optimizer, **parallelism,
         },
         "tp_plan": (tp_plan or TP_PLANS[family]) if tp > 1 else {},
-        "stages": _stages(family, config, pp * virtual_stages, pp) if pp > 1 else [],
+        "stages": _stages(family, config, pp * virtual_stages, pp, schedule) if pp > 1 else [],
         "predicted": predicted or {},
     }
     return plan_from_dict(data)
 
 
-def _stages(family: str, config: dict[str, Any], num_stages: int, pp: int) -> list[dict[str, Any]]:
+def _stages(family: str, config: dict[str, Any], num_stages: int, pp: int, schedule: str) -> list[dict[str, Any]]:
+    from costmodel.schedule import stage_to_rank
+
+    ranks = stage_to_rank(schedule, pp, num_stages // pp)
     layers = config.get("num_hidden_layers", config.get("n_layer"))
     per = layers // num_stages
     stages = []
@@ -95,7 +98,7 @@ def _stages(family: str, config: dict[str, Any], num_stages: int, pp: int) -> li
             modules = PROLOGUE[family] + modules
         if s == num_stages - 1:
             modules += EPILOGUE[family]
-        stages.append({"index": s, "rank": s % pp, "modules": modules})
+        stages.append({"index": s, "rank": ranks[s], "modules": modules})
     return stages
 
 

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     launch = LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
                            max_restarts=args.max_restarts, master_addr=args.master_addr,
-                           master_port=args.master_port)
+                           master_port=args.master_port, debug=getattr(args, "debug", False))
     result = run_plan(plan, config, launch)
     if result is None:  # not global rank 0
         return 0

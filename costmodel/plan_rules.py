@@ -1,0 +1,113 @@
+"""The rules a plan must meet before torch will run it: one module, read by the search, the plan loader
+and the executor.
+
+Pipeline rules (`pipeline_violation`), exactly what the installed torch (2.13) enforces when a schedule
+is constructed, in `torch/distributed/pipelining/schedules.py`; `m` is the micro-batch count of one
+schedule run, `num_microbatches // grad_accum`, because that is the `n_microbatches` the executor hands
+the schedule (`executor.pipeline.build_schedule`):
+
+    schedule               stages per rank v   micro-batches m per run    torch source
+    GPipe                  1                   any                        PipelineScheduleSingle
+    1F1B                   1                   m >= pp                    Schedule1F1B.__init__
+    Interleaved1F1B        any                 m % max(1, m // pp) == 0   ScheduleInterleaved1F1B.__init__
+    InterleavedZeroBubble  any                 m % max(1, m // pp) == 0   ScheduleInterleavedZeroBubble.__init__
+    LoopedBFS              any                 any                        ScheduleLoopedBFS
+    ZBVZeroBubble          exactly 2           any                        ScheduleZBVZeroBubble.__init__
+
+"v == 1" for GPipe and 1F1B is the single-stage schedules' signature (`PipelineScheduleSingle` takes one
+stage). `grad_accum` must divide `num_microbatches` (`TrainingConfig.__post_init__`), since every run
+takes the same count. tests/test_plan_rules.py constructs each torch schedule class on a fake process
+group and checks that it raises exactly where `pipeline_violation` says it will.
+
+Model and mesh rules (`model_violation`): `ParallelDims.check_model` (tp divides heads, tp and the KV
+heads divide one another, tp divides the vocabulary when it is sharded, cp splits the sequence into 2·cp
+chunks, pp <= layers), plus ep dividing the expert count.
+
+Pipeline messages name the plan.json field (`parallelism.num_microbatches`, ...) and the fix; model
+messages name the degree (`tp=3 does not divide 4 attention heads; ...`), which the plan loader prefixes
+with `parallelism:`.
+"""
+
+from __future__ import annotations
+
+from costmodel.strategy import ParallelDims
+from tracer.errors import SoapError
+
+SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+"""torch's `PipelineScheduleSingle` subclasses: one stage per rank."""
+
+ROUNDS_SCHEDULES = frozenset({"Interleaved1F1B", "InterleavedZeroBubble"})
+"""Schedules that split the micro-batches into max(1, m // pp) equal rounds."""
+
+
+def pipeline_violation(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int,
+                       grad_accum: int = 1) -> str | None:
+    """Why torch would refuse `schedule` on `pp` ranks with these micro-batches, or None if it runs."""
+    v, total, accum = virtual_stages, num_microbatches, grad_accum
+    if pp < 1 or v < 1 or total < 1 or accum < 1:
+        return (f"parallelism: pp={pp}, virtual_stages={v}, num_microbatches={total} and grad_accum={accum} "
+                "must all be at least 1")
+    if total % accum:
+        return (f"parallelism.grad_accum={accum} does not divide parallelism.num_microbatches={total}; "
+                "every schedule run takes the same number of micro-batches")
+    if pp == 1:
+        return None
+    m = total // accum
+    runs = f" ({total} micro-batches over {accum} runs)" if accum > 1 else ""
+    if schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        return (f"parallelism.virtual_stages={v}: schedule {schedule} runs one stage per rank; "
+                "set virtual_stages to 1 or use Interleaved1F1B")
+    if schedule == "ZBVZeroBubble" and v != 2:
+        return f"parallelism.virtual_stages={v}: ZBVZeroBubble needs exactly 2 stages per rank"
+    if schedule == "1F1B" and m < pp:
+        return (f"parallelism.num_microbatches: {m} micro-batch(es) per schedule run{runs} is fewer than the "
+                f"{pp} pipeline stages 1F1B needs; use at least {pp} per run (a smaller micro_batch or a "
+                "smaller grad_accum), or schedule GPipe")
+    if schedule in ROUNDS_SCHEDULES:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            return (f"parallelism.num_microbatches: {m} micro-batch(es) per schedule run{runs} is not a multiple "
+                    f"of the {rounds} rounds (max(1, m // pp={pp})) that {schedule} needs; use a multiple of "
+                    f"{pp} or at most {pp}")
+    return None
+
+
+NOT_EXECUTED = {
+    "ZBVZeroBubble": "soap's executor does not run it yet (its runs stop on a receive; issue 15)",
+}
+"""Schedules torch accepts that soap's executor cannot run yet: the search leaves them out and the plan
+loader and the executor refuse them, so soap never writes or starts a plan that does not execute."""
+
+
+def executed_pipeline_violation(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int,
+                                grad_accum: int = 1) -> str | None:
+    """`pipeline_violation`, or why soap's executor cannot run `schedule` (`NOT_EXECUTED`): the rule the
+    search, the plan loader and the executor apply."""
+    reason = pipeline_violation(schedule, pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches,
+                                grad_accum=grad_accum)
+    if reason is None and pp > 1 and schedule in NOT_EXECUTED:
+        return f"parallelism.schedule={schedule}: {NOT_EXECUTED[schedule]}; use Interleaved1F1B, 1F1B or GPipe"
+    return reason
+
+
+def check_pipeline(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int,
+                   grad_accum: int = 1) -> None:
+    """`executed_pipeline_violation`, raised as a SoapError."""
+    reason = executed_pipeline_violation(schedule, pp=pp, virtual_stages=virtual_stages,
+                                         num_microbatches=num_microbatches, grad_accum=grad_accum)
+    if reason:
+        raise SoapError(reason)
+
+
+def model_violation(*, tp: int, pp: int, cp: int, ep: int = 1, num_layers: int, heads: int, kv_heads: int,
+                    vocab: int, seq_len: int, num_experts: int = 0) -> str | None:
+    """Why a mesh cannot split this model, or None: `ParallelDims.check_model` plus the expert count."""
+    try:
+        ParallelDims(tp=tp, pp=pp, cp=cp).check_model(
+            num_layers=num_layers, heads=heads, kv_heads=kv_heads, vocab=vocab, seq_len=seq_len
+        )
+    except SoapError as exc:
+        return str(exc)
+    if ep > 1 and (num_experts <= 1 or num_experts % ep):
+        return f"ep={ep} does not divide the model's {num_experts} experts; pick a divisor of {num_experts}"
+    return None
