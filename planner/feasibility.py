@@ -29,8 +29,7 @@ from costmodel.strategy import RECOMPUTE
 from planner.estimate import Estimator
 from planner.search import Candidate, Priced, enumerate_candidates
 from planner.space import (
-    Pins, SpaceRequest, divisors, half_precision, mesh_choices, recompute_choices, training_config, training_heads,
-    validate_pins,
+    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, recompute_choices, validate_pins,
 )
 from tracer.errors import SoapError
 
@@ -49,14 +48,9 @@ MAX_FIX_SIMULATIONS = 3
 def memory_floor(req: SpaceRequest, estimator: Estimator) -> MemoryBreakdown | None:
     """The least per-GPU memory over the request's meshes, or None when the pins leave no mesh."""
     best: MemoryBreakdown | None = None
-    recompute = recompute_choices(req)[-1]
     for mesh in mesh_choices(req):
-        heads = training_heads(req, mesh)
-        smallest = min((h.micro_batch for h in heads), default=None)
-        for head in heads:
-            if head.micro_batch != smallest:
-                continue
-            parts = estimator.estimate(mesh, training_config(req, mesh, head, recompute=recompute, offload=True)).memory
+        for train in frugal_configs(req, mesh):
+            parts = estimator.estimate(mesh, train).memory
             if best is None or parts.total < best.total:
                 best = parts
     return best

@@ -57,7 +57,7 @@ import numpy as np
 from costmodel.memory import FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, optimizer_state_bytes, stage_params
 from costmodel.profiles import ClusterSpec
 from costmodel.strategy import ParallelDims, TrainingConfig, shards_vocabulary
-from planner.space import SpaceRequest, mesh_choices, recompute_choices, training_config, training_heads
+from planner.space import SpaceRequest, frugal_configs, mesh_choices
 from tracer.errors import SoapError
 from tracer.ir import OpGraph
 
@@ -186,15 +186,9 @@ def host_memory_error(model: str, req: SpaceRequest, estimator: Any, limit: floa
     device-memory floor the search would quote assumes an offload no node can hold."""
     if check.capacity_bytes is None:
         return None
-    recompute = recompute_choices(req)[-1]
     best: tuple[bool, float, HostNeed] | None = None
     for mesh in mesh_choices(req):
-        heads = training_heads(req, mesh)
-        smallest = min((h.micro_batch for h in heads), default=None)
-        for head in heads:
-            if head.micro_batch != smallest:
-                continue
-            train = training_config(req, mesh, head, recompute=recompute, offload=True)
+        for train in frugal_configs(req, mesh):
             if not train.offload_optimizer:
                 continue
             est = estimator.estimate(mesh, train)

@@ -31,6 +31,7 @@ of the strategy; nothing iterates a set or depends on hashing.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import random
 import time
@@ -46,6 +47,7 @@ from planner.space import (
     MeshChoice,
     SpaceRequest,
     TrainingHead,
+    frugal_configs,
     mesh_choices,
     recompute_choices,
     training_config,
@@ -164,13 +166,9 @@ def _frugal_fits(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, head
     """Whether the mesh's most memory-frugal configuration fits (smallest micro-batch, the strongest
     recompute policy allowed, model state offloaded; or not offloaded, where offloading does not fit
     host memory)."""
-    smallest = min(h.micro_batch for h in heads)
-    recompute = recompute_choices(req)[-1]
-    for h in heads:
-        if h.micro_batch != smallest:
-            continue
+    for frugal in frugal_configs(req, mesh, heads):
         for offload in (True, False):
-            t = training_config(req, mesh, h, recompute=recompute, offload=offload)
+            t = dataclasses.replace(frugal, offload_optimizer=offload)
             est = estimator.estimate(mesh, t)
             if est.memory_bytes > memory_limit:
                 break  # without offload the device holds more still

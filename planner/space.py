@@ -345,6 +345,20 @@ def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, 
     )
 
 
+def frugal_configs(req: SpaceRequest, mesh: MeshChoice, heads: list[TrainingHead] | None = None
+                   ) -> Iterator[TrainingConfig]:
+    """A mesh's most memory-frugal training configurations (of `heads`, default all): the smallest
+    micro-batch, the strongest recompute policy allowed, model state offloaded (a caller drops offload
+    with `dataclasses.replace` where host memory cannot take it). The memory bound of the search, the
+    infeasibility error's floor and the host-memory error all start from these."""
+    heads = training_heads(req, mesh) if heads is None else heads
+    smallest = min((h.micro_batch for h in heads), default=None)
+    recompute = recompute_choices(req)[-1]
+    for head in heads:
+        if head.micro_batch == smallest:
+            yield training_config(req, mesh, head, recompute=recompute, offload=True)
+
+
 def training_choices(req: SpaceRequest, mesh: MeshChoice) -> Iterator[TrainingConfig]:
     """Every training configuration of one mesh, in a fixed order."""
     for head in training_heads(req, mesh):
