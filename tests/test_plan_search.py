@@ -228,3 +228,14 @@ def test_saved_plan_simulates_with_its_searched_op_splits_after_loading(models, 
     assert dict(loaded.strategy().op_splits).items() >= dict(chosen.op_splits).items()
     result = simulate(graph, loaded.strategy(), cluster, stages=stage_bounds(loaded, graph))
     assert result.step_time_s == pytest.approx(report.chosen.step_time_s, rel=1e-12)
+
+
+def test_the_why_line_says_a_pipeline_crosses_nodes_when_its_stages_span_them(tmp_path):
+    """pp is the mesh's outermost dimension: 8 stages of 4 GPUs each on 8-GPU nodes span 4 nodes, even
+    though one stage's dp x cp x tp group fits in a node (issue 15: "PP=16 ... inside nodes")."""
+    config = dict(MEDIUM_LLAMA, num_hidden_layers=16, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1024)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = plan_report(str(tmp_path), gpus=32, pp=8, gpus_per_node=8, global_batch=64, seq_len=128)
+    assert report.plan.parallelism.pp == 8 and report.plan.parallelism.dp * report.plan.parallelism.tp < 8
+    assert any(line.startswith("PP=8") and "across nodes" in line for line in report.why)
