@@ -74,7 +74,8 @@ def explain(
     if d.dp > 1:
         form = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[chosen.mesh.zero]
         if chosen.mesh.zero == 3 and d.dp_replicate > 1:
-            form = f"HSDP (shard {d.dp_shard} in a node, replicate {d.dp_replicate})"
+            inside = group_ranks_per_node(d.dp_shard, d.cp * d.tp, gpn) >= d.dp_shard
+            form = f"HSDP (shard {d.dp_shard} {'in a node' if inside else 'across nodes'}, replicate {d.dp_replicate})"
         if chosen.mesh.zero > 0:
             reason = versus(lambda c: c.mesh.zero == 0, f"replicated model state does not fit in {limit} per GPU")
         else:
