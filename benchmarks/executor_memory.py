@@ -158,9 +158,10 @@ def predicted(plan: Any) -> list[dict[str, float]]:
     from transformers import AutoConfig
 
     import tracer
-    from costmodel.memory import FSDP_MASTER_BYTES, buffer_bytes, model_state_bytes, stage_params
+    from costmodel.memory import FSDP_MASTER_BYTES, buffer_bytes, model_state_bytes
+    from costmodel.simulator_pricing import stage_param_set
     from costmodel.simulator_stages import layer_sequence
-    from costmodel.strategy import runs_on_fsdp2, shards_vocabulary
+    from costmodel.strategy import runs_on_fsdp2
     from planner.plan import stage_bounds
 
     p = plan.parallelism
@@ -171,14 +172,7 @@ def predicted(plan: Any) -> list[dict[str, float]]:
     bounds = stage_bounds(plan, graph) or (0, len(layers))
     out = []
     for k in range(len(bounds) - 1):
-        stage = layers[bounds[k]:bounds[k + 1]]
-        counts: dict[str, int] = {}
-        for layer in stage:
-            if layer.block_id is not None:
-                counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
-        ops = [op for layer in {layer.segment: layer for layer in stage}.values() for op in layer.ops]
-        params = stage_params(ops, block_counts=counts, tensor_parallel=p.tp,
-                              vocab_parallel=shards_vocabulary(tp=p.tp, pp=p.pp))
+        params = stage_param_set(layers[bounds[k]:bounds[k + 1]], p.tp, p.pp)
         engine = runs_on_fsdp2(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, zero=p.zero, offload=p.offload_optimizer)
         state = model_state_bytes(params.trainable, precision=p.precision, optimizer=p.optimizer, zero=p.zero,
                                   dp_shard=p.dp_shard, offload_optimizer=p.offload_optimizer, frozen=params.frozen,
@@ -274,7 +268,8 @@ def nemotron_table() -> str:
     from transformers import AutoConfig
 
     import tracer
-    from costmodel.memory import model_state_bytes, stage_params
+    from costmodel.memory import model_state_bytes
+    from costmodel.simulator_pricing import stage_param_set
     from costmodel.simulator_stages import balanced_bounds, layer_sequence
 
     fields = dict(NEMOTRON)
@@ -283,15 +278,9 @@ def nemotron_table() -> str:
     bounds = balanced_bounds(layers, 8)
     lines = ["| stage | embedding and head whole (before) | vocab-parallel (after) | difference |", "|---|---|---|---|"]
     for k in (0, 7):
-        stage = layers[bounds[k]:bounds[k + 1]]
-        counts: dict[str, int] = {}
-        for layer in stage:
-            if layer.block_id is not None:
-                counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
-        ops = [op for layer in {layer.segment: layer for layer in stage}.values() for op in layer.ops]
         gib = []
         for vocab_parallel in (False, True):
-            params = stage_params(ops, block_counts=counts, tensor_parallel=8, vocab_parallel=vocab_parallel)
+            params = stage_param_set(layers[bounds[k]:bounds[k + 1]], 8, 8, vocab_parallel=vocab_parallel)
             state = model_state_bytes(params.trainable, precision="bf16", optimizer="adamw", zero=0, dp_shard=1,
                                       offload_optimizer=False)
             gib.append((state.weights + state.grads + state.optimizer) / 2**30)

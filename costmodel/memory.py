@@ -107,7 +107,7 @@ from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
-from costmodel.placement import linear_style, vocab_parallel_ops
+from costmodel.placement import is_expert, linear_style, vocab_parallel_ops
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
@@ -267,11 +267,6 @@ class ParamSet:
     """Local shapes of the trainable tensors, one entry per instance (for adafactor)."""
     largest_unit: int
     """Elements of the largest FSDP unit: one block instance, or all non-block parameters."""
-
-
-def is_expert(op: OpNode) -> bool:
-    """An MoE expert op (its module path holds `experts`): split by expert parallelism, not TP."""
-    return "experts" in op.module_fqn.split(".")
 
 
 def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert_parallel: int = 1,

@@ -98,10 +98,15 @@ def context_parallel_saved(op: OpNode, saved: Sequence[TensorMeta]) -> tuple[Ten
     return tuple(out)
 
 
+def _core_saved(op: OpNode, cp: int) -> tuple[TensorMeta, ...]:
+    """What the attention core saves as traced, or under context parallelism `cp` as the executor runs it."""
+    return op.saved if cp == 1 else context_parallel_saved(op, op.saved)
+
+
 def attention_saved(op: OpNode, attention: str, cp: int = 1) -> tuple[TensorMeta, ...]:
     """What an ATTENTION op saves under `attention` and context parallelism `cp` (see the module docstring)."""
     q, k = op.inputs[:2]
-    saved = op.saved if cp == 1 else context_parallel_saved(op, op.saved)
+    saved = _core_saved(op, cp)
     if attention == "sdpa":
         return saved
     probs = TensorMeta((*q.shape[:-1], k.shape[-2]), q.dtype, (*q.roles[:-1], DimRole.NONE if cp > 1 else k.roles[-2]))
@@ -137,8 +142,7 @@ def block_saved(ops: Sequence[OpNode], policy: str, attention: str, cp: int = 1)
                 kept.extend(op_saved(op, attention, cp))
             elif op.kind is OpKind.ATTENTION and len(op.inputs) >= 2:
                 q = op.inputs[0]
-                saved = op.saved if cp == 1 else context_parallel_saved(op, op.saved)
-                kept.extend(t for t in saved if not _is_logsumexp(t, q))
+                kept.extend(t for t in _core_saved(op, cp) if not _is_logsumexp(t, q))
         return tuple(kept)
     first = block_input(ops)
     return () if first is None else (first,)

@@ -9,7 +9,7 @@ backward and re-materializing a window w_i while its backward recomputes; `Stage
     kept_s          = sum_i k_i                       what one micro-batch holds between F and B
     backward_peak_s = max_i (k_1 + ... + k_i + w_i)    the most one micro-batch holds during its backward:
                                                         chunk i recomputes after chunks i+1..n have
-                                                        freed theirs (`backward_peak`)
+                                                        freed theirs
     window_s        = max_i w_i                        the largest window (an input-gradient pass frees
                                                         nothing, so every chunk's kept bytes stay)
 Walking rank r's actions, with live = sum over in-flight (stage, micro-batch) of kept_s:
@@ -18,9 +18,10 @@ Walking rank r's actions, with live = sum over in-flight (stage, micro-batch) of
     I(s):  peak = max(peak, live + window_s): the activations stay until W (zero-bubble: W still
            needs the saved inputs)
     W(s):  live -= kept_s
-Every point is linear in (kept, backward_peak), so `_peak_points` records, once per schedule, the
-distinct in-flight count vectors at forward points and (counts, stage) pairs at backward points;
-`rank_activation_peaks` evaluates them for any stage sizes with two matrix products. Without a
+`stage_activations` computes the three per stage, for the simulator's chunks and the estimator's layers
+alike. Every point is linear in them, so `_peak_points` records, once per schedule, the distinct
+in-flight count vectors at forward points and (counts, stage) pairs at backward and input-gradient
+points; `rank_activation_peaks` evaluates them for any stage sizes with three matrix products. Without a
 pipeline (one stage, one micro-batch at a time) the peak is max(kept, backward_peak).
 """
 
@@ -44,11 +45,18 @@ class StageActivations:
     window: float = 0.0
 
 
-def backward_peak(kept: Sequence[float], windows: Sequence[float]) -> float:
-    """max_i (kept_1 + ... + kept_i + window_i) over a stage's chunks in forward order (0 for none)."""
-    if not len(kept):
-        return 0.0
-    return float(np.max(np.cumsum(np.asarray(kept, dtype=float)) + np.asarray(windows, dtype=float)))
+def stage_activations(kept: Sequence[float], windows: Sequence[float], bounds: Sequence[int]
+                      ) -> tuple[StageActivations, ...]:
+    """Each stage's `StageActivations` from its chunks' kept bytes and recompute windows, all chunks of all
+    stages in forward order, stage k holding chunks bounds[k]..bounds[k+1]-1 (every stage at least one)."""
+    kept_c, window_c = np.asarray(kept, dtype=float), np.asarray(windows, dtype=float)
+    cumulative = np.cumsum(kept_c)
+    starts, ends = np.asarray(bounds[:-1]), np.asarray(bounds[1:])
+    base = np.where(starts > 0, cumulative[np.maximum(starts - 1, 0)], 0.0)
+    kept_s = cumulative[ends - 1] - base
+    peak_s = np.maximum.reduceat(cumulative + window_c, starts) - base
+    window_s = np.maximum.reduceat(window_c, starts)
+    return tuple(StageActivations(float(k), float(p), float(w)) for k, p, w in zip(kept_s, peak_s, window_s))
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,11 @@ ROWWISE = frozenset({"o", "o_proj", "down_proj", "w2", "c_proj", "wo", "fc2", "d
 STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "vocab_parallel", "expert_parallel")
 
 
+def is_expert(op: OpNode) -> bool:
+    """An MoE expert op (its module path holds `experts`): split by expert parallelism, not TP."""
+    return "experts" in op.module_fqn.split(".")
+
+
 def _leaf(module_fqn: str) -> str:
     return module_fqn.rsplit(".", 1)[-1]
 
@@ -184,7 +189,7 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
             after_head = after_head or placed.split.style == "colwise"
             out.append(placed)
             continue
-        if "experts" in op.module_fqn.split(".") and d.ep > 1:
+        if is_expert(op) and d.ep > 1:
             split = OpSplit(dp, cp, d.ep, "expert_parallel")
         elif style == "colwise" and tp > 1:
             if not inside:
@@ -211,7 +216,7 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
             colls.append(Collective("all_gather", kv, "cp", "fwd", "gather K/V over the sequence"))
             colls.append(Collective("reduce_scatter", kv, "cp", "bwd", "scatter K/V gradients"))
         out.append(OpPlacement(op, split, tuple(colls)))
-    if d.ep > 1 and any("experts" in p.op.module_fqn.split(".") for p in out):
+    if d.ep > 1 and any(is_expert(p.op) for p in out):
         a2a = s_bytes * max(1, shape.experts_per_token)
         moe = (Collective("all_to_all", a2a, "ep", ph, f"MoE {what}") for ph in ("fwd", "bwd") for what in ("dispatch", "combine"))
         out[-1] = OpPlacement(out[-1].op, out[-1].split, (*out[-1].collectives, *moe))

@@ -187,6 +187,16 @@ def build_schedule(name: str, pp: int, num_microbatches: int, stages_per_rank: i
     return PipelineSchedule(name, pp, v, m, ranks, _with_comms(compute, ranks))
 
 
+def step_schedule(name: str, pp: int, num_microbatches: int, grad_accum: int, stages_per_rank: int = 1
+                  ) -> tuple[PipelineSchedule, int]:
+    """(the schedule of one pass, passes per step) for a training step: without a pipeline one 1F1B "stage"
+    runs all `num_microbatches` in one pass; a pipeline runs `name` over num_microbatches // grad_accum,
+    `grad_accum` times. The simulator and the planner's memory estimate both take the step from here."""
+    if pp == 1:
+        return build_schedule("1F1B", 1, num_microbatches), 1
+    return build_schedule(name, pp, num_microbatches // grad_accum, stages_per_rank), grad_accum
+
+
 # --- dry run -------------------------------------------------------------------------------------
 
 

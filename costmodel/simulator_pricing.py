@@ -70,7 +70,7 @@ from costmodel.opcost import activation_itemsize, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
-from costmodel.schedule import build_schedule
+from costmodel.schedule import step_schedule
 from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
 from costmodel.simulator_result import StepFacts
 from costmodel.simulator_stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
@@ -202,13 +202,10 @@ def price_step(
                         activation_factor=cluster.device.activation_collective_factor)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
-    if d.pp == 1:
-        schedule, passes = build_schedule("1F1B", 1, t.num_microbatches), 1
-    else:
-        schedule, passes = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages), t.grad_accum
+    schedule, passes = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
     # a rank's buffers hold its own stages' parameters or gradients (all of them: DDP's buckets)
     buffers = tuple(
-        buffer_bytes(params=_stage_param_set([layer for k in schedule.stages_of(rank) for layer in layers[bounds[k]:bounds[k + 1]]],
+        buffer_bytes(params=stage_param_set([layer for k in schedule.stages_of(rank) for layer in layers[bounds[k]:bounds[k + 1]]],
                                              d.tp, d.pp, d.ep),
                      precision=t.precision, zero=t.zero, dp=d.sync_degree, dp_shard=d.shard_degree, offload=t.offload_optimizer,
                      fsdp=fsdp_engine(strategy))
@@ -337,7 +334,7 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
     d, t = strategy.dims, strategy.train
     chunks = _ddp_buckets(tuple(dataclasses.replace(units.chunk(layer), name=layer.name) for layer in layers),
                           [units.params(layer) for layer in layers], strategy, pricer, groups)
-    params = _stage_param_set(layers, d.tp, d.pp, d.ep)
+    params = stage_param_set(layers, d.tp, d.pp, d.ep)
     state = model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
                               dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
@@ -392,17 +389,21 @@ def _ddp_buckets(chunks: tuple[ChunkCost, ...], params: Sequence[int], strategy:
     return tuple(out)
 
 
-def _stage_param_set(layers: Sequence[Layer], tensor_parallel: int, pp: int, expert_parallel: int = 1) -> ParamSet:
+def stage_param_set(layers: Sequence[Layer], tensor_parallel: int, pp: int, expert_parallel: int = 1, *,
+                    vocab_parallel: bool | None = None) -> ParamSet:
     """The parameters one rank of a stage holds (its layers, each block instance counted); tp shards the
-    token embedding and LM head by `costmodel.strategy.shards_vocabulary` (`executor.tensor_parallel`)."""
+    token embedding and LM head by `costmodel.strategy.shards_vocabulary` (`executor.tensor_parallel`),
+    unless `vocab_parallel` says otherwise (a before/after comparison)."""
     counts: dict[str, int] = {}
     for layer in layers:
         if layer.block_id is not None:
             counts[layer.block_id] = counts.get(layer.block_id, 0) + 1
     seen_segments = {layer.segment: layer for layer in layers}
     ops = [op for layer in seen_segments.values() for op in layer.ops]
+    if vocab_parallel is None:
+        vocab_parallel = shards_vocabulary(tp=tensor_parallel, pp=pp)
     return stage_params(ops, block_counts=counts, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                        vocab_parallel=shards_vocabulary(tp=tensor_parallel, pp=pp))
+                        vocab_parallel=vocab_parallel)
 
 
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:

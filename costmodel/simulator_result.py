@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from costmodel.memory import MemoryBreakdown, rank_breakdown
-from costmodel.memory_schedule import StageActivations, backward_peak, rank_activation_peaks
+from costmodel.memory_schedule import rank_activation_peaks, stage_activations
 from costmodel.simulator_costs import StepCosts
 from costmodel.simulator_engine import Task
 from costmodel.simulator_step import MemoryEvent
@@ -202,11 +202,11 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
     """Per pipeline rank: the constant terms, the activation peak of `memory_schedule.rank_activation_peaks`
     (the estimator's rule) and the activation timeline the events draw."""
     sched = costs.schedule
-    stage_acts = [StageActivations(kept=sum(c.activation_bytes for c in s.chunks),
-                                   backward_peak=backward_peak([c.activation_bytes for c in s.chunks],
-                                                               [c.recompute_bytes for c in s.chunks]),
-                                   window=max((c.recompute_bytes for c in s.chunks), default=0))
-                  for s in costs.stages]
+    chunks = [c for s in costs.stages for c in s.chunks]
+    bounds = [0]
+    for s in costs.stages:
+        bounds.append(bounds[-1] + len(s.chunks))
+    stage_acts = stage_activations([c.activation_bytes for c in chunks], [c.recompute_bytes for c in chunks], bounds)
     peaks = rank_activation_peaks(sched, stage_acts)
     per_rank: list[list[tuple[float, int]]] = [[] for _ in range(sched.pp)]
     for e in events:

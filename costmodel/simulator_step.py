@@ -47,9 +47,8 @@ class MemoryEvent:
     task: int
     at_end: bool
     """Applied at the task's end (else at its start)."""
-    category: str
-    """activations."""
     delta: int
+    """Activation bytes saved (+) or freed (-)."""
 
 
 @dataclass
@@ -141,7 +140,7 @@ class _Builder:
             ag = self._gather(rank, chunk, label, compute_ids)
             comp = self._add(rank, "compute", label, "compute", chunk.fwd_s, deps + ag)
             compute_ids.append(comp)
-            self.memory.append(MemoryEvent(comp, True, "activations", chunk.activation_bytes))
+            self.memory.append(MemoryEvent(comp, True, chunk.activation_bytes))
             last = comp
             if chunk.fwd_comm_s > 0:
                 last = self._add(rank, "tp-comm", f"{label} collectives", "tp", chunk.fwd_comm_s, [comp])
@@ -160,10 +159,10 @@ class _Builder:
             comp = self._add(rank, "compute", label, "compute", duration, deps + ag)
             compute_ids.append(comp)
             if chunk.recompute_bytes:
-                self.memory.append(MemoryEvent(comp, False, "activations", chunk.recompute_bytes))
-                self.memory.append(MemoryEvent(comp, True, "activations", -chunk.recompute_bytes))
+                self.memory.append(MemoryEvent(comp, False, chunk.recompute_bytes))
+                self.memory.append(MemoryEvent(comp, True, -chunk.recompute_bytes))
             if full:
-                self.memory.append(MemoryEvent(comp, True, "activations", -chunk.activation_bytes))
+                self.memory.append(MemoryEvent(comp, True, -chunk.activation_bytes))
             last = comp
             if chunk.bwd_comm_s > 0:
                 last = self._add(rank, "tp-comm", f"{label} collectives", "tp", chunk.bwd_comm_s, [comp])
@@ -177,7 +176,7 @@ class _Builder:
         last = None
         for chunk in reversed(self.costs.stages[stage].chunks):
             comp = self._add(rank, "compute", f"{stage}W{mb} {chunk.name}", "compute", chunk.bwd_weight_s, deps)
-            self.memory.append(MemoryEvent(comp, True, "activations", -chunk.activation_bytes))
+            self.memory.append(MemoryEvent(comp, True, -chunk.activation_bytes))
             if sync and chunk.grad_sync_s > 0:
                 self._add(rank, "dp-comm", f"grad sync {stage}:{chunk.name}", "dp", chunk.grad_sync_s, [comp])
             last = comp

@@ -44,6 +44,7 @@ import numpy as np
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import MemoryBreakdown, model_state_bytes
 from costmodel.opcost import op_time
+from costmodel.placement import is_expert
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
 from costmodel.simulator_pricing import offload_host_bytes
@@ -51,7 +52,7 @@ from costmodel.strategy import TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
 from planner.stages import partition_stages
-from planner.units import Unit, is_expert, layer_units
+from planner.units import Unit, layer_units
 from tracer.ir import OpGraph, OpKind
 
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}

@@ -32,10 +32,10 @@ from costmodel.memory import (
     MemoryBreakdown, ParamSet, buffer_bytes, model_state_bytes, parameter_degrees, rank_breakdown, stage_params,
     workspace_bytes,
 )
-from costmodel.memory_schedule import StageActivations, rank_activation_peaks
+from costmodel.memory_schedule import rank_activation_peaks, stage_activations
 from costmodel.placement import block_placements
 from costmodel.profiles import DeviceProfile
-from costmodel.schedule import build_schedule
+from costmodel.schedule import step_schedule
 from costmodel.simulator_pricing import activation_shape, placed_activations
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.units import Unit, layer_units
@@ -90,35 +90,20 @@ class MemoryTables:
         return counts
 
     # --- one candidate ----------------------------------------------------------------------------
-    def _holding(self, counts: np.ndarray, tp: int, ep: int, vocab: bool) -> ParamSet:
-        """The parameters of unit instances `counts` held together (shared parameters once)."""
-        alone = self.params(tp, ep, vocab)
-        trainable = float(counts @ [p.trainable for p in alone])
-        frozen = float(counts @ [p.frozen for p in alone])
-        present = [u for u in self.outside if counts[u] > 0]
-        largest = max((alone[u].largest_unit for u in range(len(alone)) if counts[u] > 0 and u not in self.outside),
-                      default=0)
-        outside_elements = sum(alone[u].largest_unit for u in present)
-        if len(present) > 1:
-            joint = self.joint(tp, ep, vocab, frozenset(present))
-            trainable -= sum(alone[u].trainable for u in present) - joint.trainable
-            frozen -= sum(alone[u].frozen for u in present) - joint.frozen
-            outside_elements = joint.largest_unit
-        return ParamSet(int(trainable), int(frozen), (), max(largest, outside_elements))
-
-    def _shapes(self, counts: np.ndarray, tp: int, ep: int, vocab: bool) -> tuple:
-        """The local shapes of the trainable tensors of `counts` (adafactor only; shared ones once)."""
+    def _holding(self, counts: np.ndarray, tp: int, ep: int, vocab: bool, *, shapes: bool = False) -> ParamSet:
+        """The parameters of unit instances `counts` held together (shared parameters once), as
+        `stage_params` over their ops counts them; their local shapes only when asked (adafactor)."""
         alone = self.params(tp, ep, vocab)
         present = [u for u in self.outside if counts[u] > 0]
-        shapes: list = []
-        for u, n in enumerate(counts):
-            if n and u not in present:
-                shapes.extend(alone[u].shapes * int(n))
-        if len(present) > 1:
-            shapes.extend(self.joint(tp, ep, vocab, frozenset(present)).shapes)
-        elif present:
-            shapes.extend(alone[present[0]].shapes)
-        return tuple(shapes)
+        outside = self.joint(tp, ep, vocab, frozenset(present)) if len(present) > 1 else \
+            alone[present[0]] if present else ParamSet(0, 0, (), 0)
+        blocks = [u for u in range(len(alone)) if counts[u] > 0 and u not in self.outside]
+        return ParamSet(
+            trainable=int(sum(counts[u] * alone[u].trainable for u in blocks)) + outside.trainable,
+            frozen=int(sum(counts[u] * alone[u].frozen for u in blocks)) + outside.frozen,
+            shapes=tuple(s for u in blocks for s in alone[u].shapes * int(counts[u])) + outside.shapes if shapes else (),
+            largest_unit=max([alone[u].largest_unit for u in blocks] + [outside.largest_unit]),
+        )
 
     def memory(self, dims: ParallelDims, train: TrainingConfig, bounds: tuple[int, ...], device: DeviceProfile
                ) -> MemoryBreakdown:
@@ -132,35 +117,24 @@ class MemoryTables:
         policies = ["none" if unit.id.startswith("<") else t.recompute_for(unit.id) for unit in self.units]
         unit_acts = np.array([self.unit_activations(u, d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, policy,
                                                     t.precision, t.attention) for u, policy in enumerate(policies)])
-        kept_l, window_l = unit_acts[self.layers, 0], unit_acts[self.layers, 1]
-        cumulative = np.cumsum(kept_l)
-        starts = np.array(bounds[:-1])
-        base = np.where(starts > 0, cumulative[np.maximum(starts - 1, 0)], 0.0)
-        kept_s = cumulative[np.array(bounds[1:]) - 1] - base
-        peak_s = np.maximum.reduceat(cumulative + window_l, starts) - base
-        window_s = np.maximum.reduceat(window_l, starts)
-        stage_acts = [StageActivations(float(k), float(p), float(w)) for k, p, w in zip(kept_s, peak_s, window_s)]
-        if d.pp == 1:
-            schedule = build_schedule("1F1B", 1, t.num_microbatches)
-            stage_to_rank: tuple[int, ...] = (0,)
-        else:
-            schedule = build_schedule(t.schedule, d.pp, t.num_microbatches // t.grad_accum, t.virtual_stages)
-            stage_to_rank = schedule.stage_to_rank
+        stage_acts = stage_activations(unit_acts[self.layers, 0], unit_acts[self.layers, 1], bounds)
+        schedule, _ = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
         activations = rank_activation_peaks(schedule, stage_acts)
 
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         state = []
         for s in range(n_stages):
-            params = self._holding(counts[s], d.tp, d.ep, vocab)
-            shapes = self._shapes(counts[s], d.tp, d.ep, vocab) if t.optimizer == "adafactor" else None
+            adafactor = t.optimizer == "adafactor"
+            params = self._holding(counts[s], d.tp, d.ep, vocab, shapes=adafactor)
             state.append(model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
                                            dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
-                                           param_shapes=shapes, frozen=params.frozen, pipeline=d.pp > 1, fsdp=fsdp))
+                                           param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
+                                           pipeline=d.pp > 1, fsdp=fsdp))
         workspace = workspace_bytes(device)
         worst: MemoryBreakdown | None = None
         for rank in range(schedule.pp):
-            mine = [s for s in range(n_stages) if stage_to_rank[s] == rank]
+            mine = list(schedule.stages_of(rank))
             held = self._holding(counts[mine].sum(axis=0), d.tp, d.ep, vocab)
             total = rank_breakdown(
                 weights=sum(state[s].weights for s in mine), grads=sum(state[s].grads for s in mine),

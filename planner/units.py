@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel.placement import is_expert
 from tracer.ir import OpGraph, OpKind, OpNode
 
 PROLOGUE = "<prologue>"
@@ -46,11 +47,6 @@ class Unit:
     def tp_regions(self) -> int:
         """Megatron TP regions per instance: one all-reduce (or RS+AG pair) each way per region."""
         return self.attention_ops + int(self.has_mlp_down)
-
-
-def is_expert(op: OpNode) -> bool:
-    """An MoE expert op (`costmodel.placement` splits these by ep)."""
-    return "experts" in op.module_fqn.split(".")
 
 
 def _is_down_projection(op: OpNode) -> bool:
