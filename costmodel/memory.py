@@ -107,7 +107,7 @@ from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
-from costmodel.placement import is_expert, linear_style, vocab_parallel_ops
+from costmodel.placement import is_expert, linear_style, moe_blocks, replicated_in_moe, vocab_parallel_ops
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
@@ -276,6 +276,8 @@ def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert
     weight before its matmul does). What shards, as the executor applies it:
     - an MoE expert op with expert_parallel > 1: its parameters over ep (each rank holds 1/ep of the
       experts; TP does not split them, `costmodel.placement.block_placements`);
+    - a non-expert op of an MoE block under ep > 1 (router, shared expert): never, the block runs
+      TP-replicated (`placement.replicated_in_moe`);
     - a block's colwise/rowwise linear (`placement.linear_style`, the module names `executor.tensor_parallel`
       applies ColwiseParallel/RowwiseParallel to): over tp;
     - with `vocab_parallel` (`costmodel.strategy.shards_vocabulary`), the token embedding and LM head
@@ -283,10 +285,13 @@ def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert
     Everything else (norms, biases of unsharded modules, position tables, routers) replicates."""
     ops = tuple(ops)
     vocab = {name for name in vocab_parallel_ops(ops) if name is not None} if vocab_parallel else set()
+    moe = moe_blocks(ops) if expert_parallel > 1 else frozenset()
     degrees: dict[str, int] = {}
     for op in ops:
         if op.block_id is not None and expert_parallel > 1 and is_expert(op):
             degree = expert_parallel
+        elif replicated_in_moe(op, moe, expert_parallel):
+            degree = 1
         elif (op.block_id is not None and linear_style(op)) or op.name in vocab:
             degree = tensor_parallel
         else:

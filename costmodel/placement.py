@@ -41,7 +41,10 @@ rank; h = [micro_batch, seq/cp, hidden] at activation width, S = its bytes):
 - CP, per attention core: forward all-gather of K and V over cp (gathered size: the whole sequence,
   the rank's KV heads, GQA heads not repeated), backward reduce-scatter of their gradients (same size).
 - EP, per MoE layer: all-to-all of the routed tokens for dispatch and combine, forward and backward
-  (token bytes x experts_per_token).
+  (token bytes x experts_per_token), after a forward all-gather of the per-expert token counts (int64,
+  ep x experts: the split sizes of the all-to-alls; `executor.expert_parallel`); with sequence
+  parallelism the MoE block also all-gathers whole sequences (forward) and its output gradient
+  (backward) over tp.
 
 Tables for an op-level search (planner/ builds a CP-SAT over them):
 - `candidate_splits(op, dims)`: the splits an op may take on a (dp, cp, tp) mesh: replicated over tp,
@@ -80,6 +83,23 @@ STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "vocab_paralle
 def is_expert(op: OpNode) -> bool:
     """An MoE expert op (its module path holds `experts`): split by expert parallelism, not TP."""
     return "experts" in op.module_fqn.split(".")
+
+
+def moe_blocks(ops: Sequence[OpNode]) -> frozenset[str]:
+    """Module paths of the MoE blocks among `ops`: the modules holding an `experts` child (`...mlp`)."""
+    paths = set()
+    for op in ops:
+        parts = op.module_fqn.split(".")
+        if "experts" in parts:
+            paths.add(".".join(parts[:parts.index("experts")]))
+    return frozenset(paths)
+
+
+def replicated_in_moe(op: OpNode, moe: frozenset[str], ep: int) -> bool:
+    """A non-expert op of an MoE block (router, shared expert, their gates) under ep > 1: the block runs
+    replicated over tp (on whole sequences: `executor.expert_parallel`), so the op is neither TP- nor
+    sequence-sharded."""
+    return ep > 1 and not is_expert(op) and any(op.module_fqn.startswith(f"{m}.") for m in moe)
 
 
 def _leaf(module_fqn: str) -> str:
@@ -181,6 +201,7 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
     out: list[OpPlacement] = []
     inside = after_head = False
     vocab = vocab_parallel_ops(ops) if tp > 1 else (None, None)
+    moe = moe_blocks(ops) if d.ep > 1 else frozenset()
     for op in ops:
         style = linear_style(op) if op.block_id is not None else None
         colls: list[Collective] = []
@@ -191,6 +212,8 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
             continue
         if is_expert(op) and d.ep > 1:
             split = OpSplit(dp, cp, d.ep, "expert_parallel")
+        elif replicated_in_moe(op, moe, d.ep):
+            split = OpSplit(dp, cp, 1, None)
         elif style == "colwise" and tp > 1:
             if not inside:
                 colls.append(Collective(tp_kinds[0], s_bytes, "tp", "fwd", "enter TP region") if sp else
@@ -218,9 +241,20 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
         out.append(OpPlacement(op, split, tuple(colls)))
     if d.ep > 1 and any(is_expert(p.op) for p in out):
         a2a = s_bytes * max(1, shape.experts_per_token)
+        counts_bytes = d.ep * moe_expert_count(ops, d.ep) * 8  # int64 tokens per expert, from every ep rank
+        counts = Collective("all_gather", counts_bytes, "ep", "fwd", "MoE token counts per expert")
         moe = (Collective("all_to_all", a2a, "ep", ph, f"MoE {what}") for ph in ("fwd", "bwd") for what in ("dispatch", "combine"))
-        out[-1] = OpPlacement(out[-1].op, out[-1].split, (*out[-1].collectives, *moe))
+        # under sequence parallelism the MoE block runs on whole sequences: it gathers them, and its output
+        # gradient is gathered back (the forward keeps a local slice)
+        whole = (Collective("all_gather", s_bytes, "tp", ph, f"MoE block {what}") for ph, what in
+                 (("fwd", "gathers whole sequences"), ("bwd", "output gradient gathered"))) if sp else ()
+        out[-1] = OpPlacement(out[-1].op, out[-1].split, (*out[-1].collectives, *whole, counts, *moe))
     return tuple(out)
+
+
+def moe_expert_count(ops: Sequence[OpNode], ep: int) -> int:
+    """Routed experts of an MoE block: the leading dim of its fused 3-D expert weights (at least `ep`)."""
+    return max((p.shape[0] for op in ops if is_expert(op) for p in op.params if len(p.shape) == 3), default=ep)
 
 
 def vocab_parallel_ops(ops: Sequence[OpNode]) -> tuple[str | None, str | None]:
@@ -347,9 +381,10 @@ def tp_plan(ops: Sequence[OpNode], strategy: Strategy) -> dict[str, str]:
     if strategy.dims.tp == 1:
         return {}
     sp = strategy.train.sequence_parallel
+    moe = moe_blocks(ops)
     plan: dict[str, str] = {}
     for op in ops:
-        if op.block_id is None:
+        if op.block_id is None or replicated_in_moe(op, moe, strategy.dims.ep):
             continue
         rel = _relative(op.module_fqn, op.block_id)
         style = linear_style(op)

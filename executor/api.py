@@ -3,11 +3,13 @@
 The transforms run in the fixed order of the executor (see `executor/__init__.py`):
     1. pipeline split            executor.pipeline.split_stage
     2. tensor/sequence parallel  executor.tensor_parallel.apply_tp
+       expert parallel           executor.expert_parallel.apply_ep (MoE experts sharded by expert over ep)
     3. context parallel          executor.context_parallel.apply_cp
     4. activation checkpointing  apply_recompute (HF's per-layer checkpointing, non-reentrant)
     5. mixed precision           executor.precision (fp8 conversion here; autocast/GradScaler at run time)
     6. torch.compile             each block, in place (FQNs unchanged)
-    7. data parallel             FSDP2 on meta, before materialization; DDP after it
+    7. data parallel             FSDP2 on meta, before materialization (experts first, over the ranks
+                                 holding the same experts); DDP after it
 A model on the meta device is materialized between 7's FSDP and DDP (`executor.model.materialize`,
 seeded per FQN, or from `weights`); a model with real weights keeps them.
 """
@@ -27,12 +29,14 @@ from torch import nn
 from costmodel.strategy import shards_vocabulary
 from executor import precision as precision_mod
 from executor.context_parallel import apply_cp
-from executor.data_parallel import apply_ddp, apply_fsdp, uses_ddp, uses_fsdp
+from executor.data_parallel import apply_ddp, apply_expert_ddp, apply_fsdp, uses_ddp, uses_fsdp
+from executor.expert_parallel import (apply_ep, check_expert_parallel, gather_sequence_around_moe, tag_expert_parameters,
+                                      tp_plan_outside_moe)
 from executor.mesh import MeshView, build_mesh
 from executor.model import materialize, normalize_for_tp
 from executor.pipeline import (LossParallelSchedule, TiedAcrossStages, build_schedule, set_position_ids, split_stage,
                                stages_of_rank, tied_across_stages, vocab_parallel_loss)
-from executor.tensor_parallel import apply_tp, find_block_list
+from executor.tensor_parallel import all_blocks, apply_tp, find_block_list
 from planner.plan import Plan
 from tracer.errors import SoapError
 
@@ -133,6 +137,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
                         "(or `soap execute`) and call torch.distributed.init_process_group first")
     check_world_size(plan, dist.get_world_size())
     p = plan.parallelism
+    check_expert_parallel(plan, model)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = mesh or build_mesh(plan, device.type)
@@ -150,6 +155,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     elif device.type != "cpu":
         for part in parts:
             part.to(device)
+    if p.ep > 1:
+        for part in parts:
+            tag_expert_parameters(part)
     tied = tied_across_stages(template, parts, mesh, mesh.pp_rank, p.pp) if p.pp > 1 else None
     if uses_ddp(plan):
         parts = [apply_ddp(part, plan, mesh) for part in parts]
@@ -172,18 +180,26 @@ def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
         # (masks, position embeddings) always sees whole sequences
         index = getattr(part, "soap_stage_index", None)
         ends = None if index is None else (index == 0, index == p.pp * p.virtual_stages - 1)
-        apply_tp(part, mesh.tp, plan.tp_plan, sequence_parallel=p.sequence_parallel,
-                 first_block=modules[0], last_block=modules[-1], vocab_parallel=shards_vocabulary(tp=p.tp, pp=p.pp),
-                 ends=ends)
+        # under ep, MoE blocks (router, shared expert) run TP-replicated, on whole sequences under SP
+        # (executor.expert_parallel; costmodel.placement.replicated_in_moe prices them so)
+        apply_tp(part, mesh.tp, tp_plan_outside_moe(part, plan.tp_plan) if p.ep > 1 else plan.tp_plan,
+                 sequence_parallel=p.sequence_parallel, first_block=modules[0], last_block=modules[-1],
+                 vocab_parallel=shards_vocabulary(tp=p.tp, pp=p.pp), ends=ends)
+        if p.ep > 1 and p.sequence_parallel:
+            gather_sequence_around_moe(part, mesh.tp)
+    if p.ep > 1:
+        apply_ep(part, mesh.ep)
     if p.cp > 1:
         apply_cp(part, mesh.cp)
     apply_recompute(part, _recompute_policy(plan))
     precision_mod.convert_fp8(part, plan)
     if p.compile:
-        for block in find_block_list(part)[1]:
+        for block in all_blocks(part):
             block.compile()
     if uses_fsdp(plan):
         apply_fsdp(part, plan, mesh)
+    elif uses_ddp(plan):
+        apply_expert_ddp(part, plan, mesh)
 
 
 def _recompute_policy(plan: Plan) -> str:

@@ -34,7 +34,7 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
     state: dict = {}
     for part, optimizer in zip(parts, optimizers):
-        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        if type(optimizer).__name__ in ("ZeroRedundancyOptimizer", "OptimizerPair"):  # OptimizerPair: zero 1 under ep
             raise SoapError("checkpoints are not supported with zero=1 (ZeroRedundancyOptimizer); re-plan with --zero 2")
         model_sd, optim_sd = get_state_dict(part, optimizer, options=OPTIONS)
         state.update({f"model.{k}": v for k, v in model_sd.items()})

@@ -19,6 +19,13 @@ memory, each unit is copied to the device for its forward/backward, and the opti
 
 FSDP is applied on the meta model (before materialization); DDP wraps the materialized model.
 
+Expert parallelism (ep > 1, `executor.expert_parallel`): the experts modules get their own FSDP2 over
+the ranks holding the same experts (`MeshView.expert_dp`), gradients summed and divided by dp*cp, before
+the blocks are wrapped (zero 2/3, and zero 0/1 on FSDP2: same resharding and mixed precision as the
+blocks) or beside DDP (zero 0/1: parameters kept gathered, no mixed-precision policy, DDP ignores them;
+under zero 1 ZeroRedundancyOptimizer gets the other parameters and the experts an optimizer of their own,
+`OptimizerPair`).
+
 Optimizers: adamw (fused on CUDA, foreach on CPU), adafactor (torch.optim.Adafactor), sgd, adamw8bit
 (bitsandbytes, when importable). Parameters are grouped by their DTensor mesh (plain tensors apart),
 because foreach kernels cannot mix tensors of different meshes.
@@ -32,8 +39,9 @@ import torch
 from torch import nn
 
 from costmodel.strategy import runs_on_fsdp2
+from executor.expert_parallel import apply_expert_fsdp, expert_parameter_names, is_expert_parameter
 from executor.mesh import MeshView
-from executor.tensor_parallel import find_block_list
+from executor.tensor_parallel import all_blocks
 from planner.plan import Plan
 from tracer.errors import SoapError
 
@@ -59,15 +67,27 @@ def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
     if p.offload_optimizer:
         # pinned host memory speeds up the copies to an accelerator; without one it cannot be allocated
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.mesh.device_type != "cpu")
-    _, blocks = find_block_list(model)
-    for block in blocks:
+    if p.ep > 1:
+        apply_expert_fsdp(model, mesh.expert_dp, divide_factor=p.dp * p.cp, reshard=reshard,
+                          **{k: v for k, v in kwargs.items() if k != "mesh"})
+    for block in all_blocks(model):
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def apply_expert_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
+    """Under DDP, FSDP2 on the expert-parallel experts (on the meta model; module docstring)."""
+    p = plan.parallelism
+    if p.ep > 1:
+        apply_expert_fsdp(model, mesh.expert_dp, divide_factor=p.dp * p.cp, reshard=False)
 
 
 def apply_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
+    experts = expert_parameter_names(model)
+    if experts:  # reduced over their own replicas by their FSDP (apply_expert_ddp)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     # the gradients are views of the reducer's buckets: one copy of them, not a .grad plus a bucket
     return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False,
                                    gradient_as_bucket_view=True)
@@ -86,10 +106,38 @@ def build_optimizer(plan: Plan, params: list[nn.Parameter], *, lr: float, mesh: 
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         cls, kwargs = _optimizer_class(p.optimizer, on_cuda)
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.dp_cp.get_group(),
-                                       lr=lr, **kwargs)
+        dense = [q for q in params if not is_expert_parameter(q)]
+        zero = ZeroRedundancyOptimizer(dense, optimizer_class=cls, process_group=mesh.dp_cp.get_group(), lr=lr,
+                                       **kwargs)
+        experts = [q for q in params if is_expert_parameter(q)]
+        # ZeRO broadcasts each parameter from the rank that steps it: expert-parallel ones differ per rank
+        return OptimizerPair(zero, cls(experts, lr=lr, **kwargs)) if experts else zero
     cls, kwargs = _optimizer_class(p.optimizer, on_cuda)
     return cls([{"params": g} for g in groups], lr=lr, **kwargs)
+
+
+class OptimizerPair:
+    """ZeroRedundancyOptimizer over the non-expert parameters and an optimizer of the expert-parallel ones
+    (zero 1 with ep > 1), stepped together; what the training loop and GradScaler use of an optimizer."""
+
+    def __init__(self, zero: torch.optim.Optimizer, experts: torch.optim.Optimizer) -> None:
+        self.optimizers = (zero, experts)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {k: v for o in self.optimizers for k, v in o.state.items()}
+
+    def step(self, closure: Any = None) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def _optimizer_class(name: str, on_cuda: bool) -> tuple[type, dict[str, Any]]:

@@ -35,7 +35,7 @@ from torch import nn
 
 from tracer.errors import SoapError
 
-TRAINABLE_TASKS = ("causal-lm", "masked-lm")
+TRAINABLE_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
 
 
 def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
@@ -45,7 +45,8 @@ def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
     import tracer
 
     if task not in TRAINABLE_TASKS:
-        raise SoapError(f"soap execute trains causal-lm and masked-lm models, not {task}; re-plan with --task causal-lm")
+        raise SoapError(f"soap execute trains {', '.join(TRAINABLE_TASKS)} models, not {task}; "
+                        "re-plan with --task causal-lm")
     fields = {k: v for k, v in config.items() if k not in ("transformers_version", "architectures")}
     model_type = fields.pop("model_type", None)
     if model_type is None:
@@ -58,6 +59,21 @@ def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
     model = tracer.build_model(tracer.resolve_spec(hf_config, task=task), device="meta")
     normalize_for_tp(model)
     return model
+
+
+def forward_inputs(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                   positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The keyword inputs of one micro-batch's forward: the token ids and position ids, or, for an
+    encoder-decoder, the encoder's ids and the decoder's inputs: the labels shifted right behind the
+    decoder's start token (HF's `_shift_right`, with the pad id where a config names no start token)."""
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model  # under DDP
+    config = inner.config
+    if getattr(config, "is_encoder_decoder", False):
+        pad = config.pad_token_id if config.pad_token_id is not None else 0
+        start = getattr(config, "decoder_start_token_id", None)
+        shifted = torch.cat([torch.full_like(labels[:, :1], pad if start is None else start), labels[:, :-1]], dim=1)
+        return {"input_ids": ids, "decoder_input_ids": shifted.masked_fill(shifted == -100, pad)}
+    return {"input_ids": ids, "position_ids": positions}
 
 
 # --- normalization ----------------------------------------------------------------------------------
@@ -177,12 +193,13 @@ class CheckpointWeights:
 
 
 def _shallow_copy_on_cpu(module: nn.Module) -> nn.Module:
-    """A copy of `module` with its own parameters on the CPU and its children removed."""
+    """A copy of `module` with its own parameters and buffers (empty) on the CPU and its children removed:
+    what HF's `_init_weights` fills (it may touch a buffer beside the weights, as DeepSeek-V3's router)."""
     clone = copy.copy(module)
     clone._modules = {}
     clone._parameters = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
                          for n, p in module._parameters.items()}
-    clone._buffers = {}
+    clone._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype) for n, b in module._buffers.items()}
     return clone
 
 
@@ -215,6 +232,20 @@ def materialize(model: nn.Module, template: nn.Module, device: torch.device, *, 
                 _copy_local_slice(getattr(module, name), value, DTensor)
             if module._buffers and not names:
                 template._init_weights(module)
+            elif module._buffers:
+                _init_buffers(template, fqn, module, seed)
+
+
+def _init_buffers(template: nn.Module, fqn: str, module: nn.Module, seed: int) -> None:
+    """Fill the buffers of a module that also holds parameters (DeepSeek-V3's router score bias) by HF's
+    `_init_weights` on a CPU copy, seeded as its parameters are; the parameters keep what they were given."""
+    cpu = _shallow_copy_on_cpu(template.get_submodule(fqn))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(fqn_seed(seed, fqn))
+        template._init_weights(cpu)
+    for name, value in cpu._buffers.items():
+        if value is not None and module._buffers.get(name) is not None:
+            module._buffers[name].copy_(value)
 
 
 def _copy_local_slice(param: torch.Tensor, full: torch.Tensor, dtensor_cls: type) -> None:

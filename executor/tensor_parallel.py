@@ -70,15 +70,27 @@ LOCAL_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "
                     "split_size")
 
 
+def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The model's outermost non-empty ModuleLists, in module order: its layer stacks (`model.layers`;
+    an encoder-decoder's `encoder.block` and `decoder.block`), not the lists inside a layer (T5's
+    `block.0.layer`, which can be longer than the stack)."""
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    return [(fqn, m) for fqn, m in lists if not any(fqn.startswith(f"{outer}.") for outer, _ in lists if outer)]
+
+
 def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's repeated layer list (`model.layers`, `transformer.h`, `bert.encoder.layer`, ...)."""
-    best: tuple[str, nn.ModuleList] | None = None
-    for fqn, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and (best is None or len(module) > len(best[1])):
-            best = (fqn, module)
-    if best is None:
+    """The model's repeated layer list (`model.layers`, `transformer.h`, `bert.encoder.layer`, ...): its
+    longest layer stack (`layer_lists`)."""
+    stacks = layer_lists(model)
+    if not stacks:
         raise SoapError(f"{type(model).__name__} has no layer list to parallelize; soap executes transformer stacks")
-    return best
+    return max(stacks, key=lambda item: len(item[1]))
+
+
+def all_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every block of every layer stack (both stacks of an encoder-decoder): the units FSDP wraps and
+    compile compiles."""
+    return [block for _, stack in layer_lists(model) for block in stack]
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, sequence_parallel: bool,

@@ -18,8 +18,25 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "bert": dict(model_type="bert", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, vocab_size=96, max_position_embeddings=64,
                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # MoE: 4 experts, top-2, no router jitter (the router must be deterministic to compare layouts)
+    "mixtral": dict(model_type="mixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
+                    num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, tie_word_embeddings=False),
+    # a shared expert (a dense MLP beside the routed ones, gated by its own sigmoid) in every layer
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, num_experts=4,
+                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+    # DeepSeek-V3 style: a dense first layer, then routed experts with a score-correction bias (a buffer
+    # beside the router's weight) and a shared expert; multi-head latent attention
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                        vocab_size=96, max_position_embeddings=64, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, tie_word_embeddings=False),
 }
-TASKS = {"llama": "causal-lm", "gpt2": "causal-lm", "bert": "masked-lm"}
+TASKS = {"llama": "causal-lm", "gpt2": "causal-lm", "bert": "masked-lm", "mixtral": "causal-lm",
+         "qwen2_moe": "causal-lm", "deepseek_v3": "causal-lm"}
 
 TP_PLANS: dict[str, dict[str, str]] = {
     "llama": {"input_layernorm": "sequence", "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
@@ -30,14 +47,27 @@ TP_PLANS: dict[str, dict[str, str]] = {
     "bert": {"attention.self.query": "colwise", "attention.self.key": "colwise",
              "attention.self.value": "colwise", "attention.output.dense": "rowwise",
              "intermediate.dense": "colwise", "output.dense": "rowwise"},
+    # attention only: with ep > 1 the routed experts are sharded by expert, not by TP
+    "mixtral": {"input_layernorm": "sequence", "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise", "post_attention_layernorm": "sequence"},
+    "qwen2_moe": {"input_layernorm": "sequence", "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                  "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise", "post_attention_layernorm": "sequence",
+                  "mlp.shared_expert.gate_proj": "colwise", "mlp.shared_expert.up_proj": "colwise",
+                  "mlp.shared_expert.down_proj": "rowwise"},
 }
-PROLOGUE = {"llama": ["model.embed_tokens"], "gpt2": ["transformer.wte", "transformer.wpe", "transformer.drop"],
+PROLOGUE = {"llama": ["model.embed_tokens"], "mixtral": ["model.embed_tokens"], "qwen2_moe": ["model.embed_tokens"],
+            "deepseek_v3": ["model.embed_tokens"],
+            "gpt2": ["transformer.wte", "transformer.wpe", "transformer.drop"],
             "bert": ["bert.embeddings.word_embeddings", "bert.embeddings.token_type_embeddings",
                      "bert.embeddings.position_embeddings", "bert.embeddings.LayerNorm"]}
-EPILOGUE = {"llama": ["model.norm", "lm_head"], "gpt2": ["transformer.ln_f", "lm_head"],
+EPILOGUE = {"llama": ["model.norm", "lm_head"], "mixtral": ["model.norm", "lm_head"],
+            "deepseek_v3": ["model.norm", "lm_head"],
+            "qwen2_moe": ["model.norm", "lm_head"], "gpt2": ["transformer.ln_f", "lm_head"],
             "bert": ["cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.decoder"]}
 """As `soap plan` names them (BERT's `cls.predictions` itself, which holds the head's bias, is named by no stage)."""
-LAYERS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "bert.encoder.layer"}
+LAYERS = {"llama": "model.layers", "mixtral": "model.layers", "qwen2_moe": "model.layers",
+          "deepseek_v3": "model.layers", "gpt2": "transformer.h",
+          "bert": "bert.encoder.layer"}
 
 
 def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
@@ -156,6 +186,8 @@ def run_cases(rank: int, world: int, store: str, cases: list[dict[str, Any]], ou
                 results[case["name"]] = _pipeline_order(plan, RunConfig(progress=False, **case.get("run", {})))
             elif case.get("inspect_vocab_parallel"):
                 results[case["name"]] = _vocab_parallel_layout(plan)
+            elif case.get("inspect_experts"):
+                results[case["name"]] = _expert_layout(plan)
             elif case.get("count_block_collectives"):
                 results[case["name"]] = _block_collectives(plan, RunConfig(progress=False, **case.get("run", {})))
             else:
@@ -186,6 +218,27 @@ def _block_collectives(plan: Plan, run: Any) -> dict[str, dict[str, dict[str, in
             out[module] = {phase: {str(op).split(".")[-1]: n for op, n in counts.items()}
                            for phase, counts in phases.items() if phase in ("forward", "backward")}
     return out
+
+
+def _expert_layout(plan: Plan) -> dict[str, Any]:
+    """How expert parallelism placed the first MoE layer's experts on this rank, gathered from every rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from executor.api import parallelize
+    from executor.model import build_meta_model
+
+    parallel = parallelize(build_meta_model(plan.model.config, plan.model.task), plan, seed=0,
+                           device=torch.device("cpu"))
+    fqn, experts = next((n, m) for n, m in parallel.model.named_modules() if n.endswith("mlp.experts"))
+    weight = experts.gate_up_proj
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    mine = {"module": fqn, "num_experts": experts.num_experts, "global_shape": list(weight.shape),
+            "local_shape": list(local.shape), "checksum": float(local.double().sum())}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {"ranks": gathered}
 
 
 def _vocab_parallel_layout(plan: Plan) -> dict[str, Any]:
