@@ -21,7 +21,15 @@ group and checks that it raises exactly where `pipeline_violation` says it will.
 
 Model and mesh rules (`model_violation`): `ParallelDims.check_model` (tp divides heads, tp and the KV
 heads divide one another, tp divides the vocabulary when it is sharded, cp splits the sequence into 2·cp
-chunks, pp <= layers), plus ep dividing the expert count.
+chunks, pp <= layers), plus ep dividing the expert count. Encoder-decoder models (T5, BART) run
+data-parallel only (`ENCODER_DECODER_SPLITS`): soap's executor has no tensor, pipeline or context
+parallelism for their two stacks and cross-attention yet, so neither the search nor a plan file may ask
+for them.
+
+What soap's executor runs on top of torch's rules (`executed_pipeline_violation`, `compile_violation`):
+every schedule above (`NOT_EXECUTED` is empty), but ZeRO-3 not under the split-backward schedules
+(`SPLIT_BACKWARD_SCHEDULES`: FSDP keeps the blocks gathered there, which is ZeRO-2), and no compile of
+encoder-decoder models (their compiled blocks train differently).
 
 Pipeline messages name the plan.json field (`parallelism.num_microbatches`, ...) and the fix; model
 messages name the degree (`tp=3 does not divide 4 attention heads; ...`), which the plan loader prefixes
@@ -72,36 +80,67 @@ def pipeline_violation(schedule: str, *, pp: int, virtual_stages: int, num_micro
     return None
 
 
-NOT_EXECUTED = {
-    "ZBVZeroBubble": "soap's executor does not run it yet (its runs stop on a receive; issue 15)",
-}
-"""Schedules torch accepts that soap's executor cannot run yet: the search leaves them out and the plan
-loader and the executor refuse them, so soap never writes or starts a plan that does not execute."""
+NOT_EXECUTED: dict[str, str] = {}
+"""Schedules torch accepts that soap's executor cannot run yet ({name: why}): the search leaves them out
+and the plan loader and the executor refuse them, so soap never writes or starts a plan that does not
+execute. Empty: every schedule above runs (tests/test_executor_multiprocess.py holds each to a single
+process)."""
+
+
+SPLIT_BACKWARD_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+"""Schedules whose backward is split into input (I) and weight (W) actions, a weight backward running
+after later forwards of its stage. FSDP2 must then keep the stage's blocks gathered from forward to
+weight backward (`executor.pipeline.build_schedule` turns resharding after forward off): ZeRO-2, not 3."""
 
 
 def executed_pipeline_violation(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int,
-                                grad_accum: int = 1) -> str | None:
-    """`pipeline_violation`, or why soap's executor cannot run `schedule` (`NOT_EXECUTED`): the rule the
-    search, the plan loader and the executor apply."""
+                                grad_accum: int = 1, zero: int = 0) -> str | None:
+    """`pipeline_violation`, or why soap's executor cannot run `schedule` (`NOT_EXECUTED`, or ZeRO-3 under
+    a split-backward schedule, which it runs as ZeRO-2): the rule the search, the plan loader and the
+    executor apply."""
     reason = pipeline_violation(schedule, pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches,
                                 grad_accum=grad_accum)
     if reason is None and pp > 1 and schedule in NOT_EXECUTED:
         return f"parallelism.schedule={schedule}: {NOT_EXECUTED[schedule]}; use Interleaved1F1B, 1F1B or GPipe"
+    if reason is None and pp > 1 and zero == 3 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        return (f"parallelism.zero=3 with schedule {schedule}: its weight backward runs after later forwards, so "
+                "FSDP keeps each stage's blocks gathered through the step, which is ZeRO-2; use zero 2, or "
+                "Interleaved1F1B")
     return reason
 
 
 def check_pipeline(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int,
-                   grad_accum: int = 1) -> None:
+                   grad_accum: int = 1, zero: int = 0) -> None:
     """`executed_pipeline_violation`, raised as a SoapError."""
     reason = executed_pipeline_violation(schedule, pp=pp, virtual_stages=virtual_stages,
-                                         num_microbatches=num_microbatches, grad_accum=grad_accum)
+                                         num_microbatches=num_microbatches, grad_accum=grad_accum, zero=zero)
     if reason:
         raise SoapError(reason)
 
 
+ENCODER_DECODER_SPLITS = ("tp", "pp", "cp")
+"""The degrees soap's executor cannot split an encoder-decoder model over (each must be 1)."""
+
+
+def compile_violation(*, compile: bool, encoder_decoder: bool) -> str | None:
+    """Why soap's executor cannot compile this model, or None. Compiling an encoder-decoder's blocks one
+    by one (T5) changes its training: the tied embedding's gradient differs from the eager model's
+    (found by benchmarks/plans_execute.py), so compile stays off for them until that is understood."""
+    if compile and encoder_decoder:
+        return ("parallelism.compile: compiling an encoder-decoder model's blocks changes its gradients in soap's "
+                "executor (the tied embedding's); plan it with --compile off")
+    return None
+
+
 def model_violation(*, tp: int, pp: int, cp: int, ep: int = 1, num_layers: int, heads: int, kv_heads: int,
-                    vocab: int, seq_len: int, num_experts: int = 0) -> str | None:
-    """Why a mesh cannot split this model, or None: `ParallelDims.check_model` plus the expert count."""
+                    vocab: int, seq_len: int, num_experts: int = 0, encoder_decoder: bool = False) -> str | None:
+    """Why a mesh cannot split this model, or None: `ParallelDims.check_model`, the expert count, and the
+    data-parallel-only rule of encoder-decoder models."""
+    if encoder_decoder:
+        split = [f"{name}={degree}" for name, degree in zip(ENCODER_DECODER_SPLITS, (tp, pp, cp)) if degree > 1]
+        if split:
+            return (f"{', '.join(split)}: soap's executor runs encoder-decoder models with data parallelism "
+                    "only (dp, ZeRO, recompute, precision); set tp, pp and cp to 1")
     try:
         ParallelDims(tp=tp, pp=pp, cp=cp).check_model(
             num_layers=num_layers, heads=heads, kv_heads=kv_heads, vocab=vocab, seq_len=seq_len

@@ -15,16 +15,23 @@ The backend is NCCL when CUDA is present, else gloo. Rank 0's `RunResult` comes 
 Each worker joins the process group through the agent's store under a per-attempt key prefix
 (`attempt_store`), so a group restarted after a failure (`--max-restarts`) never reads its killed
 predecessor's rendezvous keys.
+No hangs: the process group's timeout and each worker's `executor.watchdog.Watchdog` come from the
+plan's predicted step time (or `RunConfig.timeout_s`, `--timeout`); a rank that stops making progress
+records what it waited on (`end_stalled_rank`) and exits, the elastic agent stops the other ranks (the
+launcher's `--max-restarts` apply), and the parent reports the rank's line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -86,7 +93,7 @@ def check_plan_rules(plan: Plan) -> None:
     is validated on load, but a `Plan` built in Python may skip that."""
     p = plan.parallelism
     check_pipeline(p.schedule, pp=p.pp, virtual_stages=p.virtual_stages, num_microbatches=p.num_microbatches,
-                   grad_accum=p.grad_accum)
+                   grad_accum=p.grad_accum, zero=p.zero)
 
 
 def run_plan(plan: Plan, run: Any, launch: LaunchOptions) -> dict[str, Any] | None:
@@ -171,6 +178,8 @@ def worker_failure(failures: dict[int, Any], log_dir: Path) -> str:
         sections.append(f"=== rank {rank} ({code}) ===\n{body.rstrip()}\n")
     log = log_dir / "workers.log"
     log.write_text("\n".join(sections))
+    if first in written and written[first].get("stalled"):
+        return f"{written[first]['error']}; the run was stopped, and the rank's stacks are in {log}"
     if first in written:
         return (f"a worker failed (rank {first}): {written[first]['error']}; the tracebacks of all ranks are in "
                 f"{log} (rerun with --debug to see torch's logs)")
@@ -182,7 +191,7 @@ def _worker(plan_json: str, run: Any, log_dir: str | None = None) -> dict[str, A
     """One rank: join the process group from torchrun's environment, train, report from rank 0. An
     exception other than a SoapError is written to `log_dir` (see `worker_failure`) and re-raised."""
     try:
-        return _train_rank(plan_json, run)
+        return _train_rank(plan_json, run, log_dir)
     except Exception as exc:
         if log_dir is not None:
             message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -191,23 +200,53 @@ def _worker(plan_json: str, run: Any, log_dir: str | None = None) -> dict[str, A
         raise
 
 
-def _train_rank(plan_json: str, run: Any) -> dict[str, Any] | None:
+def _train_rank(plan_json: str, run: Any, log_dir: str | None = None) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
     from executor.train import train
+    from executor.watchdog import Watchdog, limits_for
 
     plan = plan_from_dict(json.loads(plan_json))
+    limits = limits_for(plan, run.timeout_s)
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     store, rank, world_size = next(dist.rendezvous("env://"))
-    dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world_size)
+    watchdog = Watchdog(limits, rank=rank, on_stall=lambda message: end_stalled_rank(message, log_dir)).start()
+    watchdog.activity("on joining the process group", warmup=True)
+    dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=limits.process_group_s))
     try:
-        result = train(plan, run, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        result = train(plan, run, local_rank=int(os.environ.get("LOCAL_RANK", "0")), watchdog=watchdog)
         return result.to_json() if dist.get_rank() == 0 else None
     except SoapError as exc:
         return {"error": str(exc)}
     finally:
+        watchdog.activity("on destroying the process group")
         dist.destroy_process_group()
+        watchdog.stop()
+
+
+STALLED_EXIT_CODE = 124
+"""A worker's exit code when its watchdog ended it (timeout(1)'s)."""
+
+
+def end_stalled_rank(message: str, log_dir: str | None) -> None:
+    """The watchdog's `on_stall`: record `message` and every thread's stack (as `rank-R.json`, marked
+    `stalled`, for `worker_failure`; on stderr as an `error:` line under an external torchrun), then end
+    this process: its main thread is blocked in a wait that nothing else would end before the process
+    group's timeout, and the elastic agent stops the other ranks once one has exited."""
+    frames = sys._current_frames()
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    stacks = "".join(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}\n"
+                     for ident, frame in frames.items())
+    try:
+        if log_dir is not None:
+            record = {"error": message, "traceback": f"{message}\n\n{stacks}", "stalled": True}
+            Path(log_dir, f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+        else:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+    finally:
+        os._exit(STALLED_EXIT_CODE)
 
 
 def attempt_store(store: Any) -> Any:

@@ -16,11 +16,18 @@ Tied embeddings (GPT-2's LM head shares the token embedding's weight): the first
 embedding, the last the head, each as its own copy, filled from the same source (`executor.model`).
 After each backward the two copies' gradients are summed between the first and the last pipeline rank
 of each (dp, cp, tp) coordinate (`TiedAcrossStages`, Megatron's embedding group), so both receive
-the tied weight's full gradient and their optimizer steps keep them equal.
+the tied weight's full gradient and their optimizer steps keep them equal; where one rank holds both
+stages (ZBVZeroBubble's V layout) the two copies' gradients are summed in place.
 
 Schedules come from `get_schedule_class(plan.parallelism.schedule)`, with `scale_grads=False`: the loss
-is already scaled so that gradients sum to the global mean (see `executor.data`). Ranks own stages
-`s` with `s % pp == pp_rank` (looped), one per rank unless the plan has virtual stages.
+is already scaled so that gradients sum to the global mean (see `executor.data`). Ranks own the stages
+`costmodel.schedule.stage_to_rank` gives them: `s % pp == pp_rank` (looped), one per rank unless the plan
+has virtual stages, or the V of ZBVZeroBubble (rank r holds stages r and 2·pp-1-r).
+A stage's output is never a view (`_add_stage_hooks`): the zero-bubble schedules' input-only backward
+(`I` actions) frees it with `detach_()`, which a view refuses. Under those schedules ZeRO-3's blocks stay
+gathered from the schedule's UNSHARD to its RESHARD (`keep_gathered_between_forward_and_weight_backward`).
+`PipelineProgress` records which of the rank's schedule-IR actions finished, so the watchdog
+(`executor.watchdog`) can name the receive a stuck rank waits on.
 
 Vocabulary-parallel ends (tp > 1, `executor.tensor_parallel.apply_vocab_parallel`): the last stage's LM
 head returns the rank's vocabulary shard of the logits as a plain tensor; the schedule's loss
@@ -33,7 +40,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -138,8 +145,14 @@ def _add_stage_hooks(module: nn.Module, *, first: bool, last: bool) -> None:
         key = "input_ids" if first else "inputs_embeds"
         return (), {key: x, "use_cache": False, "position_ids": mod.soap_position_ids(x)}
 
+    def stage_output(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> torch.Tensor:
+        # HF slices the hidden states before the (here neutral) LM head, so a stage's output is a view;
+        # the zero-bubble schedules' input-only backward then frees it with `detach_()`, which views refuse
+        logits = out.logits
+        return logits.clone() if logits._is_view() else logits
+
     module.register_forward_pre_hook(to_kwargs, with_kwargs=True)
-    module.register_forward_hook(lambda mod, args, kwargs, out: out.logits, with_kwargs=True)
+    module.register_forward_hook(stage_output, with_kwargs=True)
     module.soap_position_ids = lambda x: None
 
 
@@ -151,14 +164,98 @@ def set_position_ids(stage_module: nn.Module, fn: Callable[[torch.Tensor], Any])
 def build_schedule(plan: Plan, stages: list[Any], loss_fn: Callable) -> Any:
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+    from costmodel.schedule import build_schedule as schedule_ir
+
     p = plan.parallelism
     cls = get_schedule_class(p.schedule)
     runs_per_step = p.num_microbatches // p.grad_accum
+    ir = schedule_ir(p.schedule, p.pp, runs_per_step, p.virtual_stages)
+    if ir.splits_backward:
+        keep_gathered_between_forward_and_weight_backward(stages)
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
             raise SoapError(f"schedule {p.schedule} runs one stage per rank; the plan has {len(stages)}")
-        return cls(stages[0], n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
+        schedule = cls(stages[0], n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=runs_per_step, loss_fn=loss_fn, scale_grads=False)
+    schedule.soap_progress = PipelineProgress(ir.actions[ir.stage_to_rank[stages[0].stage_index]])
+    for stage in stages:
+        schedule.soap_progress.watch(stage)
+    return schedule
+
+
+class PipelineProgress:
+    """Which of this rank's actions of the current schedule run (the schedule IR's, which torch runs in
+    the same order) have finished, for the watchdog (`executor.watchdog`): `waiting_on()` names the
+    receive or send the rank waits on, or the compute it is in; `beat` is called after each action."""
+
+    def __init__(self, actions: tuple[Any, ...]) -> None:
+        self.actions = actions
+        self.done: set[tuple[int, str, int]] = set()
+        self.running: tuple[int, str, int] | None = None
+        self.beat: Callable[[], None] = lambda: None
+        self.stages = sorted({a.stage for a in actions})
+
+    def start_run(self) -> None:
+        self.done.clear()
+        self.running = None
+
+    def watch(self, stage: Any) -> None:
+        """Record `stage`'s forward and backward calls (the schedule calls them through the instance)."""
+        def recorded(method: Callable, kind: Callable[[dict], str]) -> Callable:
+            def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
+                self.running = (stage.stage_index, kind(kwargs), chunk)
+                out = method(chunk, *args, **kwargs)
+                self.done.add(self.running)
+                self.running = None
+                self.beat()
+                return out
+            return run
+
+        stage.forward_one_chunk = recorded(stage.forward_one_chunk, lambda kw: "F")
+        stage.backward_one_chunk = recorded(stage.backward_one_chunk,
+                                            lambda kw: "B" if kw.get("full_backward", True) else "I")
+        stage.backward_weight_one_chunk = recorded(stage.backward_weight_one_chunk, lambda kw: "W")
+
+    def waiting_on(self) -> str:
+        """`on RECV_F from stage 0 for micro-batch 3`, `in B of stage 1 for micro-batch 0`, ..."""
+        of = (lambda s: f" of stage {s}") if len(self.stages) > 1 else (lambda s: "")
+        if self.running is not None:
+            s, kind, mb = self.running
+            return f"in {kind} of stage {s} for micro-batch {mb}"
+        pending, upcoming = [], None
+        for a in self.actions:
+            if not a.is_compute:
+                pending.append(a)
+            elif (a.stage, a.kind.value, a.microbatch) in self.done:
+                pending = []
+            else:
+                upcoming = a
+                break
+        for a in sorted(pending, key=lambda a: not a.kind.value.startswith("RECV")):
+            peer = a.stage - 1 if a.kind.value.endswith("_F") == a.kind.value.startswith("RECV") else a.stage + 1
+            way = "from" if a.kind.value.startswith("RECV") else "to"
+            return f"on {a.kind.value}{of(a.stage)} {way} stage {peer} for micro-batch {a.microbatch}"
+        if upcoming is None:
+            return "after the run's last action (the stages' gradient reduction)"
+        return f"before {upcoming.kind.value} of stage {upcoming.stage} for micro-batch {upcoming.microbatch}"
+
+
+def keep_gathered_between_forward_and_weight_backward(stages: list[Any]) -> None:
+    """Stop ZeRO-3's blocks from resharding after each forward, for schedules that split the backward.
+
+    torch runs a micro-batch's weight backward (`W`, `stage_backward_weight`: `autograd.grad` onto the
+    parameters `stage.submod.parameters()` lists when it runs) after later forwards of the same stage; a
+    ZeRO-3 block reshards after each of those forwards (its module then holds the sharded parameters), and
+    the block's weight gradients come out missing or partial (pp=2 x dp_shard=2 llama: the layers' gradients
+    differ from Interleaved1F1B's, the root module's do not). Kept gathered from the schedule's UNSHARD
+    to its RESHARD, as torchtitan keeps every pipeline's FSDP blocks, they equal a single process's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for stage in stages:
+        for module in stage.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reshard_after_forward(False)
 
 
 def vocab_parallel_loss(loss_fn: Callable, tp_mesh: Any, vocab: int) -> Callable:
@@ -202,16 +299,28 @@ class TiedAcrossStages:
     the other copies (see the module docstring)."""
 
     params: list[nn.Parameter]
-    """One per tied pair, ordered by the first copy's FQN (the same order on both ranks)."""
+    """One per tied pair whose other copy is on another rank, ordered by the first copy's FQN (the same
+    order on both ranks)."""
     group: Any
+    local_pairs: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    """Tied pairs whose both copies this rank holds, in two of its stages (ZBVZeroBubble's V puts the
+    first and the last stage on pipeline rank 0)."""
 
     def sum_gradients(self) -> None:
-        from torch.distributed.tensor import DTensor
-
         for param in self.params:
-            grad = param.grad
-            # under FSDP both copies are sharded alike, so the local shards hold the same rows
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+            dist.all_reduce(_local(param.grad), group=self.group)
+        for first, last in self.local_pairs:
+            total = _local(first.grad)
+            total.add_(_local(last.grad))
+            _local(last.grad).copy_(total)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's local tensor: under FSDP both copies of a tied pair are sharded alike, so their local
+    shards hold the same rows."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def tied_across_stages(template: nn.Module, parts: list[nn.Module], mesh: Any, pp_rank: int,
@@ -222,7 +331,8 @@ def tied_across_stages(template: nn.Module, parts: list[nn.Module], mesh: Any, p
     if not pairs:
         return None
     held = {fqn: param for part in parts for fqn, param in part.named_parameters(remove_duplicate=False)}
-    split = [(o, a) for o, a in pairs if (o in held) != (a in held) or (o in held and held[o] is not held[a])]
+    local = [(o, a) for o, a in pairs if o in held and a in held and held[o] is not held[a]]
+    split = [(o, a) for o, a in pairs if (o in held) != (a in held)]
     ranks = mesh.mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) global ranks
     group = None
     for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
@@ -231,7 +341,8 @@ def tied_across_stages(template: nn.Module, parts: list[nn.Module], mesh: Any, p
             group = created
     for owner, alias in split:
         expected = owner if pp_rank == 0 else alias if pp_rank == pp - 1 else None
-        if expected is None or expected not in held or (owner in held and alias in held):
+        if expected is None or expected not in held:
             raise SoapError(f"{alias} is tied to {owner}, and the pipeline split puts them on stages other than "
                             "the first and the last; untie them (tie_word_embeddings=false) or plan with pp=1")
-    return TiedAcrossStages([held[o] if o in held else held[a] for o, a in split], group)
+    return TiedAcrossStages([held[o] if o in held else held[a] for o, a in split], group,
+                            [(held[o], held[a]) for o, a in local])

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from costmodel.plan_rules import executed_pipeline_violation, model_violation
+from costmodel.plan_rules import compile_violation, executed_pipeline_violation, model_violation
 from costmodel.strategy import (
     ATTENTION_IMPLS,
     MESH_DIM_NAMES,
@@ -203,16 +203,21 @@ class Plan(_Strict):
                 f"{p.dp * p.micro_batch * p.num_microbatches}"
             )
         reason = executed_pipeline_violation(p.schedule, pp=p.pp, virtual_stages=p.virtual_stages,
-                                             num_microbatches=p.num_microbatches, grad_accum=p.grad_accum)
+                                             num_microbatches=p.num_microbatches, grad_accum=p.grad_accum,
+                                             zero=p.zero)
         if reason:
             raise ValueError(reason)
         dims = model_dims(SimpleNamespace(**self.model.config), [])
         if dims.heads and dims.num_layers:  # a user's nn.Module may come without an HF config
             reason = model_violation(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, num_layers=dims.num_layers,
                                      heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab,
-                                     seq_len=self.seq_len, num_experts=dims.num_experts)
+                                     seq_len=self.seq_len, num_experts=dims.num_experts,
+                                     encoder_decoder=dims.is_encoder_decoder)
             if reason:
                 raise ValueError(f"parallelism: {reason}")
+        reason = compile_violation(compile=p.compile, encoder_decoder=dims.is_encoder_decoder)
+        if reason:
+            raise ValueError(reason)
         if p.pp > 1:
             if len(self.stages) != p.pp * p.virtual_stages:
                 raise ValueError(f"stages: expected pp*virtual_stages={p.pp * p.virtual_stages} stages, got {len(self.stages)}")

@@ -7,7 +7,9 @@
   run), BERT through a pipeline, and vocab-parallel TP over a vocabulary tp does not divide; under
   TP x PP the first stage's token embedding and the last stage's LM head and loss are vocab-parallel
   (GPT-2's tied pair and BERT's too, an uneven vocabulary too); DDP's gradients are views of its buckets
-  (fp16 loss scaling and ZeRO-1 gradient accumulation through them too).
+  (fp16 loss scaling and ZeRO-1 gradient accumulation through them too); every pipeline schedule soap
+  executes (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, LoopedBFS, ZBVZeroBubble) with pp=2 x
+  dp=2, replicated or ZeRO-3, and ZBVZeroBubble's V with GPT-2's tied pair on one rank.
 - Vocab-parallel TP (pp == 1): the token embedding and LM head are sharded over the vocabulary (tied
   ones stay one parameter), the logits come out vocab-sharded, and loss and gradients equal an
   unsharded copy's.
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 RUN = {"steps": 3, "lr": 1e-2}
 UNTIED = {f: {"config": tiny_config(f, tie_word_embeddings=False)} for f in ("llama", "gpt2")}
+DP_2 = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2, zero=3)}
 ODD_VOCAB = {"config": tiny_config("gpt2", vocab_size=95)}
 """A vocabulary tp=2 does not divide: sharded unevenly (48 + 47 rows)."""
 
@@ -102,6 +105,19 @@ def _cases_4_ranks() -> dict[str, tuple[str, dict]]:
         "gpt2-tp-x-pp-tied-vocab-95": ("gpt2", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2, **ODD_VOCAB)),
         "bert-tp-x-pp": ("bert", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2)),
     }
+    # every executed schedule with pp=2 x dp=2 (1F1B above: llama-pp-x-dp, gpt2-pp-tied-x-fsdp); the
+    # zero-bubble ones under ZeRO-3 too, whose weight backward runs after later forwards
+    cases |= {
+        f"llama-pp-{name}-x-{dp}": ("llama", dict(pp=2, micro_batch=1, num_microbatches=2, schedule=schedule,
+                                                   virtual_stages=v, **DP_2[dp], **UNTIED["llama"]))
+        for name, schedule, v, dp in (("gpipe", "GPipe", 1, "fsdp"), ("interleaved", "Interleaved1F1B", 2, "fsdp"),
+                                      ("izb", "InterleavedZeroBubble", 2, "ddp"),
+                                      ("izb", "InterleavedZeroBubble", 2, "fsdp"),
+                                      ("looped-bfs", "LoopedBFS", 2, "ddp"), ("zbv", "ZBVZeroBubble", 2, "fsdp"))
+    }
+    # ZBV's V puts the first and the last stage on one rank: GPT-2's tied pair is summed there
+    cases["gpt2-pp-zbv-tied-x-ddp"] = ("gpt2", dict(pp=2, dp_replicate=2, micro_batch=1, num_microbatches=2,
+                                                    schedule="ZBVZeroBubble", virtual_stages=2))
     return cases
 
 

@@ -110,6 +110,8 @@ def test_model_rules_name_the_numbers():
     (4, 16, Pins(pp=2, grad_accum=2)),
     (4, 8, Pins(pp=4, schedule="1F1B")),
     (4, 2, Pins(pp=2)),
+    (4, 8, Pins(pp=2, zero=3, schedule="ZBVZeroBubble")),
+    (4, 8, Pins(pp=2, zero=3)),
 ])
 def test_the_search_never_enumerates_a_plan_torch_refuses(gpus, global_batch, pins):
     dims = ModelDims(num_layers=8, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256)
@@ -121,10 +123,26 @@ def test_the_search_never_enumerates_a_plan_torch_refuses(gpus, global_batch, pi
         for t in training_choices(req, mesh):
             seen += 1
             assert executed_pipeline_violation(t.schedule, pp=pp, virtual_stages=t.virtual_stages,
-                                               num_microbatches=t.num_microbatches, grad_accum=t.grad_accum) is None
+                                               num_microbatches=t.num_microbatches, grad_accum=t.grad_accum,
+                                               zero=t.zero) is None
             if pp > 1 and local >= pp and not pins.grad_accum:
                 assert t.num_microbatches // t.grad_accum >= pp, "a pipeline run with idle stages was offered"
-    assert seen
+    assert seen or pins.schedule == "ZBVZeroBubble" and pins.zero == 3
+
+
+def test_split_backward_schedules_are_those_whose_ir_splits_the_backward():
+    """The ZeRO-3 rule names the schedules whose weight backward runs apart (I and W actions in the
+    schedule IR the executor runs): there FSDP keeps blocks gathered, so zero 3 would run as zero 2."""
+    from costmodel.plan_rules import SPLIT_BACKWARD_SCHEDULES
+    from costmodel.schedule import build_schedule
+    from costmodel.strategy import MULTI_STAGE_SCHEDULES, SCHEDULES
+
+    for name in SCHEDULES:
+        v = 2 if name in MULTI_STAGE_SCHEDULES else 1
+        assert build_schedule(name, 2, 4, v).splits_backward == (name in SPLIT_BACKWARD_SCHEDULES), name
+        reason = executed_pipeline_violation(name, pp=2, virtual_stages=v, num_microbatches=4, zero=3)
+        assert (reason is not None) == (name in SPLIT_BACKWARD_SCHEDULES), name
+        assert executed_pipeline_violation(name, pp=2, virtual_stages=v, num_microbatches=4, zero=2) is None
 
 
 def test_pins_that_leave_1f1b_too_few_micro_batches_are_refused_with_the_numbers(tmp_path, capsys):
@@ -208,25 +226,38 @@ def test_the_launcher_checks_the_rule_before_spawning_workers():
     assert not dist.is_initialized()
 
 
-def test_a_schedule_the_executor_cannot_run_is_never_planned_loaded_or_started(tmp_path, capsys):
-    """torch accepts ZBVZeroBubble, but soap's executor's runs of it stop on a receive (issue 15): the
-    search leaves it out, a pin or a plan.json naming it is refused, and so is a Python-built plan."""
+def test_zbv_zero_bubble_is_planned_and_loaded(tmp_path, capsys):
+    """ZBVZeroBubble executes (tests/test_executor_multiprocess.py holds it to a single process), so a pin
+    plans it, with its V of two stages per rank, and a plan.json naming it loads."""
+    assert executed_pipeline_violation("ZBVZeroBubble", pp=2, virtual_stages=2, num_microbatches=4) is None
+    p = _plan_cli(tmp_path, "--schedule", "ZBVZeroBubble")
+    assert p["parallelism"]["schedule"] == "ZBVZeroBubble" and p["parallelism"]["virtual_stages"] == 2
+    assert [s["rank"] for s in sorted(p["stages"], key=lambda s: s["index"])] == [0, 1, 1, 0]
+    assert plan_from_dict(p).parallelism.schedule == "ZBVZeroBubble"
+
+
+def test_a_schedule_the_executor_cannot_run_is_never_planned_loaded_or_started(tmp_path, capsys, monkeypatch):
+    """A schedule torch accepts but soap's executor cannot run (`NOT_EXECUTED`, empty today; LoopedBFS
+    stands in): the search leaves it out, a pin or a plan.json naming it is refused, and so is a
+    Python-built plan."""
+    from costmodel.plan_rules import NOT_EXECUTED
     from executor.launch import LaunchOptions, run_plan
     from executor.train import RunConfig
 
-    assert executed_pipeline_violation("ZBVZeroBubble", pp=2, virtual_stages=2, num_microbatches=4) is not None
-    assert pipeline_violation("ZBVZeroBubble", pp=2, virtual_stages=2, num_microbatches=4) is None  # torch's own
+    monkeypatch.setitem(NOT_EXECUTED, "LoopedBFS", "soap's executor does not run it yet (a test stand-in)")
+    assert executed_pipeline_violation("LoopedBFS", pp=2, virtual_stages=2, num_microbatches=4) is not None
+    assert pipeline_violation("LoopedBFS", pp=2, virtual_stages=2, num_microbatches=4) is None  # torch's own
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_LLAMA))
     assert main(["plan", str(config), "--gpus", "2", "--cluster", "local-cpu", "--global-batch", "8", "--pp", "2",
-                 "--schedule", "ZBVZeroBubble"]) == 2
-    assert "--schedule ZBVZeroBubble: soap's executor does not run it yet" in capsys.readouterr().err
+                 "--schedule", "LoopedBFS"]) == 2
+    assert "--schedule LoopedBFS: soap's executor does not run it yet" in capsys.readouterr().err
     data = json.loads(make_plan("llama", pp=2, micro_batch=1, num_microbatches=4).to_json())
-    data["parallelism"].update(schedule="ZBVZeroBubble", virtual_stages=2)
-    with pytest.raises(SoapError, match=r"parallelism\.schedule=ZBVZeroBubble: soap's executor does not run it"):
+    data["parallelism"].update(schedule="LoopedBFS", virtual_stages=2)
+    with pytest.raises(SoapError, match=r"parallelism\.schedule=LoopedBFS: soap's executor does not run it"):
         plan_from_dict(data)
     plan = make_plan("llama", pp=2, micro_batch=1, num_microbatches=4)
     unchecked = plan.model_copy(update={"parallelism": plan.parallelism.model_copy(
-        update={"schedule": "ZBVZeroBubble", "virtual_stages": 2})})
-    with pytest.raises(SoapError, match="ZBVZeroBubble"):
+        update={"schedule": "LoopedBFS", "virtual_stages": 2})})
+    with pytest.raises(SoapError, match="LoopedBFS"):
         run_plan(unchecked, RunConfig(), LaunchOptions())
