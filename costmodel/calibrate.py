@@ -12,6 +12,8 @@ Pipeline (`calibrate`):
    compute and a framework's host time per collective — become the device's `optimizer_factors`,
    `concurrency_efficiency`, `communication_overlap` and `collective_call_overhead_us` (the last three
    need nproc >= 2 and are skipped by --quick).
+3c. `microbench_compile`: each kernel class in its Hugging Face chain, eager against torch.compile,
+   becomes the device's `compile_factors` (skipped by --quick: compiling the chains takes minutes).
 4. `validate` predicts the held-out points with the fitted profile through `costmodel.opcost.op_time`
    and `costmodel.collectives.collective_time` and reports the median absolute % error.
 
@@ -39,6 +41,7 @@ from costmodel.calibrate_node import (OPTIMIZER_QUICK_ELEMENTS, OPTIMIZER_SWEEP_
 from costmodel.calibrate_predict import PointError, predict_comm, predict_kernel
 from costmodel.calibrate_suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
 from costmodel.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
+from costmodel.microbench_compile import CompileSample, compile_cases, compile_factors_json, measure_compile
 from costmodel.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
 from costmodel.profiles import PROFILES_DIR, ClusterSpec, cluster_from_dict
 from tracer.errors import SoapError
@@ -61,6 +64,9 @@ class CalibrationConfig:
     """Profile name for the device and the cluster."""
     rounds: int = 2
     """Passes over every sweep; each case keeps its fastest pass."""
+    compile: bool = True
+    """Time torch.compile against eager per kernel class (`costmodel.microbench_compile`); never under
+    `quick`."""
     reference_precision: str = "fp32"
     """The precision the device trains in, whose kernels shape the efficiency curves (`soap calibrate`
     uses fp32 on CPU, bf16 on CUDA)."""
@@ -96,6 +102,8 @@ class Measurements:
     """Bytes/s of a pinned host-to-device copy (CUDA only)."""
     node: NodeMeasurements = NodeMeasurements()
     """The optimizer step, concurrency and overlap measurements (`costmodel.calibrate_node`)."""
+    compile: tuple[CompileSample, ...] = ()
+    """Eager against torch.compile per kernel class (`costmodel.microbench_compile`); empty: not measured."""
 
     @property
     def source(self) -> str:
@@ -135,7 +143,8 @@ def planned_points(config: CalibrationConfig) -> int:
     comms = sum(len(s.cases) for s in comm_sweeps(config.nproc, quick=config.quick))
     optimizer = len(OPTIMIZER_QUICK_ELEMENTS if config.quick else OPTIMIZER_SWEEP_ELEMENTS)
     node = 0 if config.quick or config.nproc < 2 else 2
-    return (kernels + comms) * config.rounds + 1 + (optimizer > 0) + node
+    compiled = 0 if config.quick or not config.compile else len(compile_cases())
+    return (kernels + comms) * config.rounds + 1 + (optimizer > 0) + node + compiled
 
 
 def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda _: None) -> Measurements:
@@ -163,6 +172,8 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
                     progress(case.label)
         optimizer = tuple(measure_optimizer(dev, precision=config.reference_precision, quick=config.quick))
         progress("optimizer step")
+        compiled = () if config.quick or not config.compile else tuple(
+            measure_compile(dev, threads=config.threads, rounds=config.rounds, timing=timing, progress=progress))
     finally:
         torch.set_num_threads(old_threads)
     kernels = [Point(name, i, sample) for (name, i), sample in best.items()]
@@ -203,6 +214,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         host_bandwidth=host_bandwidth,
         node=NodeMeasurements(optimizer=optimizer, concurrency=tuple(concurrency), overlap=overlap,
                               call_overhead_s=call_overhead),
+        compile=compiled,
     )
 
 
@@ -266,6 +278,8 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
     )
     device_json = refine_device(device_json, fit_kernels, reference=config.reference_precision)
     device_json.update(node_fields(meas.node, device_json, meas.source))
+    if meas.compile:
+        device_json["compile_factors"] = compile_factors_json(meas.compile, source=meas.source)
     cluster: dict | None = None
     if fit_comms:
         group = max(p.sample.case.group_size for p in meas.comms)

@@ -24,6 +24,18 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   saved tensors or parameters (a view, an index computation) has no backward kernel.
 - Views with no FLOPs and no bytes cost nothing (no kernel).
 
+torch.compile (`compile=True`, the strategy's `TrainingConfig.compile`): each kernel's time, launch
+included, is multiplied by the device's `compile_factors[class/pass]` at the same x (pass `fwd` or
+`bwd`; `compile_factor`):
+
+    t_compiled = c[class/pass](x) * t_kernel
+
+The factor is a measured ratio of whole chains, compiled over eager (`costmodel.microbench_compile`):
+Inductor fuses an elementwise op into its neighbours, so the memory passes and the launches it saves are
+both inside the ratio, charged to the op's class; matmul and attention keep their library kernels. A
+profile without a factor for a class (every GPU profile today: no published per-class numbers) prices
+compile as no change (1). Compile's one-time compilation is not part of the step time.
+
 Local shapes (`local_scale`): the graph was traced at `batch_traced` samples. A tensor's bytes scale by
 micro_batch / batch_traced if it has a SAMPLE dimension, and by 1/d for each role r in `split` with
 degree d that one of its dimensions carries (once per role, not per dimension: a [b, h, s, s] score
@@ -186,6 +198,15 @@ def kernel_factor(op: OpNode, device: DeviceProfile, precision: str, flops: floa
     return curve.at(flops if op.kind in MATMUL_LIKE else nbytes)
 
 
+def compile_factor(op: OpNode, device: DeviceProfile, direction: str, flops: float, nbytes: float) -> float:
+    """The device's torch.compile time factor for `op`'s class in `direction` (`fwd` or `bwd`), at the
+    kernel's FLOPs (matmul, attention) or bytes (the rest); 1 where the profile has none."""
+    curve = device.compile_factors.get(f"{kernel_class(op)}/{direction}")
+    if curve is None:
+        return 1.0
+    return curve.at(flops if op.kind in MATMUL_LIKE else nbytes)
+
+
 def kernel_time(flops: float, nbytes: float, *, peak: float, matmul: bool, device: DeviceProfile,
                 factor: float = 1.0) -> tuple[float, str]:
     """Roofline time of one kernel, times the class `factor`, plus launch overhead; and its bound."""
@@ -196,10 +217,14 @@ def kernel_time(flops: float, nbytes: float, *, peak: float, matmul: bool, devic
     return factor * max(compute, memory) + device.kernel_overhead_s, "compute" if compute >= memory else "memory"
 
 
-def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfile, precision: str) -> tuple[float, str]:
+def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfile, precision: str,
+                 compile: bool = False) -> tuple[float, str]:
     peak = compute_peak(op, device, precision)
     factor = kernel_factor(op, device, precision, flops, nbytes)
-    return kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
+    t, bound = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
+    if compile and t > 0:
+        t *= compile_factor(op, device, "fwd", flops, nbytes)
+    return t, bound
 
 
 def has_backward(op: OpNode) -> bool:
@@ -215,7 +240,8 @@ def backward_kernels(op: OpNode) -> int:
     return 1
 
 
-def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceProfile, precision: str) -> float:
+def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceProfile, precision: str,
+                  compile: bool = False) -> float:
     if not has_backward(op):
         return 0.0
     peak = compute_peak(op, device, precision)
@@ -223,6 +249,8 @@ def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceP
     flops, nbytes = flops / kernels, 2 * fwd_bytes / kernels
     factor = kernel_factor(op, device, precision, flops, nbytes)
     t, _ = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
+    if compile:
+        t *= compile_factor(op, device, "bwd", flops, nbytes)
     return kernels * t
 
 
@@ -234,8 +262,10 @@ def op_time(
     micro_batch: int,
     batch_traced: int,
     split: Mapping[str, int] | None = None,
+    compile: bool = False,
 ) -> OpCost:
-    """Time of `op` for a micro-batch of `micro_batch` samples (the graph was traced at `batch_traced`).
+    """Time of `op` for a micro-batch of `micro_batch` samples (the graph was traced at `batch_traced`),
+    under torch.compile when `compile` (the device's `compile_factors`, see the module docstring).
 
     `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); each tensor
     of the op that has a dimension with that role is divided by the degree (once per role), so the
@@ -244,6 +274,6 @@ def op_time(
     fwd_flops, bwd_flops, nbytes = local_work(
         op, precision=precision, micro_batch=micro_batch, batch_traced=batch_traced, split=split
     )
-    fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision)
-    bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision)
+    fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile)
+    bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile)
     return OpCost(fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd_flops, bwd_flops=bwd_flops, bytes_moved=nbytes, fwd_bound=bound)

@@ -16,6 +16,11 @@ predict, as data (`FactorCurve`, positive factors against a size axis): a device
 `collective_factors` (key `kind/ranks`, read by `costmodel.collectives`). GPU profiles leave them
 out, which means a factor of 1.
 
+A third, `compile_factors` (key `class/pass`, pass `fwd` or `bwd`, the same classes), is torch.compile's
+time over eager's per kernel class, measured by `costmodel.microbench_compile` and read by
+`costmodel.opcost` when a strategy compiles. Absent (every GPU profile: no published per-class figure
+to put there) compile is priced as no change, so the search never picks it for nothing.
+
 Three more optional device fields say how a rank behaves inside a training step rather than alone,
 for machines whose ranks share more than a GPU's ranks do (a CPU whose cores are the ranks):
 `optimizer_factors` (key `optimizer/precision`, the optimizer step against its memory-bound estimate,
@@ -62,6 +67,8 @@ NOT_RECORDED = "not recorded: built in code"
 
 KERNEL_CLASSES = ("matmul", "attention", "arithmetic", "transcendental", "softmax", "norm", "dropout")
 """Kernel classes a device's `kernel_factors` may name (`costmodel.opcost.kernel_class` maps ops to them)."""
+COMPILE_PASSES = ("fwd", "bwd")
+"""The passes a device's `compile_factors` name: a kernel class's forward and its backward."""
 
 
 def log_interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
@@ -130,6 +137,12 @@ class DeviceProfile:
     kernel_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)
     """Optional time multiplier per `class/precision` (e.g. `softmax/bf16`) against the kernel's FLOPs
     (matmul, attention) or bytes (the rest); 1.0 where absent. Provenance under `sources["kernel_factors"]`."""
+    compile_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)
+    """Optional torch.compile time multiplier per `class/pass` (e.g. `tanh/fwd`, `norm/bwd`), against the
+    kernel's FLOPs (matmul, attention) or bytes (the rest); 1.0 where absent (compile gains nothing).
+    Provenance under `sources["compile_factors"]`."""
+    compile_notes: Any = field(default=None, compare=False, hash=False)
+    """The `compile_factors` table's optional `notes` (how it was measured, the raw chain ratios), verbatim."""
     optimizer_factors: Mapping[str, FactorCurve] = field(default_factory=dict, compare=False, hash=False)
     """Optional time multiplier per `optimizer/precision` (e.g. `adamw/fp32`) of the optimizer step against
     its memory-bound estimate, against the bytes that estimate counts (`costmodel.optimizer_step`); 1.0
@@ -167,6 +180,12 @@ class DeviceProfile:
         """"reserved" when the profile has a fitted allocator reserve, else "allocated": which of
         `torch.cuda.max_memory_reserved` / `max_memory_allocated` soap's memory predictions stand for."""
         return "reserved" if self.predicts_reserved_memory else "allocated"
+
+    @property
+    def compile_pays(self) -> bool:
+        """Whether torch.compile makes any kernel class faster on this device (a compile factor below 1
+        somewhere); when not, the search leaves compile off unless it is pinned."""
+        return any(f < 1.0 for curve in self.compile_factors.values() for _, f in curve.points)
 
     @property
     def supports_fp8(self) -> bool:

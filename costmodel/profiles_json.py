@@ -8,6 +8,10 @@ Optional memory fields (their meaning: `costmodel.profiles` module docstring):
 - cluster `host_memory_gib` `{"value": GiB > 0, "source": ...}`: host RAM per node; absent loads as
   unknown (`ClusterSpec.host_memory_bytes` None), so profiles and plan.json files written before it
   existed still load; every shipped cluster has it.
+- device `compile_factors` `{"source": ..., "notes": ..., "factors": {"<class>/<fwd|bwd>": [[x, f], ...]}}`:
+  torch.compile's time over eager's per kernel class and pass, f in [MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR]
+  (compile can fuse an op away but not make it free, and a compiled kernel many times slower than eager is a
+  measurement problem); absent: compile priced as no change.
 - device `allocator_reserve_fraction` `{"value": f in [0, MAX_ALLOCATOR_RESERVE], "source": ...}`:
   reserved / allocated - 1 of the caching allocator at the peak; absent: not fitted (None).
 """
@@ -21,6 +25,7 @@ from typing import Any
 from costmodel.profiles import (
     GIB,
     NOT_RECORDED,
+    COMPILE_PASSES,
     PRECISION_KEYS,
     SCHEMA_VERSION,
     ClusterSpec,
@@ -109,10 +114,13 @@ class _Reader:
         return EfficiencyCurve(tuple(parsed), source=self.text(data, "source", path), extras=extras)
 
     def factor_table(self, data: Any, path: str, kinds: tuple[str, ...], suffix_ok: Callable[[str], bool],
-                     suffix_hint: str) -> tuple[dict[str, FactorCurve], str]:
+                     suffix_hint: str, bounds: tuple[float, float] | None = None,
+                     notes: bool = False) -> tuple[dict[str, FactorCurve], str]:
         """`{"source": s, "factors": {"<kind>/<suffix>": [[x, factor], ...]}}`: x positive and
-        increasing, factors in (0, MAX_FACTOR]."""
-        self.obj(data, path, {"source", "factors"})
+        increasing, factors in (0, MAX_FACTOR], or within `bounds` (inclusive) where given; with `notes`,
+        an optional `notes` object is allowed (kept by the caller)."""
+        self.obj(data, path, {"source", "factors"}, {"notes"} if notes else set())
+        low, high = bounds or (0.0, MAX_FACTOR)
         factors = data["factors"]
         if not isinstance(factors, dict):
             raise self.fail(f"{path}.factors", "must be an object of key -> [[x, factor], ...]")
@@ -128,8 +136,9 @@ class _Reader:
             for i, pair in enumerate(points):
                 ok = isinstance(pair, list) and len(pair) == 2 and all(
                     isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
-                if not ok or pair[0] <= 0 or not 0 < pair[1] <= MAX_FACTOR:
-                    raise self.fail(f"{where}[{i}]", f"must be [x > 0, factor in (0, {MAX_FACTOR:g}]], got {pair!r}")
+                if not ok or pair[0] <= 0 or not (low <= pair[1] <= high and pair[1] > 0):
+                    span = f"[{low:g}, {high:g}]" if bounds else f"(0, {high:g}]"
+                    raise self.fail(f"{where}[{i}]", f"must be [x > 0, factor in {span}], got {pair!r}")
                 if parsed and pair[0] <= parsed[-1][0]:
                     raise self.fail(f"{where}[{i}]", f"x must increase, got {pair[0]} after {parsed[-1][0]}")
                 parsed.append((float(pair[0]), float(pair[1])))
@@ -139,6 +148,10 @@ class _Reader:
 
 MAX_FACTOR = 1000.0
 """Largest time multiplier a factor table may hold (a sanity bound, not a physical one)."""
+MIN_COMPILE_FACTOR = 0.02
+MAX_COMPILE_FACTOR = 10.0
+"""Bounds on a `compile_factors` entry: fusion can hide an op in its neighbour's memory pass but not make
+it free (50x faster), and a compiled kernel ten times slower than eager is a measurement problem."""
 
 
 _DEVICE_REQUIRED = {
@@ -166,7 +179,8 @@ def _check_version(r: _Reader, data: dict) -> None:
 
 def device_from_json(data: Any, origin: str) -> DeviceProfile:
     r = _Reader(origin)
-    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "runtime_workspace_mib", "notes",
+    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "compile_factors",
+                                             "runtime_workspace_mib", "notes",
                                              "allocator_reserve_fraction", *_DEVICE_STEP_FIELDS})
     _check_version(r, data)
     sources: dict[str, str] = {}
@@ -195,6 +209,13 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
     if "kernel_factors" in data:
         kernel_factors, sources["kernel_factors"] = r.factor_table(
             data["kernel_factors"], "kernel_factors", FACTOR_KERNEL_CLASSES, lambda p: p in PRECISION_KEYS, "|".join(PRECISION_KEYS))
+    compile_factors: dict[str, FactorCurve] = {}
+    compile_notes = None
+    if "compile_factors" in data:
+        compile_factors, sources["compile_factors"] = r.factor_table(
+            data["compile_factors"], "compile_factors", FACTOR_KERNEL_CLASSES, lambda p: p in COMPILE_PASSES,
+            "|".join(COMPILE_PASSES), bounds=(MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR), notes=True)
+        compile_notes = data["compile_factors"].get("notes")
     workspace = 0
     if "runtime_workspace_mib" in data:
         value, sources["runtime_workspace_mib"] = r.number(data["runtime_workspace_mib"], "runtime_workspace_mib",
@@ -246,6 +267,8 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         host_bandwidth=num("host_link_gbps") * 1e9,
         dtype_efficiency=dtype_eff,
         kernel_factors=kernel_factors,
+        compile_factors=compile_factors,
+        compile_notes=compile_notes,
         optimizer_factors=optimizer_factors,
         concurrency_efficiency=concurrency,
         communication_overlap=overlap,
@@ -351,6 +374,10 @@ def device_to_dict(device: DeviceProfile) -> dict:
         out["dtype_efficiency"] = {**device.dtype_efficiency, "source": src("dtype_efficiency") or NOT_RECORDED}
     if device.kernel_factors:
         out["kernel_factors"] = _factor_table_dict(device.kernel_factors, src("kernel_factors"))
+    if device.compile_factors:
+        out["compile_factors"] = _factor_table_dict(device.compile_factors, src("compile_factors"))
+        if device.compile_notes is not None:
+            out["compile_factors"]["notes"] = device.compile_notes
     if device.optimizer_factors:
         out["optimizer_factors"] = _factor_table_dict(device.optimizer_factors, src("optimizer_factors"))
     if device.concurrency_efficiency is not None:

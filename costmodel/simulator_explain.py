@@ -39,7 +39,8 @@ class OpCostRow:
 
 def op_costs(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, pricer: Pricer | None = None) -> tuple[OpCostRow, ...]:
     t, dims = strategy.train, graph.dims
-    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster))
+    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster),
+                                     compile=t.compile)
     groups = mesh_groups(strategy, cluster.gpus_per_node)
     by_group = {"tp": groups.tp, "cp": groups.cp, "ep": groups.ep}
     shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden,

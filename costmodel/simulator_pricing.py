@@ -23,6 +23,27 @@ every instance and every stage (`_UnitPricer.chunk`):
   and its backward); zero 2: the same before its forward only (FSDP2 without resharding after forward
   keeps them through backward and reshards after it, so every micro-batch gathers again);
 - FSDP2 engines (`fsdp_engine`) without a pipeline sync gradients every micro-batch (no no_sync);
+- ZeRO-3/FSDP arithmetic (`data_parallel_traffic`, FSDP2 as `executor.data_parallel` runs it). A unit
+  (segment instance) of p local parameters (after tp/ep sharding), sharded over dp_shard = n ranks, g of
+  them per node, N = n / g nodes, per micro-batch:
+      forward    all-gather p x w bytes (w = `activation_itemsize`: 2 at fp16/bf16/fp8, 4 at fp32/tf32)
+      backward   all-gather p x w again (reshard_after_forward freed them); a full recompute runs under
+                 the same gather (FSDP2's pre-backward unshard serves it: its forward pre-hook does not
+                 gather in the backward state), so recompute adds no third gather
+      gradients  reduce-scatter p x 4 (fp32 reduce dtype, `GRAD_BYTES`), then all-reduce p x 4 / n over
+                 dp_replicate (HSDP)
+  Every gathered buffer lives (N-1)/N on other nodes and every reduced one goes (N-1)/N to them, and a
+  node moves it through its g NICs of B bytes/s each (the cluster's per-GPU inter-node bandwidth), so
+  per GPU and micro-batch, at line rate,
+      t_dp >= (N-1)/N x p x (2w + 4) / (g x B)                      (zero 3; zero 2: w + 4)
+  (the inter-node phase of `collectives.hierarchical_time`; a flat ring moves the same bus bytes at
+  min(intra, g x B) per rank), plus each collective's latency steps and per-call overhead. The three
+  share the group's one NCCL stream (`dp-comm`) in FSDP2's issue order (`costmodel.simulator_step`)
+  and overlap compute, so m micro-batches take at least m x max(compute, sum over units of t_dp). At
+  micro-batch 1 over hundreds of nodes the step is communication-bound: llama-3-8b (8.0e9 parameters)
+  on 512 H100s (g = 8, B = 50 GB/s, N = 64) moves 8.0e9 x 8 x 63/64 / 400e9 = 0.158 s per micro-batch
+  at line rate, about its compute at seq 2048 (tests/test_physics.py holds the simulator and the
+  estimator above it);
 - activations: what `memory.activation_parts` says one micro-batch keeps, per group of ops sharing a
   split; the recompute window (the dropped tensors, re-materialized while the chunk's backward runs)
   is the none set less the kept set. With full recomputation only the block input is kept.
@@ -74,7 +95,7 @@ from costmodel.schedule import step_schedule
 from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
 from costmodel.simulator_result import StepFacts
 from costmodel.simulator_stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
-from costmodel.strategy import Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
+from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode
 
@@ -108,6 +129,8 @@ class ProfilePricer:
     node_ranks: int = 1
     """Ranks of one node computing at once: the device's `concurrency_efficiency` at this count divides
     every kernel's and the optimizer's speed (1: priced as calibrated, one rank alone)."""
+    compile: bool = False
+    """torch.compile on: every kernel takes the device's `compile_factors` (`costmodel.opcost`)."""
 
     @property
     def slowdown(self) -> float:
@@ -116,7 +139,7 @@ class ProfilePricer:
 
     def op(self, op: OpNode, split: Mapping[str, int], micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
         cost = op_time(op, device=self.cluster.device, precision=self.precision, micro_batch=micro_batch,
-                       batch_traced=batch_traced, split=split)
+                       batch_traced=batch_traced, split=split, compile=self.compile)
         weight = cost.bwd_s / 2 if op.kind is OpKind.MATMUL and op.params else 0.0
         k = self.slowdown
         return k * cost.fwd_s, k * (cost.bwd_s - weight), k * weight
@@ -191,7 +214,7 @@ def price_step(
     dims = graph.dims
     d.check_model(num_layers=dims.num_layers, heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab, seq_len=t.seq_len)
     strategy.check_batch()
-    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster))
+    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster), compile=t.compile)
     groups = mesh_groups(strategy, cluster.gpus_per_node)
     n_stages = d.pp * t.virtual_stages
     layers = layer_sequence(graph)
@@ -212,7 +235,7 @@ def price_step(
         for rank in range(schedule.pp))
     costs = StepCosts(
         stages=stages, schedule=schedule, grad_accum=passes,
-        grad_sync_every_microbatch=(t.zero == 3 and d.shard_degree > 1) or (d.pp == 1 and d.sync_degree > 1 and fsdp_engine(strategy)),
+        grad_sync_every_microbatch=data_parallel_traffic(d, t).sync_every_microbatch,
         gather_in_backward=units.fsdp,
         links={
             "tp-comm": "inter_node" if _spans(groups.tp) or _spans(groups.cp) else "intra_node",
@@ -293,7 +316,7 @@ class _UnitPricer:
     @property
     def fsdp(self) -> bool:
         """ZeRO 3 over dp_shard > 1: parameters gathered per chunk (held in `memory.buffer_bytes`)."""
-        return self.strategy.train.zero == 3 and self.strategy.dims.shard_degree > 1
+        return data_parallel_traffic(self.strategy.dims, self.strategy.train).gathers_per_microbatch == 2
 
     def _grad_sync(self, params: int) -> float:
         d, t = self.strategy.dims, self.strategy.train
@@ -307,7 +330,7 @@ class _UnitPricer:
 
     def _gather(self, params: int) -> float:
         t, d = self.strategy.train, self.strategy.dims
-        if not (self.fsdp or (t.zero == 2 and d.shard_degree > 1)) or params == 0:
+        if not data_parallel_traffic(d, t).gathers_per_microbatch or params == 0:
             return 0.0
         return self.pricer.collective("all_gather", params * activation_itemsize(t.precision), self.groups.dp_shard)
 
@@ -350,6 +373,28 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                             if t.zero == 1 and d.shard_degree > 1 else 0.0),
         weights_bytes=state.weights, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
     )
+
+
+@dataclass(frozen=True)
+class DataParallelTraffic:
+    """What one rank puts on the data-parallel link per micro-batch (the module docstring's ZeRO/FSDP
+    arithmetic); the simulator's task graph and the planner's estimate both follow it."""
+
+    gathers_per_microbatch: int
+    """Parameter all-gathers over dp_shard per unit and micro-batch: 2 with zero 3 (forward; backward,
+    recompute included), 1 with zero 2 (forward), else 0."""
+    sync_every_microbatch: bool
+    """Gradients reduced after every micro-batch's backward (zero 3; FSDP2 without a pipeline), not once
+    per step."""
+
+
+def data_parallel_traffic(dims: ParallelDims, train: TrainingConfig) -> DataParallelTraffic:
+    d, t = dims, train
+    sharded = d.shard_degree > 1
+    gathers = 2 if t.zero == 3 and sharded else 1 if t.zero == 2 and sharded else 0
+    fsdp2 = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
+    every = (t.zero == 3 and sharded) or (d.pp == 1 and d.sync_degree > 1 and fsdp2)
+    return DataParallelTraffic(gathers, every)
 
 
 def fsdp_engine(strategy: Strategy) -> bool:
@@ -456,7 +501,8 @@ def _facts(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec) -> StepFact
             "pp": d.pp, "cp": d.cp, "ep": d.ep, "sequence_parallel": t.sequence_parallel,
             "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "num_microbatches": t.num_microbatches,
             "schedule": t.schedule, "virtual_stages": t.virtual_stages, "recompute": t.recompute,
-            "precision": t.precision, "optimizer": t.optimizer,
+            "precision": t.precision, "optimizer": t.optimizer, "offload_optimizer": t.offload_optimizer,
+            "compile": t.compile,
         },
     )
 

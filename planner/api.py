@@ -29,7 +29,16 @@ GIB = 2**30
 DEFAULT_MAX_SEQ_LEN = 4096
 TOKENS_PER_STEP = 1 << 22
 PIN_NAMES = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum", "recompute", "schedule", "precision",
-             "optimizer")
+             "optimizer", "ep", "virtual_stages", "offload", "compile")
+SWITCH_PINS = ("offload", "compile")
+"""Pins that are on or off: True/False, or the CLI's "on"/"off"."""
+
+
+def _switch(name: str, value: Any) -> Any:
+    """"on"/"off" as True/False for a switch pin; anything else is left for `Pins` to judge."""
+    if name in SWITCH_PINS and isinstance(value, str) and value.lower() in ("on", "off"):
+        return value.lower() == "on"
+    return value
 
 
 def default_seq_len(config: Any, task: str) -> int:
@@ -107,7 +116,7 @@ def make_request(
     space = SpaceRequest(
         gpus=gpus, gpus_per_node=cluster_spec.gpus_per_node, tp_across_nodes=cluster_spec.tp_across_nodes,
         dims=dims, seq_len=seq, global_batch=batch, precisions=tuple(cluster_spec.device.peak_flops),
-        pins=Pins(**{k: v for k, v in pins.items() if v is not None}),
+        pins=Pins(**{k: _switch(k, v) for k, v in pins.items() if v is not None}),
     )
     validate_pins(space)
     return PlanRequest(model=ref, cluster=cluster_spec, space=space, memory_limit=limit)
@@ -138,7 +147,11 @@ def plan_report(
 
 
 def plan(model_or_spec: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", **pins: Any) -> Plan:
-    """The fastest plan that fits; keyword pins (tp=, pp=, dp=, cp=, zero=, micro_batch=, grad_accum=,
-    recompute=, schedule=, precision=, optimizer=) fix dimensions, and gpus_per_node=, task=,
-    global_batch=, seq_len=, mem_limit_gib=, time_budget_s=, seed= and graph= are passed through."""
+    """The fastest plan that fits; keyword pins (tp=, pp=, dp=, cp=, zero=, ep=, micro_batch=, grad_accum=,
+    recompute=, schedule=, virtual_stages=, precision=, optimizer=, offload=, compile=) fix dimensions, and
+    gpus_per_node=, task=, global_batch=, seq_len=, mem_limit_gib=, time_budget_s=, seed= and graph= are
+    passed through. `ep` is the expert-parallel degree (torchtitan's expert_parallel_degree), `virtual_stages`
+    the pipeline stages per rank, `offload` the optimizer state and step on the CPU and `compile` torch.compile
+    per block: True/False (or "on"/"off"); left out, the search decides them. A pin no plan can honour is
+    refused before the search, with the numbers and a fix."""
     return plan_report(model_or_spec, gpus=gpus, cluster=cluster, **pins).plan

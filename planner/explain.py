@@ -1,7 +1,7 @@
 """Why this plan: one short sentence per technique the chosen plan uses, naming what decided it.
 
 Each sentence is a counterfactual: the fastest simulated plan *without* the technique (tp = 1,
-pp = 1, cp = 1, no sharding, no recompute), or failing that the best estimated candidate, either
+pp = 1, cp = 1, no sharding, no recompute, no compile), or failing that the best estimated candidate, either
 does not exist — nothing without it fits in memory — or is slower by a factor, which the sentence
 states (with whether the factor was simulated or estimated). Link facts from the cluster (intra- against inter-node bandwidth) explain
 where TP and PP sit. The last sentence names the largest part of the chosen plan's simulated step.
@@ -88,6 +88,12 @@ def explain(
         reason = versus(lambda c: not c.train.offload_optimizer, f"no plan without it fits in {limit} per GPU")
         lines.append("Offload (FSDP2 CPUOffloadPolicy): fp32 master weights, gradients and optimizer state live in "
                      f"host memory and the optimizer steps on the CPU, {reason}.")
+    if t.compile:
+        reason = versus(lambda c: not c.train.compile, "compile was pinned on")
+        if not cluster.device.compile_factors:
+            reason = (f"as pinned; {cluster.device.name}'s profile has no measured compile factors, so it is priced "
+                      "as no faster than eager")
+        lines.append(f"torch.compile on each block, {reason}; its one-time compilation is not in the step time.")
     if t.precision == "fp8":
         ratio = cluster.device.effective_peak("fp8") / cluster.device.effective_peak("bf16")
         lines.append(f"FP8 matmuls, which this device runs at {ratio:.2g}x its bf16 rate.")

@@ -29,7 +29,8 @@ from costmodel.strategy import RECOMPUTE
 from planner.estimate import Estimator
 from planner.search import Candidate, Priced, enumerate_candidates
 from planner.space import (
-    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, recompute_choices, validate_pins,
+    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, recompute_choices, training_heads,
+    validate_pins,
 )
 from tracer.errors import SoapError
 
@@ -150,12 +151,43 @@ def _remedy(fix: str | None, req: SpaceRequest, gpus: int | None = None) -> str:
     return f"{more} or use a larger --mem-limit" + (", or unpin dimensions" if _pinned(req) else "")
 
 
+PIN_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "micro_batch", "grad_accum", "schedule", "virtual_stages",
+             "recompute", "offload", "compile")
+"""The pins an infeasibility message may name, as `soap plan` spells them (`--micro-batch`, ...)."""
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _pin_text(req: SpaceRequest) -> str:
+    pinned = [(n, getattr(req.pins, n)) for n in PIN_FLAGS if getattr(req.pins, n) is not None]
+    return "(" + ", ".join(f"{_flag(n)} {v}" for n, v in pinned) + ")" if pinned else "(none)"
+
+
+def _any_configuration(req: SpaceRequest) -> bool:
+    return any(training_heads(req, mesh) for mesh in mesh_choices(req))
+
+
+def _unblocking(req: SpaceRequest) -> str:
+    """Which single pin, dropped, leaves configurations: what to unpin."""
+    freeing = [n for n in PIN_FLAGS if getattr(req.pins, n) is not None
+               and _any_configuration(replace(req, pins=replace(req.pins, **{n: None})))]
+    if freeing:
+        return "unpin " + " or ".join(_flag(n) for n in freeing)
+    if _any_configuration(replace(req, pins=Pins(precision=req.pins.precision, optimizer=req.pins.optimizer))):
+        return "unpin two or more of them"
+    return (f"no layout of {req.gpus} GPUs splits this model at global batch {req.global_batch} even unpinned "
+            "(the batch, heads, layers and sequence must divide); use another --gpus or --global-batch")
+
+
 def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit: float) -> SoapError:
     """The SoapError for a request with no plan that fits."""
     where = f"{req.gpus} x {limit / GIB:g} GiB"
     floor = memory_floor(req, estimator)
     if floor is None:
-        return SoapError(f"no configuration of {model} on {req.gpus} GPUs satisfies the pins; unpin a dimension")
+        return SoapError(f"no configuration of {model} on {req.gpus} GPUs satisfies the pins "
+                         f"{_pin_text(req)} together; {_unblocking(req)}")
     term = dominant_term(floor)
     need = f"{floor.total / GIB:.1f} GiB per GPU"
     more = minimum_gpus(req, estimator, limit)

@@ -58,12 +58,12 @@ def parallelism_of(p: Priced) -> dict[str, Any]:
         "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "num_microbatches": t.num_microbatches, "schedule": t.schedule, "virtual_stages": t.virtual_stages,
         "recompute": t.recompute, "precision": t.precision, "optimizer": t.optimizer,
-        "offload_optimizer": t.offload_optimizer, "sequence_parallel": t.sequence_parallel,
+        "offload_optimizer": t.offload_optimizer, "sequence_parallel": t.sequence_parallel, "compile": t.compile,
     }
 
 
 def describe(p: Priced) -> str:
-    """A one-line name for a plan, e.g. `tp8 pp4 dp16 zero1 mb1 1F1B rc=selective bf16`."""
+    """A one-line name for a plan, e.g. `tp8 pp4 dp16 zero1 mb1 1F1B rc=selective compile bf16`."""
     d, t = p.candidate.mesh.dims, p.candidate.train
     parts = [f"{name}{degree}" for name, degree in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp), ("ep", d.ep)) if degree > 1]
     parts.append(f"dp{d.dp}")
@@ -77,6 +77,8 @@ def describe(p: Priced) -> str:
         parts.append(f"rc={t.recompute}")
     if t.offload_optimizer:
         parts.append("offload")
+    if t.compile:
+        parts.append("compile")
     parts.append(t.precision)
     if t.optimizer != "adamw":
         parts.append(t.optimizer)

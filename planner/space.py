@@ -31,8 +31,16 @@ Training rules (`training_choices`), per mesh:
 - recompute none / selective / full; precision bf16 (fp16 where the device lacks bf16), plus fp8
   only when `precision="auto"` and the device supports it (fp8 changes numerics, so it is opt-in like
   the optimizer); the optimizer only when `optimizer="auto"`; optimizer offload on/off.
+- torch.compile (`compile_choices`): off, or as pinned. Unpinned, compile is not a dimension the
+  enumeration doubles: `planner.search` simulates the best plans again with compile on, and only where
+  the device's measured `compile_factors` make some kernel class faster (`DeviceProfile.compile_pays`);
+  compile changes no memory in soap's model, and on a tie the plan without it wins.
 
-Pins fix a dimension; `validate_pins` rejects impossible pins with the numbers, before any search.
+Pins fix a dimension; `validate_pins` rejects impossible pins with the numbers, before any search. The
+pins and their ecosystem names: tp, pp, dp, cp, zero; ep (torchtitan's expert_parallel_degree: ranks the
+experts are spread over, borrowed from dp_shard x cp); virtual_stages (torchtitan's pipeline stages per
+rank, for Interleaved1F1B-style schedules); offload (optimizer state and step on the CPU, FSDP2's
+CPUOffloadPolicy); compile (torch.compile per block, accelerate's and torchtitan's `compile`).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from costmodel.plan_rules import NOT_EXECUTED, executed_pipeline_violation, model_violation
+from costmodel.plan_rules import NOT_EXECUTED, compile_violation, executed_pipeline_violation, model_violation
 from costmodel.strategy import (
     MULTI_STAGE_SCHEDULES,
     OPTIMIZERS,
@@ -92,9 +100,21 @@ class Pins:
     for the half precision alone."""
     optimizer: str = "adamw"
     """A name from costmodel.strategy.OPTIMIZERS, or "auto" to search AUTO_OPTIMIZERS."""
+    ep: int | None = None
+    """Expert-parallel degree (MoE models): divides the expert count and dp_shard x cp."""
+    virtual_stages: int | None = None
+    """Pipeline stages per rank (> 1 needs pp > 1 and a multi-stage schedule)."""
+    offload: bool | None = None
+    """Optimizer state and step on the CPU (True), on the device (False), or searched (None)."""
+    compile: bool | None = None
+    """torch.compile each block (True), never (False), or searched (None)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "micro_batch", "grad_accum"):
+        for name in ("offload", "compile"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise SoapError(f"--{name}={value!r} must be on or off (True or False)")
+        for name in ("tp", "pp", "dp", "cp", "micro_batch", "grad_accum", "ep", "virtual_stages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise SoapError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
@@ -154,7 +174,7 @@ def _rule_violation(req: SpaceRequest, *, tp: int, pp: int, cp: int) -> str | No
     if tp > 1 and req.gpus_per_node % tp and not req.tp_across_nodes:
         return f"tp={tp} does not divide the {req.gpus_per_node} GPUs of a node"
     return model_violation(tp=tp, pp=pp, cp=cp, num_layers=d.num_layers, heads=d.heads, kv_heads=d.kv_heads,
-                           vocab=d.vocab, seq_len=req.seq_len)
+                           vocab=d.vocab, seq_len=req.seq_len, encoder_decoder=d.is_encoder_decoder)
 
 
 def validate_pins(req: SpaceRequest) -> None:
@@ -164,6 +184,9 @@ def validate_pins(req: SpaceRequest) -> None:
         raise SoapError(f"--gpus={n!r} must be a positive integer")
     if req.global_batch < 1 or req.seq_len < 1:
         raise SoapError(f"global batch ({req.global_batch}) and sequence length ({req.seq_len}) must be positive")
+    reason = compile_violation(compile=bool(p.compile), encoder_decoder=req.dims.is_encoder_decoder)
+    if reason:
+        raise SoapError(reason.replace("parallelism.compile", "--compile on"))
     if p.schedule in NOT_EXECUTED:
         raise SoapError(f"--schedule {p.schedule}: {NOT_EXECUTED[p.schedule]}; use Interleaved1F1B, 1F1B or GPipe")
     for name in ("tp", "pp", "dp", "cp"):
@@ -195,10 +218,58 @@ def validate_pins(req: SpaceRequest) -> None:
                 f"--global-batch {req.global_batch} at --micro-batch {p.micro_batch} leaves at most {most}; "
                 "lower --micro-batch, raise --global-batch or use --schedule GPipe"
             )
+    _validate_expert_pin(req)
+    _validate_virtual_stages_pin(req)
     if p.micro_batch is not None and p.grad_accum is not None and req.global_batch % (p.micro_batch * p.grad_accum):
         raise SoapError(
             f"--micro-batch {p.micro_batch} x --grad-accum {p.grad_accum} does not divide the global batch {req.global_batch}"
         )
+
+
+def _validate_expert_pin(req: SpaceRequest) -> None:
+    """--ep: the model has experts, ep divides their count, and ep ranks can be borrowed from the data and
+    context ranks (dp_shard x cp) the other pins leave."""
+    p, experts = req.pins, req.dims.num_experts
+    if p.ep is None or p.ep == 1:
+        return
+    if experts <= 1:
+        raise SoapError(f"--ep {p.ep}: the model is dense (no experts), so there is nothing to spread; drop --ep")
+    if experts % p.ep:
+        good = ", ".join(str(e) for e in divisors(experts) if e > 1)
+        raise SoapError(f"--ep {p.ep} does not divide the {experts} experts; pick one of {good}")
+    room = req.gpus // ((p.tp or 1) * (p.pp or 1))
+    if room % p.ep:
+        raise SoapError(
+            f"--ep {p.ep} borrows ranks from dp_shard x cp, but --gpus {req.gpus} over tp={p.tp or 1} x pp={p.pp or 1} "
+            f"leaves {room}, which {p.ep} does not divide; lower --ep or --tp/--pp")
+    if (p.zero == 0 or p.dp == 1) and p.cp is not None and p.cp % p.ep:
+        why = "--zero 0 shards nothing" if p.zero == 0 else "--dp 1 leaves no data ranks"
+        raise SoapError(
+            f"--ep {p.ep} borrows from dp_shard x cp, but {why}, and cp={p.cp} alone is not divisible by {p.ep}; "
+            "use --zero 1, 2 or 3 with --dp of at least the expert degree, or lower --ep")
+
+
+def _validate_virtual_stages_pin(req: SpaceRequest) -> None:
+    """--virtual-stages: more than one stage per rank needs a pipeline, a multi-stage schedule and enough
+    layers for pp x v stages; ZBVZeroBubble runs exactly two."""
+    p, v = req.pins, req.pins.virtual_stages
+    if v is None or v == 1:
+        if v == 1 and p.schedule == "ZBVZeroBubble":
+            raise SoapError("--virtual-stages 1: ZBVZeroBubble runs exactly 2 stages per rank; use --virtual-stages 2")
+        return
+    if p.pp == 1 or req.gpus == 1:
+        raise SoapError(f"--virtual-stages {v} needs a pipeline, but pp is 1; pin --pp 2 or more, "
+                        "or drop --virtual-stages")
+    if p.schedule is not None and p.schedule not in MULTI_STAGE_SCHEDULES:
+        raise SoapError(f"--virtual-stages {v}: schedule {p.schedule} runs one stage per rank; use --schedule "
+                        "Interleaved1F1B (or drop --virtual-stages)")
+    if p.schedule == "ZBVZeroBubble" and v != 2:
+        raise SoapError(f"--virtual-stages {v}: ZBVZeroBubble runs exactly 2 stages per rank; use --virtual-stages 2")
+    layers = req.dims.num_layers
+    if 2 * v > layers or (p.pp and p.pp * v > layers):
+        pp = p.pp or 2
+        raise SoapError(f"--virtual-stages {v} with pp={pp} needs {pp * v} stages, more than the {layers} layers; "
+                        f"use --virtual-stages {max(1, layers // pp)} or less")
 
 
 def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
@@ -209,7 +280,7 @@ def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
         cps = [c for c in divisors(n // tp) if c == 1 or req.seq_len // c >= MIN_CP_SHARD_TOKENS]
         for cp in (p.cp,) if p.cp else cps:
             for pp in (p.pp,) if p.pp else divisors(n // (tp * cp)):
-                if n % (tp * cp * pp):
+                if n % (tp * cp * pp) or (pp == 1 and (p.virtual_stages or 1) > 1):
                     continue
                 dp = n // (tp * cp * pp)
                 if (p.dp and dp != p.dp) or req.global_batch % dp:
@@ -230,7 +301,7 @@ def _expert_choices(req: SpaceRequest, borrowable: int) -> list[int]:
     experts = req.dims.num_experts
     if experts <= 1:
         return [1]
-    return [e for e in divisors(experts) if borrowable % e == 0]
+    return [e for e in divisors(experts) if borrowable % e == 0 and (req.pins.ep is None or e == req.pins.ep)]
 
 
 def _sharding_choices(req: SpaceRequest, *, dp: int, inner: int) -> list[tuple[int, int]]:
@@ -262,21 +333,23 @@ def optimizer_choices(req: SpaceRequest) -> tuple[str, ...]:
 
 
 def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int,
-                     grad_accum: int = 1) -> list[tuple[str, int]]:
+                     grad_accum: int = 1, zero: int = 0) -> list[tuple[str, int]]:
     """(schedule, virtual stages) pairs for one micro-batching: those the simulator prices (or the pinned
     schedule) that `costmodel.plan_rules.executed_pipeline_violation` allows, with v·pp <= layers."""
     if pp == 1:
         return [(req.pins.schedule or "1F1B", 1)]
-    candidates = [(name, v) for name, v in req.schedules if not req.pins.schedule or name == req.pins.schedule]
-    if req.pins.schedule and not candidates:
-        name = req.pins.schedule
-        candidates = [(name, 2 if name in MULTI_STAGE_SCHEDULES else 1)]
+    pinned_v = req.pins.virtual_stages
+    candidates = [(name, v) for name, v in req.schedules
+                  if (not req.pins.schedule or name == req.pins.schedule) and (pinned_v is None or v == pinned_v)]
+    if (req.pins.schedule or pinned_v) and not candidates:
+        name = req.pins.schedule or ("Interleaved1F1B" if pinned_v > 1 else "1F1B")
+        candidates = [(name, pinned_v or (2 if name in MULTI_STAGE_SCHEDULES else 1))]
     out = []
     for name, v in candidates:
         if v > 1 and (pp * v > req.dims.num_layers or num_microbatches % pp):
             continue
         if executed_pipeline_violation(name, pp=pp, virtual_stages=v, num_microbatches=num_microbatches,
-                                       grad_accum=grad_accum):
+                                       grad_accum=grad_accum, zero=zero):
             continue
         out.append((name, v))
     return out
@@ -325,7 +398,7 @@ def training_heads(req: SpaceRequest, mesh: MeshChoice) -> list[TrainingHead]:
     return [
         TrainingHead(mb, count, accum, schedule, v, precision, optimizer)
         for mb, count, accum in micro_batching(req, dp=d.dp, pp=d.pp)
-        for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count, grad_accum=accum)
+        for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count, grad_accum=accum, zero=mesh.zero)
         for precision in precision_choices(req)
         for optimizer in optimizer_choices(req)
     ]
@@ -335,6 +408,20 @@ def recompute_choices(req: SpaceRequest) -> tuple[str, ...]:
     return (req.pins.recompute,) if req.pins.recompute else RECOMPUTE
 
 
+def offload_choices(req: SpaceRequest) -> tuple[bool, ...]:
+    """Optimizer offload off then on, or as pinned."""
+    return (req.pins.offload,) if req.pins.offload is not None else (False, True)
+
+
+def compile_choices(req: SpaceRequest, compile_pays: bool) -> tuple[bool, ...]:
+    """torch.compile as pinned; unpinned, off, and on too where the device's compile factors make some
+    kernel class faster (`compile_pays`). Off comes first, so it wins ties."""
+    if req.pins.compile is not None:
+        return (req.pins.compile,)
+    allowed = compile_violation(compile=True, encoder_decoder=req.dims.is_encoder_decoder) is None
+    return (False, True) if compile_pays and allowed else (False,)
+
+
 def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, recompute: str,
                     offload: bool) -> TrainingConfig:
     return TrainingConfig(
@@ -342,26 +429,27 @@ def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, 
         num_microbatches=head.num_microbatches, grad_accum=head.grad_accum, schedule=head.schedule,
         virtual_stages=head.virtual_stages, zero=mesh.zero, sequence_parallel=mesh.dims.tp > 1,
         recompute=recompute, precision=head.precision, optimizer=head.optimizer, offload_optimizer=offload,
+        compile=bool(req.pins.compile),
     )
 
 
 def frugal_configs(req: SpaceRequest, mesh: MeshChoice, heads: list[TrainingHead] | None = None
                    ) -> Iterator[TrainingConfig]:
     """A mesh's most memory-frugal training configurations (of `heads`, default all): the smallest
-    micro-batch, the strongest recompute policy allowed, model state offloaded (a caller drops offload
-    with `dataclasses.replace` where host memory cannot take it). The memory bound of the search, the
-    infeasibility error's floor and the host-memory error all start from these."""
+    micro-batch, the strongest recompute policy allowed, model state offloaded unless --offload is pinned
+    off (a caller drops offload with `dataclasses.replace` where host memory cannot take it). The memory
+    bound of the search, the infeasibility error's floor and the host-memory error all start from these."""
     heads = training_heads(req, mesh) if heads is None else heads
     smallest = min((h.micro_batch for h in heads), default=None)
     recompute = recompute_choices(req)[-1]
     for head in heads:
         if head.micro_batch == smallest:
-            yield training_config(req, mesh, head, recompute=recompute, offload=True)
+            yield training_config(req, mesh, head, recompute=recompute, offload=offload_choices(req)[-1])
 
 
 def training_choices(req: SpaceRequest, mesh: MeshChoice) -> Iterator[TrainingConfig]:
     """Every training configuration of one mesh, in a fixed order."""
     for head in training_heads(req, mesh):
         for recompute in recompute_choices(req):
-            for offload in (False, True):
+            for offload in offload_choices(req):
                 yield training_config(req, mesh, head, recompute=recompute, offload=offload)

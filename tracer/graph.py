@@ -182,5 +182,7 @@ def _attrs(op: RawOp, kind: OpKind, task: str, config: Any) -> dict[str, Any]:
     configured = getattr(config, "num_key_value_heads", None)
     if kv_heads == heads and isinstance(configured, int) and 0 < configured < heads and heads % configured == 0:
         kv_heads = configured  # K/V were repeated to all heads before SDPA (HF's repeat_kv)
+    dropout = op.kwargs.get("dropout_p", op.args[4] if len(op.args) > 4 else 0.0)
     return {"heads": heads, "kv_heads": kv_heads, "head_dim": int(q.shape[-1]),
-            "causal": is_causal or decoder_self or is_decoder_model}
+            "causal": is_causal or decoder_self or is_decoder_model,
+            "dropout": float(dropout) if isinstance(dropout, (int, float)) else 0.0}

@@ -103,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_off(value: object) -> str:
+    return "on" if value else "off"
+
+
 def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -117,7 +121,8 @@ def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace
     console.print(f"[bold]{plan.model.name}[/] ({graph.params_total / 1e9:.2f} B params) on {plan.cluster.gpus} x "
                   f"{plan.cluster.name}: tp {p['tp']}, pp {p['pp']}, dp {p['dp']} (zero {p['zero']}), cp {p['cp']}, "
                   f"{p['schedule']} with {p['num_microbatches']} micro-batches of {p['micro_batch']}, "
-                  f"recompute {p['recompute']}, {p['precision']}")
+                  f"recompute {p['recompute']}, {p['precision']}, offload {_on_off(p.get('offload_optimizer'))}, "
+                  f"compile {_on_off(p.get('compile'))}")
     table = Table(show_header=False, box=None)
     table.add_row("step time", f"{c['step_time_s'] * 1e3:.2f} ms")
     table.add_row("throughput", f"{c['tokens_per_s']:,.0f} tokens/s, {c['samples_per_s']:.2f} samples/s")

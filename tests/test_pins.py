@@ -1,0 +1,117 @@
+"""Pins `--ep`, `--virtual-stages`, `--offload` and `--compile` hold in the written plan.json, and an
+impossible one is refused before the search with one `error:` line (exit 2) naming the numbers and a fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.api import make_request
+from planner.plan import load_plan
+from soap.cli import main
+from tracer.errors import SoapError
+
+TINY_GPT2 = {
+    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 8,
+    "vocab_size": 8192, "n_positions": 1024,
+}
+TINY_MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+    "max_position_embeddings": 512, "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+}
+
+
+def _config_dir(tmp_path_factory, name: str, config: dict) -> str:
+    path = tmp_path_factory.mktemp(name)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _config_dir(tmp_path_factory, "tiny-gpt2", TINY_GPT2)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _config_dir(tmp_path_factory, "tiny-mixtral", TINY_MIXTRAL)
+
+
+def _planned(model: str, tmp_path, *flags: str) -> dict:
+    out = tmp_path / "plan.json"
+    assert main(["plan", model, "--gpus", "8", "--global-batch", "64", "-o", str(out), *flags]) == 0
+    load_plan(out)  # validates
+    return json.loads(out.read_text())["parallelism"]
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (("--virtual-stages", "2", "--pp", "2"), {"virtual_stages": 2, "pp": 2}),
+    (("--virtual-stages", "2"), {"virtual_stages": 2}),
+    (("--offload", "on"), {"offload_optimizer": True}),
+    (("--offload",), {"offload_optimizer": True}),
+    (("--no-offload",), {"offload_optimizer": False}),
+    (("--compile", "on"), {"compile": True}),
+    (("--compile",), {"compile": True}),
+    (("--compile", "off"), {"compile": False}),
+])
+def test_pinned_techniques_hold_in_plan_json(tiny, tmp_path, flags, expect):
+    parallelism = _planned(tiny, tmp_path, *flags)
+    assert {k: parallelism[k] for k in expect} == expect
+    if parallelism["virtual_stages"] > 1:
+        assert parallelism["schedule"] in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_pinned_expert_parallel_degree_holds_in_plan_json(moe, tmp_path, ep):
+    assert _planned(moe, tmp_path, "--ep", str(ep))["ep"] == ep
+
+
+@pytest.mark.parametrize("model, flags, words", [
+    ("moe", ("--ep", "3"), ["--ep 3", "8 experts", "2, 4, 8"]),
+    ("tiny", ("--ep", "2"), ["--ep 2", "dense"]),
+    ("moe", ("--ep", "8", "--tp", "2"), ["--ep 8", "leaves 4"]),
+    ("tiny", ("--virtual-stages", "2", "--pp", "1"), ["--virtual-stages 2", "pp is 1", "--pp 2"]),
+    ("tiny", ("--virtual-stages", "2", "--schedule", "1F1B"), ["1F1B", "one stage per rank", "Interleaved1F1B"]),
+    ("tiny", ("--virtual-stages", "4", "--pp", "2"), ["8 stages", "4 layers", "--virtual-stages 2"]),
+    ("tiny", ("--virtual-stages", "0"), ["--virtual-stages=0", "positive"]),
+])
+def test_impossible_pins_print_one_error_line(request, capsys, model, flags, words):
+    path = request.getfixturevalue(model)
+    assert main(["plan", path, "--gpus", "8", "--global-batch", "64", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for word in words:
+        assert word in err[0], (word, err[0])
+
+
+def test_bad_switch_value_is_a_usage_error(tiny, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", tiny, "--gpus", "8", "--compile", "maybe"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--compile" in err[0]
+
+
+@pytest.mark.parametrize("value, expect", [(True, True), ("on", True), ("off", False), (False, False)])
+def test_python_pins_take_booleans_or_on_off(tiny, value, expect):
+    req = make_request(tiny, gpus=8, global_batch=64, compile=value, offload=value)
+    assert req.space.pins.compile is expect and req.space.pins.offload is expect
+
+
+def test_python_pin_rejects_a_non_switch_value(tiny):
+    with pytest.raises(SoapError, match="--compile"):
+        make_request(tiny, gpus=8, global_batch=64, compile="sometimes")
+
+
+def test_pins_no_configuration_meets_together_name_the_pin_to_drop(tmp_path, capsys):
+    """Pins that pass one by one but leave no configuration together (Interleaved1F1B's two stages per
+    rank on pp 2 need 4 layers; the model has 2) name the pins and which one to unpin."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_MIXTRAL, "num_local_experts": 4}))
+    code = main(["plan", str(config), "--gpus", "4", "--cluster", "local-cpu", "--global-batch", "8",
+                 "--pp", "2", "--schedule", "Interleaved1F1B"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "(--pp 2, --schedule Interleaved1F1B)" in err and "unpin --pp or --schedule" in err
