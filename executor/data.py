@@ -4,7 +4,8 @@ Data. Step `t` has one *global batch* of `global_batch` sequences of `seq_len` t
 layout: synthetic tokens drawn from `torch.Generator().manual_seed(seed + 1_000_003 * t)`, or windows
 of a token file (`--data`: a `.npy` of integer ids, or a `.bin` of uint16 ids as nanoGPT writes them;
 sample i of step t starts at token `(t * global_batch + i) * (seq_len + 1)` modulo the file length).
-causal-lm: labels are the next tokens. masked-lm: 15% of positions (from the same generator) are
+causal-lm and seq2seq-lm: labels are the next tokens (a seq2seq model's decoder reads them shifted
+right, `executor.model.forward_inputs`). masked-lm: 15% of positions (from the same generator) are
 replaced by the mask id and are the only labelled ones.
 
 Slicing. Data-parallel rank d takes sequences [d*B, (d+1)*B) with B = micro_batch * num_microbatches,
@@ -68,7 +69,7 @@ class TokenSource:
             usable = len(self.tokens) - span
             starts = [((step * self.batch + i) * span) % (usable + 1) for i in range(self.batch)]
             window = torch.from_numpy(np.stack([self.tokens[s:s + span] for s in starts]).astype(np.int64))
-        if self.task == "causal-lm":
+        if self.task in ("causal-lm", "seq2seq-lm"):
             return GlobalBatch(window[:, :-1].contiguous(), window[:, 1:].contiguous())
         ids = window[:, :-1].clone()
         masked = torch.rand(ids.shape, generator=gen) < MASK_FRACTION
@@ -139,3 +140,126 @@ class ScaledTokenLoss:
         # stays on the device: a copy to the host here would wait for the GPU once per micro-batch
         self.unscaled_sum = self.unscaled_sum + total.detach()
         return total * self.factor
+
+
+# --- the user's data (`soap execute --dataset PATH --tokenizer DIR`) --------------------------------
+
+DATASET_FILES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+"""Local file formats `--dataset` reads, by suffix, with the `datasets` builder that reads each."""
+PACKING_VERSION = 1
+"""Part of the cache key: bump when the packing below changes."""
+
+
+def prepare_dataset(dataset: str | Path, tokenizer: str | Path, seq_len: int, *,
+                    cache_dir: str | Path | None = None) -> Path:
+    """The `.npy` token file of `dataset` (a `datasets` dataset saved to disk, or json/jsonl/parquet/text
+    files: one file or a directory of them) tokenized with the local `tokenizer` and packed for `seq_len`.
+
+    Packing: every document's ids (no special tokens) followed by the tokenizer's EOS id (its SEP id
+    when it has no EOS; nothing when it has neither), concatenated in dataset order and cut to whole
+    windows of `seq_len + 1` tokens, which are the windows `TokenSource` reads (sample i of step t is
+    window `t * global_batch + i`, until the file wraps around). The file is cached in `cache_dir` (default
+    `$XDG_CACHE_HOME/soap/datasets`) as `tokens-KEY.npy`, KEY hashing the dataset's and the tokenizer's
+    files (names, sizes, modification times), `seq_len` and `PACKING_VERSION`, with `tokens-KEY.json`
+    beside it saying what it holds; a second run with the same inputs reads the cache."""
+    import hashlib
+    import json
+    import os
+
+    from tracer.files import write_atomic
+
+    source, tok_dir = Path(dataset), Path(tokenizer)
+    for path, flag in ((source, "--dataset"), (tok_dir, "--tokenizer")):
+        if not path.exists():
+            raise SoapError(f"{flag} {path}: no such file or directory")
+    if not tok_dir.is_dir():
+        raise SoapError(f"--tokenizer {tok_dir}: not a directory; pass a local tokenizer saved with "
+                        "`tokenizer.save_pretrained(DIR)`")
+    key = hashlib.sha256(json.dumps([_fingerprint(source), _fingerprint(tok_dir), seq_len, PACKING_VERSION])
+                         .encode()).hexdigest()[:20]
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = Path(cache_dir) if cache_dir else cache_home / "soap" / "datasets"
+    target = root / f"tokens-{key}.npy"
+    if target.is_file():
+        return target
+    tokens, documents, column = _tokenize(source, tok_dir, seq_len, root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{key}-{os.getpid()}.npy"
+    np.save(tmp, tokens)
+    tmp.replace(target)  # atomic: ranks under an external torchrun may all prepare the same file
+    write_atomic(root / f"tokens-{key}.json", json.dumps(
+        {"dataset": str(source.resolve()), "tokenizer": str(tok_dir.resolve()), "column": column,
+         "documents": documents, "tokens": int(len(tokens)), "seq_len": seq_len,
+         "sequences": int(len(tokens) // (seq_len + 1))}, indent=2) + "\n", what="dataset cache")
+    return target
+
+
+def _fingerprint(path: Path) -> list:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [[str(p.relative_to(path) if path.is_dir() else p.resolve()), p.stat().st_size, p.stat().st_mtime_ns]
+            for p in files]
+
+
+def _tokenize(source: Path, tok_dir: Path, seq_len: int, cache_root: Path) -> tuple[np.ndarray, int, str]:
+    """(packed ids, number of documents, text column) of `source` (see `prepare_dataset`)."""
+    from transformers import AutoTokenizer
+
+    table = _load_table(source, cache_root)
+    column = _text_column(table, source)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise SoapError(f"--tokenizer {tok_dir}: cannot load a tokenizer there ({reason})") from None
+    end = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+    pieces: list[np.ndarray] = []
+    chunk = 1000
+    for start in range(0, len(table), chunk):
+        texts = [t for t in table[start:start + chunk][column] if t]
+        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
+            pieces.append(np.asarray(ids + ([end] if end is not None else []), dtype=np.int64))
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    span = seq_len + 1
+    if len(stream) < span:
+        raise SoapError(f"--dataset {source}: {len(stream)} tokens, fewer than one sequence of {span} "
+                        f"(the plan's seq_len {seq_len} + 1)")
+    stream = stream[:len(stream) // span * span]
+    dtype = np.uint16 if int(stream.max()) < 2**16 else np.int32
+    return stream.astype(dtype), len(table), column
+
+
+def _load_table(source: Path, cache_root: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise SoapError("--dataset needs the `datasets` package: pip install 'soap[data]' "
+                        "(or pre-tokenize to a .npy and pass --data)") from None
+    datasets.disable_progress_bars()
+    if source.is_dir() and ((source / "dataset_info.json").is_file() or (source / "dataset_dict.json").is_file()):
+        loaded = datasets.load_from_disk(str(source))
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded and len(loaded) != 1:
+                raise SoapError(f"--dataset {source}: splits {sorted(loaded)}, none named train; "
+                                "save the split to train on alone")
+            loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+        return loaded
+    files = sorted(p for p in source.rglob("*") if p.suffix in DATASET_FILES) if source.is_dir() else [source]
+    builders = {DATASET_FILES.get(p.suffix) for p in files}
+    if not files or None in builders:
+        raise SoapError(f"--dataset {source}: need a dataset saved with `save_to_disk`, or "
+                        f"{'/'.join(sorted(DATASET_FILES))} files")
+    if len(builders) > 1:
+        raise SoapError(f"--dataset {source}: mixes {' and '.join(sorted(builders))} files; keep one format")
+    return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train",
+                                 cache_dir=str(cache_root / "hf"))
+
+
+def _text_column(table, source: Path) -> str:
+    columns = [name for name, feature in table.features.items()
+               if getattr(feature, "dtype", None) in ("string", "large_string")]
+    if "text" in columns:
+        return "text"
+    if len(columns) == 1:
+        return columns[0]
+    raise SoapError(f"--dataset {source}: no `text` column and {len(columns)} string columns "
+                    f"({', '.join(columns) or 'none'}); rename the one to train on to `text`")

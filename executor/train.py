@@ -8,7 +8,10 @@ on the CPU), gathered; `peak_memory_gib` is their max. On CUDA the caching alloc
 (`max_memory_reserved`, what runs out first) is gathered too: the report then holds
 `peak_memory_allocated_gib` and `peak_memory_reserved_gib` (max over ranks), which `soap calibrate
 --from-runs` fits the device's `allocator_reserve_fraction` from. Rank 0 shows a progress bar on stderr
-and, at the end, measured against predicted.
+and, at the end, measured against predicted. A `Watchdog` (`executor.watchdog`) is told each activity
+(building the model, a micro-batch, a pipeline action, the optimizer step, a collective) so that a rank
+that stops making progress is named with what it waited on. With `save_hf` the trained model is written
+after the last step as a transformers directory (`executor.hf_export`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from executor.api import ParallelModel, check_world_size, parallelize
 from executor.checkpoint import load_checkpoint, save_checkpoint
 from executor.data import ScaledTokenLoss, Slicer, TokenSource
 from executor.data_parallel import build_optimizer
+from executor.hf_export import save_hf
 from executor.mesh import device_for_rank
-from executor.model import build_meta_model
+from executor.model import build_meta_model, forward_inputs
+from executor.pipeline import PipelineProgress
+from executor.watchdog import NoWatchdog, Watchdog
 from planner.plan import Plan
 
 
@@ -54,8 +60,15 @@ class RunConfig:
     """Save every N steps (and after the last one); 0: only after the last step."""
     resume: bool = False
     """Continue from the newest checkpoint in `checkpoint_dir`."""
+    save_hf: str | None = None
+    """After the last step, write the trained model here as a transformers-loadable directory
+    (`executor.hf_export.save_hf`); None: don't."""
     progress: bool = True
     """Show the progress bar (rank 0, stderr)."""
+    timeout_s: float | None = None
+    """Seconds a rank may go without progress inside a step before the run is ended (the setup and the
+    first step get at least `executor.watchdog.WARMUP_S`); None: derived from the plan's predicted step
+    time (`executor.watchdog.limits_for`)."""
 
 
 @dataclass
@@ -103,22 +116,29 @@ class RunResult:
                 "peak_memory_reserved_per_rank_gib": self.peak_memory_reserved_per_rank_gib}
 
 
-def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
-    """Run `config.steps` steps of `plan` on this rank; every rank returns the same result."""
+def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
+          watchdog: Watchdog | NoWatchdog | None = None) -> RunResult:
+    """Run `config.steps` steps of `plan` on this rank; every rank returns the same result. `watchdog`
+    (started by the caller) is told what the rank does, step by step (`executor.watchdog`)."""
+    watch = watchdog or NoWatchdog()
     check_world_size(plan, dist.get_world_size())
     p = plan.parallelism
     device = device_for_rank(local_rank)
     torch.manual_seed(config.seed)
     loss_fn = ScaledTokenLoss()
+    watch.activity("in building and parallelizing the model (process groups, sharding, initial weights)",
+                   warmup=True)
     model = build_meta_model(plan.model.config, plan.model.task)
     vocab = model.config.vocab_size
     parallel = parallelize(model, plan, seed=config.seed, weights=config.weights, loss_fn=loss_fn, device=device)
+    watch.set_stages(parallel.stage_indices)
     optimizers = [build_optimizer(plan, list(part.parameters()), lr=config.lr, mesh=parallel.mesh)
                   for part in parallel.parts]
     source = TokenSource(vocab_size=vocab, global_batch=plan.global_batch, seq_len=plan.seq_len,
                          task=plan.model.task, seed=config.seed, data_file=config.data)
     slicer = Slicer(dp_rank=parallel.mesh.dp_rank, per_rank=p.micro_batch * p.num_microbatches,
                     cp_rank=parallel.mesh.cp_rank, cp=p.cp)
+    watch.activity("in loading the checkpoint", warmup=True)
     start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers) if _should_resume(config) else 0
     losses: list[float] = []
     times: list[float] = []
@@ -126,14 +146,20 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
     with _progress(config.progress and dist.get_rank() == 0, config.steps, start, tokens) as advance:
         for step in range(start, config.steps):
             begin = _now(device)
-            loss = train_step(parallel, optimizers, loss_fn, source.batch_for_step(step), slicer, device)
+            loss = train_step(parallel, optimizers, loss_fn, source.batch_for_step(step), slicer, device,
+                              watch=_StepWatch(watch, step, first=step == start))
             times.append(_now(device) - begin)
             losses.append(loss)
             advance(step, loss, times[-1])
             done = step + 1
             if config.checkpoint_dir and (done == config.steps or
                                           (config.checkpoint_every and done % config.checkpoint_every == 0)):
+                watch.activity(f"in saving the checkpoint after step {step}", warmup=True)
                 save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers)
+    if config.save_hf:
+        watch.activity("in gathering the trained model and writing it as an HF directory (--save-hf)", warmup=True)
+        save_hf(config.save_hf, parallel)
+    watch.activity("on all_gather of the ranks' peak memory after the last step")
     memory, memory_source = _peak_memory_gib(device)
     reserved = _gather_gib(torch.cuda.max_memory_reserved(device), device) if device.type == "cuda" else None
     return RunResult(
@@ -146,8 +172,9 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0) -> RunResult:
 
 
 def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLoss, batch: Any, slicer: Slicer,
-               device: torch.device) -> float:
+               device: torch.device, *, watch: _StepWatch | None = None) -> float:
     """One optimizer step on this rank; returns the global mean loss of the step."""
+    watch = watch or _StepWatch(NoWatchdog(), 0, first=False)
     plan = parallel.plan
     p = plan.parallelism
     loss_fn.set_step(num_labels=batch.num_labels, ranks_averaging=p.dp * p.cp)
@@ -159,12 +186,15 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
         positions = slicer.position_ids(plan.seq_len, device)
         m = p.micro_batch
         for k in range(p.num_microbatches):
+            watch.activity(f"in the forward and backward of micro-batch {k}")
             last = k == p.num_microbatches - 1
             sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
             # loss_parallel (vocab-sharded logits under TP) must hold for the loss and its backward
             with sync, parallel.loss_parallel():
                 with runtime.autocast():
-                    logits = model(input_ids=ids[k * m:(k + 1) * m], position_ids=positions, use_cache=False).logits
+                    inputs = forward_inputs(parallel.parts[0], ids[k * m:(k + 1) * m], labels[k * m:(k + 1) * m],
+                                            positions)
+                    logits = model(**inputs, use_cache=False).logits
                     loss = loss_fn(logits, labels[k * m:(k + 1) * m])
                 (runtime.scaler.scale(loss) if runtime.scaler else loss).backward()
     else:
@@ -175,13 +205,16 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
             args = (ids[chunk],) if parallel.has_first_stage else ()
             target = labels[chunk] if parallel.has_last_stage else None
             run_losses: list[torch.Tensor] = []
+            watch.pipeline(parallel.schedule.soap_progress, run)
             with runtime.autocast():
                 parallel.schedule.step(*args, target=target, losses=run_losses if target is not None else None)
             losses.extend(run_losses)
         # the schedule's own losses: the loss function may also run during the stages' shape inference
         loss_fn.unscaled_sum = (sum((l.detach().cpu() for l in losses), torch.zeros(()))
                                 / (loss_fn.factor * runtime.loss_scale))
+    watch.activity("on all_reduce of the gradients of weights tied across pipeline stages")
     parallel.sum_tied_gradients()
+    watch.activity("in the optimizer step")
     _reduce_partial_grads(parallel.parameters())
     for optimizer in optimizers:
         if runtime.scaler:
@@ -192,8 +225,29 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
     if runtime.scaler:
         runtime.scaler.update()
     total = loss_fn.unscaled_sum.to(device, torch.float64)
+    watch.activity("on all_reduce of the step's loss")
     dist.all_reduce(total)
     return float(total) / (batch.num_labels * p.tp)
+
+
+@dataclass(frozen=True)
+class _StepWatch:
+    """The watchdog's view of one step: each activity is named with the step (`... in step 2`); the
+    first step of a run gets the warm-up limit (lazy initialization, shape inference, compilation)."""
+
+    watchdog: Watchdog | NoWatchdog
+    step: int
+    first: bool
+
+    def activity(self, what: str) -> None:
+        self.watchdog.activity(f"{what} in step {self.step}", warmup=self.first)
+
+    def pipeline(self, progress: PipelineProgress, run: int) -> None:
+        """A schedule run starts: its actions beat the watchdog, which asks `progress` what it waits on."""
+        progress.start_run()
+        progress.beat = self.watchdog.beat
+        runs = f", schedule run {run}" if run else ""
+        self.watchdog.activity(lambda: f"{progress.waiting_on()} in step {self.step}{runs}", warmup=self.first)
 
 
 def _reduce_partial_grads(params: list) -> None:

@@ -14,7 +14,7 @@ import unicodedata
 
 from tracer.errors import SoapError
 
-COMMANDS = ("trace", "plan", "simulate", "execute", "calibrate", "profiles", "validate")
+COMMANDS = ("trace", "plan", "simulate", "execute", "calibrate", "profiles", "validate", "export", "export-hf")
 
 
 def error_line(message: str) -> str:
@@ -49,9 +49,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name)
             continue
         try:
-            module = importlib.import_module(f"soap.commands.{name}")
+            module = importlib.import_module(f"soap.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"soap.commands.{name}":
+            if exc.name != f"soap.commands.{name.replace('-', '_')}":
                 raise
             continue
         cmd = module.add_parser(sub)

@@ -4,6 +4,9 @@
     soap execute plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint host:29400 --rdzv-backend c10d
     torchrun --nproc-per-node 4 -m soap execute plan.json # under an external torchrun: one rank each
     soap execute plan.json --checkpoint-dir ckpt --checkpoint-every 5 [--resume]
+    soap execute plan.json --dataset corpus.jsonl --tokenizer tok/  # tokenized, packed and cached once
+    soap execute plan.json --save-hf trained/           # then AutoModelForCausalLM.from_pretrained("trained/")
+    soap execute plan.json --timeout 120                 # end a stuck run after 2 minutes without progress
 
 Progress and the measured-vs-predicted summary go to stderr; the run report is written as JSON
 (`--report`, default `<plan>.run.json`); `--json` prints one object on stdout: losses, step_time_s,
@@ -29,12 +32,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and synthetic data")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--data", default=None, help="token ids: a .npy, or a .bin of uint16 (default: synthetic)")
+    p.add_argument("--dataset", default=None, metavar="PATH",
+                   help="train on a `datasets` dataset saved to disk, or local json/jsonl/parquet/text files (a file "
+                        "or a directory), tokenized with --tokenizer and packed to the plan's seq_len (cached); "
+                        "needs `pip install 'soap[data]'`")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="a local tokenizer directory, for --dataset")
     p.add_argument("--weights", default=None, help="start from a local HF checkpoint directory (safetensors)")
     p.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="after the last step, write the trained model to DIR as a transformers-loadable directory "
+                        "(config.json + model.safetensors); `soap export-hf` converts a DCP checkpoint the same way")
     p.add_argument("--report", default=None, help="run-report JSON path (default <plan>.run.json)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="end the run when a rank makes no progress for this long inside a step, naming what "
+                        "it waited on (default: 20x the plan's predicted step time, at least 60 s; the setup "
+                        "and the first step get at least 300 s)")
     t = p.add_argument_group("launch (torchrun's flags)")
     t.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default: plan ranks / nodes)")
     t.add_argument("--nnodes", default="1", help="N or MIN:MAX (default 1)")
@@ -58,22 +73,36 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     if args.steps < 1:
         raise SoapError(f"--steps {args.steps}: need at least 1 step")
+    if args.timeout is not None and not args.timeout > 0:
+        raise SoapError(f"--timeout {args.timeout:g}: need a positive number of seconds")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise SoapError("--resume and --checkpoint-every need --checkpoint-dir D")
     if args.resume:
         from executor.checkpoint import latest_checkpoint
 
         latest_checkpoint(args.checkpoint_dir)
-    for path, flag in ((args.data, "--data"), (args.weights, "--weights")):
+    if args.dataset and args.data:
+        raise SoapError("--dataset and --data both name the training data; pass one")
+    if bool(args.dataset) != bool(args.tokenizer):
+        raise SoapError("--dataset PATH needs --tokenizer DIR (a local tokenizer), and --tokenizer needs --dataset")
+    for path, flag in ((args.data, "--data"), (args.weights, "--weights"), (args.dataset, "--dataset"),
+                       (args.tokenizer, "--tokenizer")):
         if path and not os.path.exists(path):
             raise SoapError(f"{flag} {path}: no such file or directory")
     report = Path(args.report) if args.report else Path(args.plan).with_suffix(".run.json")
     check_writable(report, what="--report")
     if args.checkpoint_dir:
         check_writable_dir(args.checkpoint_dir, what="--checkpoint-dir")
-    config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=args.data, weights=args.weights,
+    if args.save_hf:
+        check_writable_dir(args.save_hf, what="--save-hf")
+    data = args.data
+    if args.dataset:
+        from executor.data import prepare_dataset
+
+        data = str(prepare_dataset(args.dataset, args.tokenizer, plan.seq_len))
+    config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=data, weights=args.weights,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, progress=True)
+                       resume=args.resume, save_hf=args.save_hf, progress=True, timeout_s=args.timeout)
     launch = LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
                            max_restarts=args.max_restarts, master_addr=args.master_addr,

@@ -36,6 +36,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--grad-accum", type=int, help="pin the gradient-accumulation steps")
     p.add_argument("--recompute", choices=RECOMPUTE, help="pin activation checkpointing")
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    p.add_argument("--ep", type=int, help="pin the expert parallel degree (MoE models; ranks borrowed from dp_shard x cp)")
+    p.add_argument("--virtual-stages", type=int, metavar="V",
+                   help="pin the pipeline stages per rank (> 1 needs --pp > 1 and a multi-stage schedule)")
+    for name, what in (("offload", "optimizer offload: state and step on the CPU"),
+                       ("compile", "torch.compile of each block")):
+        p.add_argument(f"--{name}", nargs="?", const="on", choices=("on", "off"), metavar="on|off",
+                       help=f"pin {what} (--{name} alone: on); default: searched")
+        p.add_argument(f"--no-{name}", dest=name, action="store_const", const="off", help=f"same as --{name} off")
     p.add_argument("--mem-limit", type=float, metavar="GIB", help="usable memory per GPU in GiB (default: the device's)")
     p.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="spend this long refining the plan with simulator-guided MCMC")
@@ -44,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="allow configs that ship their own code (auto_map); runs that code")
     p.add_argument("-o", "--output", metavar="plan.json", help="write the plan here")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--export", action="append", metavar="FORMAT[=PATH]",
+                   help="also write the plan as accelerate, torchtitan, deepspeed or megatron configuration "
+                   "(repeatable; default PATH next to -o, see `soap export --help`)")
     return p
 
 
@@ -53,9 +64,17 @@ def run(args: argparse.Namespace) -> int:
     from tracer.files import check_writable
 
     pins = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum",
-                                          "recompute", "schedule", "precision", "optimizer")}
+                                          "recompute", "schedule", "precision", "optimizer", "ep",
+                                          "virtual_stages", "offload", "compile")}
     if args.output:
         check_writable(args.output, what="-o")
+    exports = None
+    if args.export:
+        from pathlib import Path
+
+        from soap.commands.export import parse_exports
+
+        exports = parse_exports(args.export, directory=Path(args.output).parent if args.output else ".")
     report = plan_report(
         args.model, gpus=args.gpus, cluster=args.cluster, gpus_per_node=args.gpus_per_node, task=args.task,
         global_batch=args.global_batch, seq_len=args.seq_len, mem_limit_gib=args.mem_limit,
@@ -69,4 +88,8 @@ def run(args: argparse.Namespace) -> int:
         render_summary(report, output=args.output)
     if args.output and not args.json:
         print(f"wrote {args.output}", file=sys.stderr)
+    if exports:
+        from soap.commands.export import write_exports
+
+        write_exports(report.plan, exports)
     return 0
