@@ -1,8 +1,9 @@
 """Plan speed: wall time of `soap plan` as a subprocess, tracing included, on this machine.
 
-Headline cases against the targets (gpt2 on 8 GPUs <= 3 s, llama-3-70b on 1,024 <= 15 s,
-llama-3.1-405b on 16,384 <= 60 s), each run twice: cold (an empty trace cache, so the model is traced
-and transformers imported) and warm (the tracer's on-disk cache hit). Then how the warm time grows with
+Headline cases against issue 17's warm targets (gpt2 on 8 GPUs <= 1.5 s, llama-3-8b on 8 <= 3 s,
+llama-3-70b on 1,024 <= 5 s, llama-3.1-405b on 16,384 <= 10 s): cold once (an empty trace cache, so the
+model is traced and transformers imported), then warm (the tracer's on-disk cache hit) the best of
+`WARM_RUNS`, since the machine is shared. Then how the warm time grows with
 the GPU count (llama-3-8b) and with the layer count (llama-3-8b's config with 8 ... 128 layers on 512
 GPUs). Run it on a quiet machine:
 
@@ -23,7 +24,8 @@ from pathlib import Path
 from benchmarks.report import update_section
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADLINE = (("gpt2", 8, 3.0), ("llama-3-70b", 1024, 15.0), ("llama-3.1-405b", 16384, 60.0))
+HEADLINE = (("gpt2", 8, 1.5), ("llama-3-8b", 8, 3.0), ("llama-3-70b", 1024, 5.0), ("llama-3.1-405b", 16384, 10.0))
+WARM_RUNS = 3
 GPU_GROWTH = (8, 64, 512, 4096, 16384)
 LAYER_GROWTH = (8, 16, 32, 64, 128)
 HEADER = ("| case | GPUs | wall time (s) | configurations estimated | simulated | chosen plan |\n"
@@ -55,12 +57,14 @@ def main() -> int:
                 "|---|---|---|---|---|---|---|---|"]
         for model, gpus, target in HEADLINE:
             cold, _ = soap_plan(model, gpus, f"{tmp}/headline-{model}")
-            warm, out = soap_plan(model, gpus, f"{tmp}/headline-{model}")
-            verdict = f"<= {target:.0f} s: {'met' if cold <= target else 'met warm only' if warm <= target else 'missed'}"
+            warm, out = min((soap_plan(model, gpus, f"{tmp}/headline-{model}") for _ in range(WARM_RUNS)),
+                            key=lambda run: run[0])
+            verdict = f"warm <= {target:g} s: {'met' if warm <= target else 'missed'}"
             rows.append(f"| {model} | {gpus:,} | {cold:.1f} | {warm:.1f} | {verdict} | {out['candidates_estimated']:,} | "
                         f"{out['candidates_simulated']} | {out['plan']} |")
             print(rows[-1], file=sys.stderr)
-        sections.append("Headline cases (cold: empty trace cache; warm: the tracer's disk cache hit):\n\n" + "\n".join(rows))
+        sections.append(f"Headline cases (cold: empty trace cache; warm: the tracer's disk cache hit, best of {WARM_RUNS}):\n\n"
+                        + "\n".join(rows))
 
         rows = [HEADER]
         soap_plan("llama-3-8b", 8, f"{tmp}/growth")  # fills the trace cache: the rows below are warm

@@ -21,7 +21,8 @@ Walking rank r's actions, with live = sum over in-flight (stage, micro-batch) of
 `stage_activations` computes the three per stage, for the simulator's chunks and the estimator's layers
 alike. Every point is linear in them, so `_peak_points` records, once per schedule, the distinct
 in-flight count vectors at forward points and (counts, stage) pairs at backward and input-gradient
-points; `rank_activation_peaks` evaluates them for any stage sizes with three matrix products. Without a
+points, over the rank's own stages only (O(v) per action, not O(pp v)); `rank_activation_peaks` evaluates
+them for any stage sizes with three matrix products. Without a
 pipeline (one stage, one micro-batch at a time) the peak is max(kept, backward_peak).
 """
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.schedule import B, F, I, W, PipelineSchedule, build_schedule
+from costmodel.schedule import B, F, I, W, PipelineSchedule, compute_order
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,10 @@ def stage_activations(kept: Sequence[float], windows: Sequence[float], bounds: S
 
 @dataclass(frozen=True)
 class _RankPoints:
+    own: np.ndarray
+    """The stages this rank runs: the count vectors' columns (a rank holds no other stage's activations)."""
     forward: np.ndarray
-    """Distinct in-flight count vectors (rows, one column per stage) right after a forward."""
+    """Distinct in-flight count vectors (rows, one column per own stage) right after a forward."""
     backward: np.ndarray
     """Distinct in-flight count vectors at the start of a backward (the micro-batch included)."""
     backward_stage: np.ndarray
@@ -74,31 +77,34 @@ class _RankPoints:
 
 @functools.lru_cache(maxsize=512)
 def _peak_points(name: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[_RankPoints, ...]:
-    schedule = build_schedule(name, pp, microbatches, stages_per_rank)
-    stages = schedule.num_stages
     out = []
-    for actions in schedule.actions:
-        counts = [0] * stages
+    for actions in compute_order(name, pp, microbatches, stages_per_rank):
+        own = sorted({a.stage for a in actions})
+        column = {stage: i for i, stage in enumerate(own)}
+        width = len(own)
+        counts = [0] * width
         forward: set[tuple[int, ...]] = set()
         backward: set[tuple[tuple[int, ...], int]] = set()
         input_grad: set[tuple[tuple[int, ...], int]] = set()
         for a in actions:
-            if a.kind is F:
-                counts[a.stage] += 1
+            kind = a.kind
+            if kind is F:
+                counts[column[a.stage]] += 1
                 forward.add(tuple(counts))
-            elif a.kind is B:
+            elif kind is B:
                 backward.add((tuple(counts), a.stage))
-                counts[a.stage] -= 1
-            elif a.kind is I:
+                counts[column[a.stage]] -= 1
+            elif kind is I:
                 input_grad.add((tuple(counts), a.stage))
-            elif a.kind is W:
-                counts[a.stage] -= 1
+            elif kind is W:
+                counts[column[a.stage]] -= 1
         back, inputs = sorted(backward), sorted(input_grad)
         out.append(_RankPoints(
-            forward=np.array(sorted(forward), dtype=float).reshape(-1, stages),
-            backward=np.array([c for c, _ in back], dtype=float).reshape(-1, stages),
+            own=np.array(own, dtype=int),
+            forward=np.array(sorted(forward), dtype=float).reshape(-1, width),
+            backward=np.array([c for c, _ in back], dtype=float).reshape(-1, width),
             backward_stage=np.array([s for _, s in back], dtype=int),
-            input_grad=np.array([c for c, _ in inputs], dtype=float).reshape(-1, stages),
+            input_grad=np.array([c for c, _ in inputs], dtype=float).reshape(-1, width),
             input_stage=np.array([s for _, s in inputs], dtype=int),
         ))
     return tuple(out)
@@ -106,19 +112,27 @@ def _peak_points(name: str, pp: int, microbatches: int, stages_per_rank: int) ->
 
 def rank_activation_peaks(schedule: PipelineSchedule, stages: Sequence[StageActivations]) -> tuple[float, ...]:
     """Peak activation bytes of each pipeline rank of `schedule` (see the module docstring)."""
-    if len(stages) != schedule.num_stages:
-        raise ValueError(f"{len(stages)} stage activations for a schedule of {schedule.num_stages} stages")
+    return activation_peaks(schedule.name, schedule.pp, schedule.num_microbatches, schedule.stages_per_rank, stages)
+
+
+def activation_peaks(name: str, pp: int, microbatches: int, stages_per_rank: int,
+                     stages: Sequence[StageActivations]) -> tuple[float, ...]:
+    """`rank_activation_peaks` of the schedule `build_schedule(name, pp, microbatches, stages_per_rank)`,
+    without building it: the points come from its compute order alone (`_peak_points`, memoized)."""
+    if len(stages) != pp * stages_per_rank:
+        raise ValueError(f"{len(stages)} stage activations for a schedule of {pp * stages_per_rank} stages")
     kept = np.array([s.kept for s in stages], dtype=float)
     extra = np.array([max(0.0, s.backward_peak - s.kept) for s in stages], dtype=float)
     window = np.array([s.window for s in stages], dtype=float)
     peaks = []
-    for points in _peak_points(schedule.name, schedule.pp, schedule.num_microbatches, schedule.stages_per_rank):
+    for points in _peak_points(name, pp, microbatches, stages_per_rank):
         peak = 0.0
+        own_kept = kept[points.own]
         if len(points.forward):
-            peak = float((points.forward @ kept).max())
+            peak = float((points.forward @ own_kept).max())
         if len(points.backward):
-            peak = max(peak, float((points.backward @ kept + extra[points.backward_stage]).max()))
+            peak = max(peak, float((points.backward @ own_kept + extra[points.backward_stage]).max()))
         if len(points.input_grad):
-            peak = max(peak, float((points.input_grad @ kept + window[points.input_stage]).max()))
+            peak = max(peak, float((points.input_grad @ own_kept + window[points.input_stage]).max()))
         peaks.append(peak)
     return tuple(peaks)

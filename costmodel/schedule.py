@@ -77,6 +77,12 @@ class Action:
         return self.kind in COMPUTE_KINDS
 
 
+action = functools.lru_cache(maxsize=1 << 18)(Action)
+"""`Action(stage, kind, microbatch)`, one shared instance per value: the generators make hundreds of
+thousands of actions, mostly the same ones again (actions are frozen, so sharing is safe), and a frozen
+dataclass costs far more to build than a cache look-up."""
+
+
 class ScheduleDeadlock(SoapError):
     """The schedule cannot finish: some rank waits forever."""
 
@@ -120,12 +126,12 @@ def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
     ranks = []
     for rank in range(pp):
         warmup = min(m, pp - rank)
-        acts = [Action(rank, F, mb) for mb in range(warmup)]
+        acts = [action(rank, F, mb) for mb in range(warmup)]
         fwd = warmup
         for bwd in range(m):
-            acts.append(Action(rank, B, bwd))
+            acts.append(action(rank, B, bwd))
             if fwd < m:
-                acts.append(Action(rank, F, fwd))
+                acts.append(action(rank, F, fwd))
                 fwd += 1
         ranks.append(acts)
     return ranks
@@ -138,7 +144,7 @@ def stage_to_rank(name: str, pp: int, v: int) -> tuple[int, ...]:
     return tuple(s % pp for s in range(pp * v))
 
 
-def _with_comms(compute: list[list[Action]], stage_to_rank: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
+def _with_comms(compute, stage_to_rank: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
     last = len(stage_to_rank) - 1
     ranks = []
     for acts in compute:
@@ -146,21 +152,24 @@ def _with_comms(compute: list[list[Action]], stage_to_rank: tuple[int, ...]) -> 
         for a in acts:
             s, mb = a.stage, a.microbatch
             if a.kind is F and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
-                full.append(Action(s, RECV_F, mb))
+                full.append(action(s, RECV_F, mb))
             if a.kind in (B, I) and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
-                full.append(Action(s, RECV_B, mb))
+                full.append(action(s, RECV_B, mb))
             full.append(a)
             if a.kind is F and s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
-                full.append(Action(s, SEND_F, mb))
+                full.append(action(s, SEND_F, mb))
             if a.kind in (B, I) and s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
-                full.append(Action(s, SEND_B, mb))
+                full.append(action(s, SEND_B, mb))
         ranks.append(tuple(full))
     return tuple(ranks)
 
 
 @functools.lru_cache(maxsize=256)
-def build_schedule(name: str, pp: int, num_microbatches: int, stages_per_rank: int = 1) -> PipelineSchedule:
-    """The schedule `name` (torch.distributed.pipelining's names) for `pp` ranks and `num_microbatches`."""
+def compute_order(name: str, pp: int, num_microbatches: int, stages_per_rank: int = 1
+                  ) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the compute actions (F, B, I, W) of schedule `name` in execution order: `build_schedule`
+    without the communication. The activation peaks (`costmodel.memory_schedule`) read only this, so the
+    planner's memory estimate never pays for the communication pass."""
     m, v = num_microbatches, stages_per_rank
     if pp < 1 or m < 1 or v < 1:
         raise SoapError(f"pipeline needs pp, micro-batches and stages per rank >= 1 (got {pp}, {m}, {v})")
@@ -183,18 +192,33 @@ def build_schedule(name: str, pp: int, num_microbatches: int, stages_per_rank: i
             f"unknown schedule {name!r}; choose GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
             "InterleavedZeroBubble or ZBVZeroBubble"
         )
-    ranks = stage_to_rank(name, pp, v)
-    return PipelineSchedule(name, pp, v, m, ranks, _with_comms(compute, ranks))
+    return tuple(tuple(acts) for acts in compute)
+
+
+@functools.lru_cache(maxsize=256)
+def build_schedule(name: str, pp: int, num_microbatches: int, stages_per_rank: int = 1) -> PipelineSchedule:
+    """The schedule `name` (torch.distributed.pipelining's names) for `pp` ranks and `num_microbatches`."""
+    compute = compute_order(name, pp, num_microbatches, stages_per_rank)
+    ranks = stage_to_rank(name, pp, stages_per_rank)
+    return PipelineSchedule(name, pp, stages_per_rank, num_microbatches, ranks, _with_comms(compute, ranks))
+
+
+def step_shape(name: str, pp: int, num_microbatches: int, grad_accum: int, stages_per_rank: int = 1
+               ) -> tuple[str, int, int, int, int]:
+    """(schedule, pp, micro-batches per pass, stages per rank, passes) of a training step: without a
+    pipeline one 1F1B "stage" runs all `num_microbatches` in one pass; a pipeline runs `name` over
+    num_microbatches // grad_accum, `grad_accum` times."""
+    if pp == 1:
+        return "1F1B", 1, num_microbatches, 1, 1
+    return name, pp, num_microbatches // grad_accum, stages_per_rank, grad_accum
 
 
 def step_schedule(name: str, pp: int, num_microbatches: int, grad_accum: int, stages_per_rank: int = 1
                   ) -> tuple[PipelineSchedule, int]:
-    """(the schedule of one pass, passes per step) for a training step: without a pipeline one 1F1B "stage"
-    runs all `num_microbatches` in one pass; a pipeline runs `name` over num_microbatches // grad_accum,
-    `grad_accum` times. The simulator and the planner's memory estimate both take the step from here."""
-    if pp == 1:
-        return build_schedule("1F1B", 1, num_microbatches), 1
-    return build_schedule(name, pp, num_microbatches // grad_accum, stages_per_rank), grad_accum
+    """(the schedule of one pass, passes per step) for a training step (`step_shape`). The simulator takes
+    the step from here; the planner's memory estimate takes `step_shape` and never builds the schedule."""
+    sched_name, sched_pp, m, v, passes = step_shape(name, pp, num_microbatches, grad_accum, stages_per_rank)
+    return build_schedule(sched_name, sched_pp, m, v), passes
 
 
 # --- dry run -------------------------------------------------------------------------------------

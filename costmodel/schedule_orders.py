@@ -29,13 +29,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from costmodel.schedule import B, F, I, W, Action
+from costmodel.schedule import B, F, I, W, Action, action
 from tracer.errors import SoapError
 
 
 def gpipe(pp: int, m: int) -> list[list[Action]]:
     """All forwards, then all backwards, in micro-batch order."""
-    return [[Action(rank, F, mb) for mb in range(m)] + [Action(rank, B, mb) for mb in range(m)] for rank in range(pp)]
+    return [[action(rank, F, mb) for mb in range(m)] + [action(rank, B, mb) for mb in range(m)] for rank in range(pp)]
 
 
 def looped_bfs(pp: int, m: int, v: int) -> list[list[Action]]:
@@ -43,8 +43,8 @@ def looped_bfs(pp: int, m: int, v: int) -> list[list[Action]]:
     ranks = []
     for rank in range(pp):
         stages = range(rank, pp * v, pp)
-        acts = [Action(s, F, mb) for s in stages for mb in range(m)]
-        acts += [Action(s, B, mb) for s in reversed(stages) for mb in reversed(range(m))]
+        acts = [action(s, F, mb) for s in stages for mb in range(m)]
+        acts += [action(s, B, mb) for s in reversed(stages) for mb in reversed(range(m))]
         ranks.append(acts)
     return ranks
 
@@ -92,7 +92,7 @@ def _one_f_one_b_ops(
     def weight() -> None:
         nonlocal weights_done
         stage = backward_stage(backward_steps[weights_done])
-        acts.append(Action(stage, W, take(weight_mb, stage)))
+        acts.append(action(stage, W, take(weight_mb, stage)))
         weights_done += 1
 
     backward_kind = B if one_f_one_b_before_w is None else I
@@ -100,10 +100,10 @@ def _one_f_one_b_ops(
     for step in range(warmup + fwd_bwd + warmup):  # torch's cooldown is as long as the warm-up
         if step < warmup + fwd_bwd:
             stage = forward_stage(step)
-            acts.append(Action(stage, F, take(fwd_mb, stage)))
+            acts.append(action(stage, F, take(fwd_mb, stage)))
         if step >= warmup:
             stage = backward_stage(step)
-            acts.append(Action(stage, backward_kind, take(bwd_mb, stage)))
+            acts.append(action(stage, backward_kind, take(bwd_mb, stage)))
             backward_steps.append(step)
             if one_f_one_b_before_w is not None and step - warmup >= one_f_one_b_before_w:
                 weight()
@@ -121,35 +121,35 @@ def zbv(pp: int, m: int) -> list[list[Action]]:
         f0 = f1 = b0 = b1 = 0
         acts: list[Action] = []
         for _ in range(2 * (pp - rank) - 1):
-            acts.append(Action(chunk0, F, f0))
+            acts.append(action(chunk0, F, f0))
             f0 += 1
         for _ in range(rank):
-            acts += [Action(chunk1, F, f1), Action(chunk0, F, f0)]
+            acts += [action(chunk1, F, f1), action(chunk0, F, f0)]
             f1 += 1
             f0 += 1
         for _ in range(pp - rank):
-            acts += [Action(chunk1, F, f1), Action(chunk1, I, b1), Action(chunk1, W, b1)]
+            acts += [action(chunk1, F, f1), action(chunk1, I, b1), action(chunk1, W, b1)]
             f1 += 1
             b1 += 1
         while f1 < f0 or f0 < n_micro:
             if f0 < n_micro:
-                acts.append(Action(chunk0, F, f0))
+                acts.append(action(chunk0, F, f0))
                 f0 += 1
-            acts += [Action(chunk0, I, b0), Action(chunk0, W, b0), Action(chunk1, F, f1),
-                     Action(chunk1, I, b1), Action(chunk1, W, b1)]
+            acts += [action(chunk0, I, b0), action(chunk0, W, b0), action(chunk1, F, f1),
+                     action(chunk1, I, b1), action(chunk1, W, b1)]
             b0 += 1
             f1 += 1
             b1 += 1
         w0, w1 = b0, b1
         for _ in range(rank):
-            acts += [Action(chunk0, I, b0), Action(chunk1, I, b1)]
+            acts += [action(chunk0, I, b0), action(chunk1, I, b1)]
             b0 += 1
             b1 += 1
         for _ in range(pp - rank):
-            acts += [Action(chunk0, I, b0), Action(chunk0, W, w0)]
+            acts += [action(chunk0, I, b0), action(chunk0, W, w0)]
             b0 += 1
             w0 += 1
-        acts += [Action(chunk1, W, mb) for mb in range(w1, b1)]
-        acts += [Action(chunk0, W, mb) for mb in range(w0, b0)]
+        acts += [action(chunk1, W, mb) for mb in range(w1, b1)]
+        acts += [action(chunk0, W, mb) for mb in range(w0, b0)]
         ranks.append([a for a in acts if a.microbatch < m])
     return ranks

@@ -18,6 +18,7 @@ Both entry points are pure (no I/O) and deterministic; `simulate_costs` takes ha
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 from costmodel.profiles import ClusterSpec
@@ -31,9 +32,17 @@ from tracer.ir import OpGraph
 
 def simulate_costs(costs: StepCosts, facts: StepFacts | None = None) -> SimResult:
     """Simulate a step from its cost tables (hand-made in tests, or from `price_step`)."""
-    step = build_step(costs)
-    tasks = run_tasks(step.graph)
-    return analyse(costs, tasks, step.memory, facts or StepFacts())
+    # A step is tens of thousands of small acyclic objects: the cyclic collector, triggered by their
+    # allocation, would rescan every live object (earlier results included) many times for nothing.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        step = build_step(costs)
+        tasks = run_tasks(step.graph)
+        return analyse(costs, tasks, step.memory, facts or StepFacts())
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def simulate(

@@ -77,6 +77,42 @@ class TimelineEvent(NamedTuple):
     peer: int | None = None
 
 
+class TimelineEvents(Sequence):
+    """The step's `TimelineEvent`s (tasks of positive duration, in issue order), made on first use: the
+    search simulates dozens of candidates and draws the timeline of one."""
+
+    def __init__(self, tasks: Sequence[Any]) -> None:
+        self._tasks: Sequence[Any] | None = tasks
+        self._events: tuple[TimelineEvent, ...] = ()
+
+    def _made(self) -> tuple[TimelineEvent, ...]:
+        if self._tasks is not None:
+            self._events = tuple(
+                TimelineEvent(t.rank, t.stream, t.name, t.category, t.start, t.end, t.flow, t.peer)
+                for t in self._tasks if t.duration > 0
+            )
+            self._tasks = None
+        return self._events
+
+    def __getitem__(self, index):
+        return self._made()[index]
+
+    def __len__(self) -> int:
+        return len(self._made())
+
+    def __iter__(self):
+        return iter(self._made())
+
+    def __eq__(self, other: object) -> bool:
+        return self._made() == (other._made() if isinstance(other, TimelineEvents) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._made())
+
+    def __repr__(self) -> str:
+        return f"TimelineEvents({len(self)} events)"
+
+
 @dataclass(frozen=True)
 class StepFacts:
     """Model-level facts the pricing phase knows and the metrics need (zeros in hand-made tests)."""
@@ -100,7 +136,8 @@ class SimResult:
     rank_breakdowns: tuple[TimeBreakdown, ...]
     critical_rank: int
     memory: tuple[RankMemory, ...]
-    events: tuple[TimelineEvent, ...]
+    events: Sequence[TimelineEvent]
+    """A `TimelineEvents`, made on first use."""
     facts: StepFacts
 
     @property
@@ -151,10 +188,7 @@ def analyse(costs: StepCosts, tasks: Sequence[Task], memory_events: Sequence[Mem
         by_rank[t.rank].append(t)
     breakdowns = tuple(_rank_breakdown(rank, by_rank[rank], tasks, step) for rank in range(pp))
     critical = max(range(pp), key=lambda r: (breakdowns[r].compute + breakdowns[r].optimizer, -r))
-    events = tuple(
-        TimelineEvent(t.rank, t.stream, t.name, t.category, t.start, t.end, t.flow, t.peer)
-        for t in tasks if t.duration > 0
-    )
+    events = TimelineEvents(tasks)
     return SimResult(
         step_time_s=step, breakdown=breakdowns[critical], rank_breakdowns=breakdowns, critical_rank=critical,
         memory=_memory(costs, tasks, memory_events), events=events, facts=facts,

@@ -14,7 +14,11 @@ actions run `grad_accum` times (micro-batch indices offset per pass). Each actio
 
 Activation collectives (tp-comm) are synchronous, as in Megatron/DTensor TP: the next compute task
 of the rank waits for the last one issued. FSDP all-gathers are prefetched one chunk ahead: the
-gather for chunk c waits only for the compute of chunk c-2 (two chunks' parameters alive at once).
+gather for chunk c waits only for the compute of chunk c-2 (two chunks' parameters alive at once); in
+backward it is issued as chunk c-1's compute starts, before chunk c-1's gradient reduce-scatter, as
+FSDP2's backward prefetch issues it (all of a process group's collectives share one NCCL stream, so
+the issue order is the order they run in: per chunk the dp link carries one gather and one
+reduce-scatter while the chunk computes, instead of serializing gather, compute and sync).
 Gradient buckets are one per chunk (a block instance's gradients; DDP's 25 MB buckets are finer, so
 this slightly delays the first bucket and exposes the last one the same way). They are
 synchronized after the stage's last backward of the step, or after every backward with
@@ -87,19 +91,32 @@ class _Builder:
         self.last_stage = self.sched.num_stages - 1
         self.flows = 0
         self.last_comm: dict[tuple[int, str], int] = {}
+        self.last_tp_comm: dict[int, int] = {}
+        """Per rank, the last activation collective issued: the rank's next compute waits for it."""
+        self.tasks, self.links, self.share = graph.tasks, costs.links, costs.comm_compute_share
 
     def _add(self, rank: int, stream: str, name: str, category: str, duration: float, deps, key=None) -> int:
-        link = self.costs.links.get(stream) if stream != "compute" else None
-        if stream == "compute" and (rank, "tp-comm") in self.last_comm:
-            deps = [*deps, self.last_comm[(rank, "tp-comm")]]  # activation collectives block compute
-        share = self.costs.comm_compute_share * duration if stream != "compute" else 0.0
-        if share > 0:
-            # the collective's host share runs on the compute stream, in issue order, then the rest on its own
-            host = self.graph.add(Task(rank, "compute", f"{name} (host share)", category, share, list(deps)))
-            deps, duration = [host], duration - share
-        tid = self.graph.add(Task(rank, stream, name, category, duration, list(deps), link=link), key)
-        if stream != "compute":
+        tasks = self.tasks
+        if stream == "compute":
+            blocking = self.last_tp_comm.get(rank)
+            deps = list(deps) if blocking is None else [*deps, blocking]  # activation collectives block compute
+            tasks.append(Task(rank, stream, name, category, duration, deps))
+            tid = len(tasks) - 1
+        else:
+            link = self.links.get(stream)
+            deps = list(deps)
+            share = self.share * duration
+            if share > 0:
+                # the collective's host share runs on the compute stream, in issue order, then the rest on its own
+                tasks.append(Task(rank, "compute", f"{name} (host share)", category, share, deps))
+                deps, duration = [len(tasks) - 1], duration - share
+            tasks.append(Task(rank, stream, name, category, duration, deps, link))
+            tid = len(tasks) - 1
             self.last_comm[(rank, stream)] = tid
+            if stream == "tp-comm":
+                self.last_tp_comm[rank] = tid
+        if key is not None:
+            self.graph.key(key, tid)
         return tid
 
     def _input_dep(self, stage: int, kind: ActionKind, mb: int):
@@ -152,12 +169,22 @@ class _Builder:
         compute_ids: list[int] = []
         last = None
         tag = "B" if full else "I"
-        for chunk in reversed(self.costs.stages[stage].chunks):
-            label = f"{stage}{tag}{mb} {chunk.name}"
-            ag = self._gather(rank, chunk, label, compute_ids) if self.costs.gather_in_backward else []
+        chunks = tuple(reversed(self.costs.stages[stage].chunks))
+        labels = [f"{stage}{tag}{mb} {chunk.name}" for chunk in chunks]
+        gathers: dict[int, list[int]] = {}
+
+        def gather(i: int) -> list[int]:
+            if i < len(chunks) and i not in gathers:
+                gathers[i] = self._gather(rank, chunks[i], labels[i], compute_ids) if self.costs.gather_in_backward else []
+            return gathers.get(i, [])
+
+        for i, chunk in enumerate(chunks):
+            label = labels[i]
+            ag = gather(i)
             duration = chunk.recompute_s + chunk.bwd_input_s + (chunk.bwd_weight_s if full else 0.0)
             comp = self._add(rank, "compute", label, "compute", duration, deps + ag)
             compute_ids.append(comp)
+            gather(i + 1)  # FSDP2's backward prefetch: the next unit's gather is issued before this one's reduce-scatter
             if chunk.recompute_bytes:
                 self.memory.append(MemoryEvent(comp, False, chunk.recompute_bytes))
                 self.memory.append(MemoryEvent(comp, True, -chunk.recompute_bytes))

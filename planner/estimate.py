@@ -9,23 +9,30 @@ stages:
     t_r = sum_u c_u [fwd_u + bwd_u + recompute_u + tp_u + cp_u] + 2 p2p
     fwd_u, bwd_u   `costmodel.opcost.op_time` over the unit's ops at local shapes
                    (split: parameter=tp, attribute=cp) for micro-batch mb;
-    recompute_u    full: fwd_u again; selective: the attention cores' forward again;
-    tp_u           2 x (TP regions) all-reduces of mb*s/cp*hidden activations in the tp group;
+    recompute_u    full: fwd_u again; selective: the forward of the ops selective checkpointing drops
+                   (all but matmuls, embeddings and losses: the attention core and the memory-bound
+                   ops), as the simulator prices it;
+    tp_u           2 x (TP regions) all-reduces of mb*s/cp*hidden activations in the tp group (3 x
+                   under full recompute, whose forward runs them again);
     cp_u           per attention core, all-gather K,V forward and reduce-scatter dK,dV backward in the
                    cp group, hidden behind the attention compute where it can be;
     ep_u           per MoE layer, four all-to-alls (dispatch and combine, each way) of the routed
-                   tokens in the ep group; expert ops run at split parameter=ep instead of tp;
+                   tokens in the ep group and the forward all-gather of the per-expert token counts;
+                   expert ops run at split parameter=ep instead of tp;
     p2p            one activation send and one gradient receive per stage boundary.
 Step time:
     pp = 1:  T = m * t_0 + dp_exposed + zero3_exposed + optimizer
     pp > 1:  T = A * ((m/A) * max_r t_r + bubble) + dp_exposed + zero3_exposed + optimizer,
              bubble = (pp - 1) * max_r t_r / v      (GPipe/1F1B v = 1; Interleaved1F1B v chunks;
                                                     ZBVZeroBubble halves it again: W fills it)
-    dp_exposed     grad all-reduce (ZeRO 0), reduce-scatter + all-gather (ZeRO 1/2), reduce-scatter
-                   (ZeRO 3; HSDP adds the replicate all-reduce), minus one micro-batch's backward it
-                   overlaps with;
-    zero3_exposed  per micro-batch parameter all-gathers (forward and backward) minus the compute
-                   they prefetch behind;
+    dp_exposed     fp32 gradient all-reduce (ZeRO 0/1; ZeRO 1 adds the updated shards' all-gather), or
+                   per unit a reduce-scatter over dp_shard (+ HSDP's replicate all-reduce) (ZeRO 2/3),
+                   minus one micro-batch's backward it overlaps with, once per step;
+    zero3_exposed  per micro-batch, per unit, the parameter all-gathers (ZeRO 3: forward and backward;
+                   ZeRO 2: forward) minus the compute they prefetch behind; where gradients sync every
+                   micro-batch (ZeRO 3, FSDP2 without a pipeline) the syncs join them on the same dp
+                   stream: m x max(0, gathers + syncs - compute), and dp_exposed is 0
+                   (`costmodel.simulator_pricing.data_parallel_traffic` and its arithmetic);
     optimizer      device state read and written once at memory bandwidth; with offload the
                    simulator's host traffic (`costmodel.simulator_pricing.offload_host_bytes`).
 Memory: the simulator's model, term by term, from per-unit tables (`planner.memory_estimate`), over
@@ -42,12 +49,12 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import MemoryBreakdown, model_state_bytes
-from costmodel.opcost import op_time
+from costmodel.memory import GRAD_BYTES, MemoryBreakdown, model_state_bytes
+from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import is_expert
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
-from costmodel.simulator_pricing import offload_host_bytes
+from costmodel.simulator_pricing import SELECTIVE_KEEPS, data_parallel_traffic, offload_host_bytes
 from costmodel.strategy import TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
@@ -99,10 +106,12 @@ class Estimator:
     # --- cached per-unit costs ------------------------------------------------------------------
     def _unit_time_uncached(
         self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str
-    ) -> tuple[float, float, float]:
-        """(forward, backward, attention-core forward) seconds of one instance of unit u."""
+    ) -> tuple[float, float, float, float]:
+        """(forward, backward, attention-core forward, selective recompute) seconds of one instance of
+        unit u; the selective recompute is the forward of the ops whose saved tensors selective
+        checkpointing drops, as the simulator prices it (`costmodel.simulator_pricing.SELECTIVE_KEEPS`)."""
         dense, experts = {"parameter": tp, "attribute": cp}, {"parameter": ep, "attribute": cp}
-        fwd = bwd = attn = 0.0
+        fwd = bwd = attn = selective = 0.0
         for op in self._costed_ops[u]:
             cost = op_time(
                 op, device=self.cluster.device, precision=precision, micro_batch=mb,
@@ -112,12 +121,16 @@ class Estimator:
             bwd += cost.bwd_s
             if op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
                 attn += cost.fwd_s
-        return fwd, bwd, attn
+            if op.kind not in SELECTIVE_KEEPS:
+                selective += cost.fwd_s
+        return fwd, bwd, attn, selective
 
     def _comm_uncached(self, kind: str, nbytes: float, size: int, per_node: int) -> float:
         if size <= 1 or nbytes <= 0:
             return 0.0
-        return collective_time(kind, nbytes, CommGroup(size=size, ranks_per_node=per_node), self.cluster)
+        # as the simulator's `ProfilePricer.collective`: the collective plus the device's per-call host time
+        return (collective_time(kind, nbytes, CommGroup(size=size, ranks_per_node=per_node), self.cluster)
+                + self.cluster.device.collective_call_overhead_s)
 
     def _stage_bounds_uncached(self, pp: int, v: int) -> tuple[int, ...]:
         """Layer bounds of the pp*v stages (`planner.units.layer_units` order), time-balanced at one sample
@@ -147,11 +160,12 @@ class Estimator:
         instance of unit u for one micro-batch."""
         unit, gpn, seq = self.units[u], self.cluster.gpus_per_node, self.graph.seq_len
         act_b = ACTIVATION_BYTES[precision]
-        fwd, bwd, attn = self.unit_time(u, tp, cp, ep, mb, precision)
+        fwd, bwd, attn, selective = self.unit_time(u, tp, cp, ep, mb, precision)
         policy = "none" if unit.id.startswith("<") else recompute
-        compute = fwd + bwd + (fwd if policy == "full" else attn if policy == "selective" else 0.0)
+        compute = fwd + bwd + (fwd if policy == "full" else selective if policy == "selective" else 0.0)
         regions = 1 if unit.id.startswith("<") else unit.tp_regions
-        tp_comm = 2 * regions * self._comm(
+        passes = 3 if policy == "full" else 2  # a full recompute runs the forward's collectives again
+        tp_comm = passes * regions * self._comm(
             "all_reduce", mb * seq / cp * self.hidden * act_b, tp, group_ranks_per_node(tp, 1, gpn))
         cp_exposed = 0.0
         if cp > 1:
@@ -161,7 +175,9 @@ class Estimator:
         ep_comm = 0.0
         if ep > 1 and unit.expert_params:
             routed = mb * seq / cp * self.hidden * act_b * max(1, self.graph.dims.experts_per_token)
-            ep_comm = 4 * self._comm("all_to_all", routed, ep, group_ranks_per_node(ep, tp, gpn))
+            ep_comm = (4 * self._comm("all_to_all", routed, ep, group_ranks_per_node(ep, tp, gpn))
+                       + self._comm("all_gather", ep * max(ep, self.graph.dims.num_experts) * 8, ep,
+                                    group_ranks_per_node(ep, tp, gpn)))
         return compute, compute + tp_comm + cp_exposed + ep_comm, bwd
 
     def _p2p(self, mesh: MeshChoice, mb: int, precision: str, v: int) -> float:
@@ -219,7 +235,7 @@ class Estimator:
             dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer, pipeline=d.pp > 1,
             fsdp=runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer),
         )
-        dp_exposed, zero3_exposed = self._dp_comm(mesh, t, params_local, state, float(rank_bwd[worst]),
+        dp_exposed, zero3_exposed = self._dp_comm(mesh, t, counts[worst], params_unit, float(rank_bwd[worst]),
                                                   float(rank_compute[worst]))
         device = self.cluster.device
         if t.offload_optimizer:
@@ -236,29 +252,38 @@ class Estimator:
             bubble_s=bubble, optimizer_s=optimizer_s,
         )
 
-    def _dp_comm(self, mesh: MeshChoice, t: TrainingConfig, params_local: float, state, bwd_s: float,
-                 compute_s: float) -> tuple[float, float]:
+    def _dp_comm(self, mesh: MeshChoice, t: TrainingConfig, unit_counts: np.ndarray, params_unit: np.ndarray,
+                 bwd_s: float, compute_s: float) -> tuple[float, float]:
+        """(gradient sync, parameter gather) seconds exposed per step, by the simulator's rule
+        (`costmodel.simulator_pricing.data_parallel_traffic` and its module docstring's ZeRO/FSDP
+        arithmetic): each unit instance gathers its parameters and reduces its fp32 gradients in calls of
+        its own, on one dp stream that overlaps compute."""
         d, gpn = mesh.dims, self.cluster.gpus_per_node
         if d.sync_degree == 1:
             return 0.0, 0.0
+        traffic = data_parallel_traffic(d, t)
         inner = d.tp  # data parallelism runs over dp x cp (`ParallelDims.sync_degree`, `shard_degree`)
-        grad_b = 4.0 if t.precision in ("fp32", "tf32") else 2.0
-        weight_b = grad_b
-        grads = params_local * grad_b
+        grad_b, weight_b = GRAD_BYTES[t.precision], activation_itemsize(t.precision)
+        shard_group = (d.shard_degree, group_ranks_per_node(d.shard_degree, inner, gpn))
+        replicate_group = (d.dp_replicate, group_ranks_per_node(d.dp_replicate, inner * d.shard_degree, gpn))
         dp_group = (d.sync_degree, group_ranks_per_node(d.sync_degree, inner, gpn))
-        if t.zero == 0:
-            sync = self._comm("all_reduce", grads, *dp_group)
-        elif t.zero in (1, 2):
-            sync = self._comm("reduce_scatter", grads, *dp_group) + self._comm("all_gather", params_local * weight_b, *dp_group)
+        present = unit_counts > 0
+        if t.zero >= 2 and d.shard_degree > 1:
+            per_unit = [self._comm("reduce_scatter", p * grad_b, *shard_group)
+                        + self._comm("all_reduce", p * grad_b / d.shard_degree, *replicate_group) if c else 0.0
+                        for p, c in zip(params_unit, present)]
+            sync = float(unit_counts @ np.array(per_unit))
         else:
-            shard_group = (d.shard_degree, group_ranks_per_node(d.shard_degree, inner, gpn))
-            replicate_group = (d.dp_replicate, group_ranks_per_node(d.dp_replicate, inner * d.shard_degree, gpn))
-            sync = self._comm("reduce_scatter", grads, *shard_group)
-            sync += self._comm("all_reduce", grads / d.shard_degree, *replicate_group)
-        dp_exposed = max(0.0, sync - bwd_s)
-        zero3 = 0.0
-        if t.zero == 3 and d.shard_degree > 1:
-            shard_group = (d.shard_degree, group_ranks_per_node(d.shard_degree, inner, gpn))
-            gathers = 2 * self._comm("all_gather", params_local * weight_b, *shard_group)
-            zero3 = t.num_microbatches * max(0.0, gathers - compute_s)
-        return dp_exposed, zero3
+            grads = float(unit_counts @ params_unit) * grad_b
+            sync = self._comm("all_reduce", grads, *dp_group)
+            if t.zero == 1 and d.shard_degree > 1:
+                sync += self._comm("all_gather", float(unit_counts @ params_unit) * weight_b, *shard_group)
+        gathers = 0.0
+        if traffic.gathers_per_microbatch:
+            per_unit = [self._comm("all_gather", p * weight_b, *shard_group) if c else 0.0
+                        for p, c in zip(params_unit, present)]
+            gathers = traffic.gathers_per_microbatch * float(unit_counts @ np.array(per_unit))
+        m = t.num_microbatches
+        if traffic.sync_every_microbatch:
+            return 0.0, m * max(0.0, gathers + sync - compute_s)
+        return max(0.0, sync - bwd_s), m * max(0.0, gathers - compute_s)

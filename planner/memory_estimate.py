@@ -15,7 +15,7 @@ term is computed by the same functions the simulator calls, over the same stages
     activations       per unit instance `costmodel.simulator_pricing.placed_activations` (each op at its
                       Megatron placement, the recompute policy's kept bytes and window); per stage kept =
                       the sum, backward peak = max over its layers of (prefix of kept + window); per rank
-                      `costmodel.memory_schedule.rank_activation_peaks` over the schedule's action order
+                      `costmodel.memory_schedule.activation_peaks` over the schedule's compute order
     workspace         `costmodel.memory.workspace_bytes`
 The peak is the worst rank's total; tests/test_memory_agreement.py holds it equal to the simulator's
 peak over the search's candidate families. (A plan whose per-op splits differ from the Megatron
@@ -32,10 +32,10 @@ from costmodel.memory import (
     MemoryBreakdown, ParamSet, buffer_bytes, model_state_bytes, parameter_degrees, rank_breakdown, stage_params,
     workspace_bytes,
 )
-from costmodel.memory_schedule import rank_activation_peaks, stage_activations
+from costmodel.memory_schedule import activation_peaks, stage_activations
 from costmodel.placement import block_placements
 from costmodel.profiles import DeviceProfile
-from costmodel.schedule import step_schedule
+from costmodel.schedule import stage_to_rank, step_shape
 from costmodel.simulator_pricing import activation_shape, placed_activations
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.units import Unit, layer_units
@@ -55,6 +55,8 @@ class MemoryTables:
         self.joint = lru_cache(maxsize=None)(self._joint_uncached)
         self.unit_activations = lru_cache(maxsize=None)(self._unit_activations_uncached)
         self.stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
+        self.rank_activations = lru_cache(maxsize=4096)(self._rank_activations_uncached)
+        self.held = lru_cache(maxsize=16384)(self._held_uncached)
 
     # --- tables -----------------------------------------------------------------------------------
     def _degrees_uncached(self, tp: int, ep: int, vocab: bool) -> dict[str, int]:
@@ -82,12 +84,34 @@ class MemoryTables:
         return placed_activations(block_placements(self.units[u].ops, strategy, shape), strategy, self.graph.batch, shape,
                                   policy)
 
+    def _rank_activations_uncached(self, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
+                                   recompute: str, recompute_per_block: tuple, precision: str, attention: str,
+                                   bounds: tuple[int, ...], schedule: str, microbatches: int, stages_per_rank: int
+                                   ) -> tuple[float, ...]:
+        """Each pipeline rank's activation peak: per layer, then per stage (kept, backward peak), then per
+        rank over the schedule. Memoized: it reads none of the candidate's data-parallel, ZeRO, optimizer or
+        offload choices, which the enumeration varies most."""
+        policies = dict(recompute_per_block)
+        unit_acts = np.array([
+            self.unit_activations(u, tp, cp, ep, pp, sequence_parallel, mb,
+                                  "none" if unit.id.startswith("<") else policies.get(unit.id, recompute),
+                                  precision, attention)
+            for u, unit in enumerate(self.units)])
+        stage_acts = stage_activations(unit_acts[self.layers, 0], unit_acts[self.layers, 1], bounds)
+        return activation_peaks(schedule, pp, microbatches, stages_per_rank, stage_acts)  # step_shape keeps pp
+
     def _stage_counts_uncached(self, bounds: tuple[int, ...]) -> np.ndarray:
         """Instances of each unit on each stage: shape (stages, units)."""
         counts = np.zeros((len(bounds) - 1, len(self.units)))
         for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
             np.add.at(counts[stage], self.layers[a:b], 1)
         return counts
+
+    def _held_uncached(self, bounds: tuple[int, ...], stages: tuple[int, ...], tp: int, ep: int, vocab: bool,
+                       shapes: bool) -> ParamSet:
+        """`_holding` of the unit instances on `stages` of the partition `bounds` (memoized)."""
+        counts = self.stage_counts(bounds)
+        return self._holding(counts[list(stages)].sum(axis=0), tp, ep, vocab, shapes=shapes)
 
     # --- one candidate ----------------------------------------------------------------------------
     def _holding(self, counts: np.ndarray, tp: int, ep: int, vocab: bool, *, shapes: bool = False) -> ParamSet:
@@ -113,29 +137,26 @@ class MemoryTables:
         counts = self.stage_counts(bounds)
         n_stages = counts.shape[0]
 
-        # activations: per layer, then per stage (kept, backward peak), then per rank over the schedule
-        policies = ["none" if unit.id.startswith("<") else t.recompute_for(unit.id) for unit in self.units]
-        unit_acts = np.array([self.unit_activations(u, d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, policy,
-                                                    t.precision, t.attention) for u, policy in enumerate(policies)])
-        stage_acts = stage_activations(unit_acts[self.layers, 0], unit_acts[self.layers, 1], bounds)
-        schedule, _ = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
-        activations = rank_activation_peaks(schedule, stage_acts)
+        name, pp, m, v, _ = step_shape(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
+        activations = self.rank_activations(d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute,
+                                            t.recompute_per_block, t.precision, t.attention, bounds, name, m, v)
+        owner = stage_to_rank(name, pp, v)
 
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         state = []
         for s in range(n_stages):
             adafactor = t.optimizer == "adafactor"
-            params = self._holding(counts[s], d.tp, d.ep, vocab, shapes=adafactor)
+            params = self.held(bounds, (s,), d.tp, d.ep, vocab, adafactor)
             state.append(model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
                                            dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
                                            param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
                                            pipeline=d.pp > 1, fsdp=fsdp))
         workspace = workspace_bytes(device)
         worst: MemoryBreakdown | None = None
-        for rank in range(schedule.pp):
-            mine = list(schedule.stages_of(rank))
-            held = self._holding(counts[mine].sum(axis=0), d.tp, d.ep, vocab)
+        for rank in range(pp):
+            mine = tuple(s for s, r in enumerate(owner) if r == rank)
+            held = self.held(bounds, mine, d.tp, d.ep, vocab, False)
             total = rank_breakdown(
                 weights=sum(state[s].weights for s in mine), grads=sum(state[s].grads for s in mine),
                 optimizer=sum(state[s].optimizer for s in mine), activations=int(activations[rank]),

@@ -17,6 +17,7 @@ chosen plan's per-op placements in plan.json are the ones its simulation priced.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
@@ -34,7 +35,8 @@ from planner.intra_op import BlockSplitCache
 from planner.planfile import build_plan
 from planner.regimes import RegimeEstimator
 from planner.report import PlanReport
-from planner.search import Candidate, Priced, SearchConfig, enumerate_candidates, search, simulation_work
+from planner.search import (Candidate, Priced, SearchConfig, compile_variant, enumerate_candidates, search,
+                            simulation_work)
 from planner.space import mesh_choices
 from planner.units import layer_units, model_units
 from tracer.ir import OpGraph
@@ -98,6 +100,20 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
                trace: Callable[..., OpGraph] | None = None) -> PlanReport:
     """`trace(dtype=...)` traces the model again at a precision regime's dtype (planner.regimes); None prices
     every candidate on `graph`."""
+    # The search allocates millions of small, acyclic objects (estimates, simulated tasks) and keeps many:
+    # the cyclic collector, triggered by the allocations, would rescan them all again and again (a fifth of
+    # a plan's time) to free nothing. Reference counting still frees everything the search drops.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run_search(request, graph, time_budget_s=time_budget_s, seed=seed, trace=trace)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int,
+                trace: Callable[..., OpGraph] | None) -> PlanReport:
     units = model_units(graph)
     estimator = RegimeEstimator(graph, Estimator(graph, request.cluster, units), trace)
     widest_tp = max((m.dims.tp for m in mesh_choices(request.space)), default=1)
@@ -118,6 +134,7 @@ def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | N
         baselines=lambda best: baseline_families(best, candidates, intra_node_bandwidth=bandwidth),
         config=SearchConfig(time_budget_s=time_budget_s, seed=seed), estimated=estimated,
         work=lambda c: simulation_work(c, len(pricer.layers)),
+        compile_variants=compile_variant(request.space, request.cluster.device.compile_pays),
     )
     if not outcome.ranked:
         raise (rejected_by_host_memory(request.model_name, request.space.gpus, request.memory_limit,

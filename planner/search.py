@@ -18,6 +18,11 @@ Pipeline (`search`):
    by simulated step time (when none fits, the candidates with the least estimated memory are
    simulated next, within the budget). Since each baseline's configuration is priced the same way,
    the chosen plan is never slower than a baseline.
+3b. Compile (after refinement): where the request leaves torch.compile free and the device's compile factors make some
+   kernel class faster (`planner.space.compile_choices`), the `compile_top` best fitting simulated plans
+   are simulated again with compile on (`compile_variant`) and join the ranking. The estimator does not
+   price compile and compile changes no memory in soap's model, so this is not a dimension the
+   enumeration doubles; on a tie the plan without compile wins (the key orders off first).
 4. Refine (optional, `--time-budget`): FlexFlow-style MCMC over the estimated candidates. From the
    current plan, propose a random neighbour (a candidate differing in one or two independent choices,
    `_move_key`: moving a factor between tp and dp is one move, tp to pp two), simulate it, and accept it with
@@ -47,8 +52,10 @@ from planner.space import (
     MeshChoice,
     SpaceRequest,
     TrainingHead,
+    compile_choices,
     frugal_configs,
     mesh_choices,
+    offload_choices,
     recompute_choices,
     training_config,
     training_heads,
@@ -60,7 +67,7 @@ RECOMPUTE_ORDER = ("none", "selective", "full")
 def train_key(t: TrainingConfig) -> tuple:
     return (
         t.micro_batch, t.num_microbatches, t.grad_accum, t.schedule, t.virtual_stages, t.precision,
-        t.optimizer, RECOMPUTE_ORDER.index(t.recompute), int(t.offload_optimizer),
+        t.optimizer, RECOMPUTE_ORDER.index(t.recompute), int(t.offload_optimizer), int(t.compile),
     )
 
 
@@ -124,6 +131,8 @@ class SearchConfig:
     405B-on-16k-GPU candidate costs ~65k). Two thirds go to the best estimates, the rest to baselines;
     the best estimate and each family's best are always simulated, so a huge job still gets its plan
     and its baselines."""
+    compile_top: int = 4
+    """Best fitting simulated plans simulated again with torch.compile on, where compile is searched."""
     time_budget_s: float | None = None
     """Wall-clock seconds for MCMC refinement after ranking; None skips it."""
     max_refine_steps: int | None = None
@@ -166,8 +175,9 @@ def _frugal_fits(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, head
     """Whether the mesh's most memory-frugal configuration fits (smallest micro-batch, the strongest
     recompute policy allowed, model state offloaded; or not offloaded, where offloading does not fit
     host memory)."""
+    offloads = [o for o in (True, False) if o in offload_choices(req)]
     for frugal in frugal_configs(req, mesh, heads):
-        for offload in (True, False):
+        for offload in offloads:
             t = dataclasses.replace(frugal, offload_optimizer=offload)
             est = estimator.estimate(mesh, t)
             if est.memory_bytes > memory_limit:
@@ -190,7 +200,7 @@ def _expand(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: li
         if floor > best and floor > global_bar:
             continue
         fitting_level = len(recomputes)
-        for offload in (False, True):
+        for offload in offload_choices(req):
             for level, recompute in enumerate(recomputes[:fitting_level]):
                 t = training_config(req, mesh, head, recompute=recompute, offload=offload)
                 est = estimator.estimate(mesh, t)
@@ -254,6 +264,22 @@ def enumerate_candidates(
     return kept, estimated
 
 
+CompileVariant = Callable[[Candidate], "Candidate | None"]
+"""A candidate's torch.compile variant to simulate as well, or None (`compile_variant`)."""
+
+
+def compile_variant(req: SpaceRequest, compile_pays: bool) -> CompileVariant | None:
+    """The compile-on copy of a candidate, when the request searches compile (`compile_choices`); None
+    when compile is pinned or cannot pay on the device (nothing extra is simulated)."""
+    if compile_choices(req, compile_pays) != (False, True):
+        return None
+
+    def variant(c: Candidate) -> Candidate | None:
+        return None if c.train.compile else dataclasses.replace(c, train=dataclasses.replace(c.train, compile=True))
+
+    return variant
+
+
 SIMULATION_OVERHEAD = 400.0
 """Work units one simulation costs regardless of size (pricing, stage DP, analysis)."""
 
@@ -306,8 +332,10 @@ def search(
     config: SearchConfig = SearchConfig(),
     estimated: int = 0,
     work: Callable[[Candidate], float] = lambda c: 1.0,
+    compile_variants: CompileVariant | None = None,
 ) -> SearchOutcome:
     """Rank `candidates` (sorted by estimate) by full simulation; see the module docstring.
+    `compile_variants` gives a candidate's torch.compile copy (step 3b), None when compile is not searched.
 
     `baselines(best)` names the baseline families (objects with `.name` and `.member(candidate)`)
     once the best plan is known; their best members are simulated and join the ranking.
@@ -341,6 +369,12 @@ def search(
     if config.time_budget_s and fitting_now:
         steps = refine(fitting_now[0], candidates, cache, config)
         fitting_now = [p for p in cache.priced if p.fits]
+    if compile_variants is not None:  # after refinement, whose walk is over the (compile-off) candidates
+        for p in fitting_now[: config.compile_top]:
+            variant = compile_variants(p.candidate)
+            if variant is not None:
+                cache(variant)
+        fitting_now = [p for p in cache.priced if p.fits]
     family_best: list[tuple[str, Priced | None]] = []
     if baselines is not None and fitting_now:
         for family in baselines(fitting_now[0].candidate):
@@ -370,7 +404,7 @@ def _move_key(c: Candidate) -> tuple:
     them), so one MCMC move changes one or two of them."""
     d, t = c.mesh.dims, c.train
     return (d.pp, d.tp, d.cp, d.ep, (c.mesh.zero, d.dp_replicate > 1 and d.dp_shard > 1), t.micro_batch,
-            (t.schedule, t.virtual_stages), t.precision, t.optimizer, t.recompute, t.offload_optimizer)
+            (t.schedule, t.virtual_stages), t.precision, t.optimizer, t.recompute, t.offload_optimizer, t.compile)
 
 
 def _coordinates(candidates: Sequence[Candidate]) -> np.ndarray:
