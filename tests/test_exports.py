@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import tomllib
 import warnings
 from pathlib import Path
@@ -63,6 +64,24 @@ MEGATRON_FLAGS = {
     "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "--use-torch-fsdp2",
     "--optimizer-cpu-offload", "--optimizer-offload-fraction", "--optimizer", "--use-flash-attn",
 }
+
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Variables a launcher sets. accelerate's and DeepSpeed's state objects read them (a LOCAL_RANK left by
+an in-process reference run makes accelerate initialize torch.distributed) and may write them; a later
+`soap execute` subprocess that inherits RANK and WORLD_SIZE takes itself for one torchrun rank."""
+
+
+@pytest.fixture(autouse=True)
+def _launcher_environment_restored(monkeypatch):
+    """Each test sees no launcher variables, and whatever the targets' code writes into os.environ is
+    undone afterwards."""
+    saved = dict(os.environ)
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ def test_roles_label_batch_sequence_and_hidden():
     assert q.outputs[0].roles == (DimRole.SAMPLE, DimRole.ATTRIBUTE, DimRole.PARAMETER)
     attn = next(op for op in graph.ops if op.kind is OpKind.ATTENTION)
     assert attn.inputs[0].roles == (DimRole.SAMPLE, DimRole.PARAMETER, DimRole.ATTRIBUTE, DimRole.PARAMETER)
-    assert attn.attrs == {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True}
+    assert attn.attrs == {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True, "dropout": 0.0}
     one = tracer.trace("llama-3-8b", batch=1, seq_len=64)
     q1 = next(op for op in one.ops if op.module_fqn.endswith("q_proj"))
     assert q1.outputs[0].roles[0] is DimRole.SAMPLE  # a batch of one keeps its sample dim
