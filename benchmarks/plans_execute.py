@@ -335,7 +335,7 @@ def main() -> None:
         "|---|---|---|---|---|",
         *rows,
     ])
-    update_section("plans-execute", text)
+    update_section("plans-execute", "Every plan soap writes executes (random models and pins)", text)
 
 
 if __name__ == "__main__":
