@@ -25,9 +25,8 @@ def adjust(plan) -> Adjustment:
     layout.drop_expert_parallel(adj, "DeepSpeed-MoE needs model code")
     layout.fold_into_data_parallel(adj, plan.global_batch, ("tp", "cp", "pp"), why="a ds_config cannot express it")
     if p["zero"] >= 1 and p["dp_replicate"] > 1:
-        adj.dropped.append(f"hybrid sharding (dp_replicate={p['dp_replicate']} x dp_shard={p['dp_shard']}) "
-                           f"-> ZeRO-{p['zero']} over all {p['dp']} ranks")
-        p["dp_shard"], p["dp_replicate"] = p["dp"], 1
+        layout.shard_all(adj, f"hybrid sharding (dp_replicate={p['dp_replicate']} x dp_shard={p['dp_shard']}) "
+                              f"-> ZeRO-{p['zero']} over all {p['dp']} ranks")
     if p["offload_optimizer"] and p["zero"] == 0:
         adj.dropped.append("optimizer offload at ZeRO-0 (DeepSpeed offloads from ZeRO-1 up) -> ZeRO-1")
         p["zero"] = 1

@@ -81,6 +81,13 @@ def on_fsdp2(p: dict[str, Any]) -> bool:
                          offload=p["offload_optimizer"])
 
 
+def shard_all(adj: Adjustment, dropped: str) -> None:
+    """Shard over every data-parallel rank (dp_shard = dp, no replication), recording `dropped`."""
+    p = adj.parallelism
+    adj.dropped.append(dropped)
+    p["dp_shard"], p["dp_replicate"] = p["dp"], 1
+
+
 def fsdp2_layout(adj: Adjustment, *, target: str) -> None:
     """The layout FSDP2-based trainers (accelerate, torchtitan) run: DDP for a plain data-parallel plan
     of ZeRO-0; otherwise FSDP2 over dp_shard, replicated over dp_replicate (HSDP), which they run only
@@ -95,9 +102,8 @@ def fsdp2_layout(adj: Adjustment, *, target: str) -> None:
     if not on_fsdp2(p):
         return
     if p["dp_shard"] == 1 and (p["tp"] > 1 or p["cp"] > 1 or p["pp"] > 1):
-        adj.dropped.append(f"replicated data parallelism beside tp/cp/pp (dp_replicate={p['dp_replicate']}; "
-                           f"{target} needs a sharded dimension) -> dp_shard={p['dp']}")
-        p["dp_shard"], p["dp_replicate"] = p["dp"], 1
+        shard_all(adj, f"replicated data parallelism beside tp/cp/pp (dp_replicate={p['dp_replicate']}; "
+                       f"{target} needs a sharded dimension) -> dp_shard={p['dp']}")
 
 
 def optimizer_to(adj: Adjustment, allowed: tuple[str, ...], nearest: str, *, target: str) -> None:

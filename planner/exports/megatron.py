@@ -39,9 +39,8 @@ def adjust(plan) -> Adjustment:
         adj.dropped.append("ZeRO-2 (the distributed optimizer keeps full gradient buffers) -> ZeRO-1")
         p["zero"] = 1
     if p["zero"] == 3 and p["dp_replicate"] > 1:
-        adj.dropped.append(f"hybrid sharding under ZeRO-3 (dp_replicate={p['dp_replicate']}) -> "
-                           f"FSDP2 over all {p['dp']} data-parallel ranks")
-        p["dp_shard"], p["dp_replicate"] = p["dp"], 1
+        layout.shard_all(adj, f"hybrid sharding under ZeRO-3 (dp_replicate={p['dp_replicate']}) -> "
+                              f"FSDP2 over all {p['dp']} data-parallel ranks")
     if p["offload_optimizer"] and p["zero"] == 0:
         adj.dropped.append("optimizer offload without the distributed optimizer -> ZeRO-1")
         p["zero"] = 1
