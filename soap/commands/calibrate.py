@@ -6,6 +6,13 @@
     soap calibrate --device cuda --nproc 8
     soap validate --suite calibration --runs-log r.jsonl   # then learn from real training steps:
     soap calibrate --from-runs r.jsonl  # refit compute / launch / communication and the workspace
+    soap calibrate --from-runs cluster-logs.jsonl --cluster dgx-h100   # runs from outside soap
+    soap calibrate --from-runs titan.json:grand-teton-h100 nemo.json:dgx-h100 --cluster dgx-h100
+
+Outside run records (a published benchmark table, a cluster's own logs) are JSON Lines, or one JSON object
+with `rows`; their schema is `executor.run_records` (docs/calibration.md). They are planned as published on
+their cluster profile (FILE:CLUSTER, the record's `cluster`, else --cluster); the fit writes --cluster's
+profile refitted (as NAME, default CLUSTER-fitted) and prints in-sample and leave-one-out errors.
 
 Progress goes to stderr; `--json` prints one object on stdout with the files written and the held-out
 median errors.
@@ -38,9 +45,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU (default 1: a rank is a core)")
     p.add_argument("--quick", action="store_true", help="a reduced sweep that takes seconds (for tests)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--from-runs", nargs="?", const="", default=None, metavar="LOG",
+    p.add_argument("--from-runs", nargs="*", default=None, metavar="LOG",
                    help="refit the profile's compute/launch/communication terms from a runs log instead of "
-                        "measuring (default log $SOAP_RUNS_LOG or ~/.cache/soap/runs.jsonl)")
+                        "measuring (default log $SOAP_RUNS_LOG or ~/.cache/soap/runs.jsonl), or from files of "
+                        "outside run records (FILE or FILE:CLUSTER)")
+    p.add_argument("--cluster", default=None,
+                   help="with outside run records: the cluster profile to refit and for records that name none")
     return p
 
 
@@ -89,10 +99,68 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _outside_records(specs: list[str]) -> bool:
+    """Whether --from-runs names outside run records rather than soap's own runs log (whose records hold
+    their plan)."""
+    from executor.runs_log import read_runs
+    from executor.validation_external import split_path
+
+    if len(specs) != 1 or split_path(specs[0])[1] is not None:
+        return bool(specs)
+    try:
+        data = json.loads(Path(specs[0]).read_text())
+        if isinstance(data, dict) and "rows" in data:
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        return not any("plan" in r for r in read_runs(specs[0]))
+    except Exception:  # noqa: BLE001 - unreadable here: the record reader names the problem
+        return True
+
+
+def _from_outside(args: argparse.Namespace) -> int:
+    from executor.validation_external import load_records, mape, refit_external, write_fitted
+
+    records = load_records(args.from_runs, cluster=args.cluster)
+    console = Console(stderr=True)
+    with Progress(TextColumn("[bold]fit"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+        task = bar.add_task("planning the runs as published", total=len(records))
+        refit = refit_external(records, target=args.cluster,
+                               progress=lambda name: bar.update(task, advance=1, description=name[:50]))
+    name = args.name or f"{refit.profile['name']}-fitted"
+    written = write_fitted(refit.profile, name=name, output=args.output)
+    stacks = sorted({r.stack for r in records})
+
+    def by_stack(predictions) -> dict[str, float]:
+        stack_of = {r.name: r.stack for r in records}
+        return {s: round(mape([q for q in predictions if stack_of[q.name] == s]), 2) for s in stacks}
+
+    summary = {"written": [str(p) for p in written], "runs": len(records),
+               "multipliers": {k: round(v, 4) for k, v in refit.fit.multipliers.items()},
+               "mape_before_pct": by_stack(refit.before), "mape_in_sample_pct": by_stack(refit.in_sample),
+               "mape_leave_one_out_pct": {g: by_stack(p) for g, p in refit.leave_out.items()}}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    fitted = ", ".join(f"{k} x{v:.3g}" for k, v in refit.fit.multipliers.items())
+    print(f"fitted on {len(records)} runs: {fitted}", file=sys.stderr)
+    for label, values in (("before (profile as it was)", summary["mape_before_pct"]),
+                          ("in-sample", summary["mape_in_sample_pct"]),
+                          *((f"leave one {g} out", v) for g, v in summary["mape_leave_one_out_pct"].items())):
+        print(f"tokens/s MAPE {label}: " + ", ".join(f"{s} {v:.1f}%" for s, v in values.items()), file=sys.stderr)
+    for p in written:
+        print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
 def _from_runs(args: argparse.Namespace) -> int:
     from executor.validation_refit import refit_profile
 
-    refit = refit_profile(args.from_runs or None, args.name or f"local-{args.device}", args.output)
+    if _outside_records(args.from_runs):
+        return _from_outside(args)
+    refit = refit_profile(args.from_runs[0] if args.from_runs else None, args.name or f"local-{args.device}", args.output)
     summary = {"written": [str(p) for p in refit.written], "runs": refit.runs,
                "multipliers": refit.multipliers.as_dict(), "fit_mape_before_pct": round(refit.before_mape_pct, 2),
                "fit_mape_after_pct": round(refit.after_mape_pct, 2),

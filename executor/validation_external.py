@@ -1,0 +1,514 @@
+"""Calibrate a GPU profile from run records of outside runs (`executor.run_records`), and say how well it
+predicts runs it was not fitted on.
+
+1. Each record is planned as published (`RunRecord.pins`; `planner.api.plan_report` with every stated
+   choice pinned and no memory limit, so a configuration soap thinks too big is still priced) on its
+   cluster profile, and its simulated step is split into parts by re-simulating with one term made free
+   (`step_terms`):
+   - compute by kernel class: `matmul/<precision>` (the run's matmul precision), `attention` (the SDPA core;
+     bf16 under fp8 too) and `memory-bound` (every other class: elementwise, norm, softmax, dropout), each
+     the step time lost when that class costs nothing (its `kernel_factors` at 0), scaled so that together
+     they are the step's compute C = T - K - M (what is left, the optimizer step and bubbles among it,
+     is `other` and is not fitted);
+   - `kernel-launch` K = T - T(kernel_overhead 0);
+   - `inter-node` = T - T(inter-node links free), `intra-node` = T - T(every link free, no per-call
+     overhead) - inter-node - activation; `activation` = T - T(activation collectives free) for tp, cp, ep.
+2. The measured step m_i is modelled as the parts times fitted multipliers,
+
+       m_i ~= sum_j f_ij exp(sum_k G_ijk theta_k)
+
+   where G picks for part j of run i the parameters that scale it: the part's own term; `compile` for the
+   memory-bound part of a compiled run (Inductor fuses elementwise ops; matmul and attention keep their
+   library kernels); and the run's stack (`stack:<name>`, every compute part of a run from a stack that is
+   not torch-native, e.g. Transformer Engine's fused kernels). theta minimizes the squared log ratios plus
+   a weak pull toward 0 (a term no run exercises stays as the profile had it), by damped Gauss-Newton,
+   each multiplier kept inside the profile loader's bounds.
+3. The fitted terms are written into the profile (`apply_fit`): `kernel_factors` per class and precision,
+   `compile_factors` for the memory-bound classes, `kernel_overhead_us`, each link's bandwidth and latency,
+   `activation_collective_factor`; each changed number's source names the runs whose parts it scales.
+   Stack factors are reported, not written: soap's predictions are for its own executor (torch-native).
+4. Errors are re-simulated, not read off the linear model: in-sample (every run, fitted profile) and
+   leave-one-out (refit without a run, or without every run of one model, GPU count or stack, and predict
+   those). A held-out stack has no stack factor to use; its runs are predicted as torch-native.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from costmodel.profiles import PRECISION_KEYS, ClusterSpec, FactorCurve
+from executor.run_records import TORCH_NATIVE, RunRecord
+from tracer.errors import SoapError
+
+MEMORY_BOUND_CLASSES = ("arithmetic", "transcendental", "softmax", "norm", "dropout", "tanh")
+PRIOR_WEIGHT = 1e-3
+MULTIPLIER_RANGE = (1e-2, 1e2)
+COMPILE_RANGE = (0.02, 10.0)
+"""`costmodel.profiles_json`'s MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR."""
+PART_NAMES = ("matmul", "attention", "memory-bound", "kernel-launch", "intra-node", "inter-node", "activation",
+              "other")
+
+
+@dataclass
+class Prepared:
+    """One record planned as published: its plan, traced graph, cluster and simulated step parts."""
+
+    record: RunRecord
+    plan: Any
+    graph: Any
+    cluster: ClusterSpec
+    parts: dict[str, float]
+    predicted_s: float
+    predicted_memory_gib: float
+    """The simulated peak per GPU, allocated bytes (reserved where the profile has an allocator reserve)."""
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.plan.parallelism.compile)
+
+    @property
+    def precision(self) -> str:
+        return self.plan.parallelism.precision
+
+
+EPSILON = 0.01
+"""The relative change of one term by which its marginal share of the step is measured."""
+
+
+def _scale_classes(cluster: ClusterSpec, classes: Sequence[str], factor: float) -> ClusterSpec:
+    factors = dict(cluster.device.kernel_factors)
+    for cls in classes:
+        for precision in PRECISION_KEYS:
+            old = factors.get(f"{cls}/{precision}")
+            points = old.points if old is not None else ((1.0, 1.0),)
+            factors[f"{cls}/{precision}"] = FactorCurve(tuple((x, f * factor) for x, f in points))
+    return replace(cluster, device=replace(cluster.device, kernel_factors=factors))
+
+
+def _scale_link(cluster: ClusterSpec, which: str, factor: float) -> ClusterSpec:
+    link = getattr(cluster, which)
+    slower = replace(link, bandwidth=link.bandwidth / factor, latency_s=link.latency_s * factor)
+    out = replace(cluster, **{which: slower})
+    if which == "intra_node":
+        out = replace(out, device=replace(out.device,
+                                          collective_call_overhead_s=out.device.collective_call_overhead_s * factor))
+    return out
+
+
+def _variants(cluster: ClusterSpec, factor: float) -> dict[str, ClusterSpec]:
+    device = cluster.device
+    return {
+        "matmul": _scale_classes(cluster, ("matmul",), factor),
+        "attention": _scale_classes(cluster, ("attention",), factor),
+        "memory-bound": _scale_classes(cluster, MEMORY_BOUND_CLASSES, factor),
+        "kernel-launch": replace(cluster, device=replace(device, kernel_overhead_s=device.kernel_overhead_s * factor)),
+        "intra-node": _scale_link(cluster, "intra_node", factor),
+        "inter-node": _scale_link(cluster, "inter_node", factor),
+        "activation": replace(cluster, device=replace(
+            device, activation_collective_factor=device.activation_collective_factor * factor)),
+    }
+
+
+def step_terms(plan: Any, graph: Any, cluster: ClusterSpec) -> tuple[dict[str, float], float]:
+    """The simulated step of `plan` split into `PART_NAMES`: each term's marginal share (module docstring),
+    `other` what no term scales."""
+    from executor.validation_refit import simulate_on
+
+    total = simulate_on(plan, graph, cluster).step_time_s
+    p = plan.parallelism
+    parts = {}
+    for name, variant in _variants(cluster, 1 + EPSILON).items():
+        if name == "activation" and p.tp * p.cp * p.ep == 1:
+            parts[name] = 0.0
+            continue
+        parts[name] = max(0.0, (simulate_on(plan, graph, variant).step_time_s - total) / EPSILON)
+    # the intra-node links carry the activation collectives too: count them once, as activation
+    parts["intra-node"] = max(0.0, parts["intra-node"] - parts["activation"])
+    named = sum(parts.values())
+    if named > total:
+        parts = {k: v * total / named for k, v in parts.items()}
+    parts["other"] = max(0.0, total - named)
+    return parts, total
+
+
+def prepare(record: RunRecord, *, cluster: str | None = None, graphs: dict | None = None) -> Prepared:
+    """Plan `record` as published on its cluster profile and split its simulated step."""
+    from costmodel.profiles import load_cluster
+    from executor.validation_refit import simulate_on, trace_plan_model
+    from planner.api import plan_report
+
+    name = record.cluster or cluster
+    if name is None:
+        raise SoapError(f"{record.name}: no cluster profile; give the record a `cluster` or pass --cluster")
+    spec = load_cluster(name)
+    try:
+        report = plan_report(record.model_spec(), cluster=spec, mem_limit_gib=1e6, **record.pins())
+    except SoapError as err:
+        raise SoapError(f"{record.name}: {err}") from None
+    plan = report.plan
+    graphs = {} if graphs is None else graphs
+    key = (plan.model.config_hash, plan.seq_len, plan.parallelism.precision, spec.name)
+    if key not in graphs:
+        graphs[key] = trace_plan_model(plan, spec)
+    graph = graphs[key]
+    parts, total = step_terms(plan, graph, spec)
+    memory = max(m.at_peak.total for m in simulate_on(plan, graph, spec).memory) / 2**30
+    return Prepared(record=record, plan=plan, graph=graph, cluster=spec, parts=parts, predicted_s=total,
+                    predicted_memory_gib=memory)
+
+
+# --- the fit ---------------------------------------------------------------------------------------------
+
+def part_parameters(prepared: Prepared) -> dict[str, tuple[str, ...]]:
+    """For each part of a run, the names of the parameters that scale it (G in the module docstring)."""
+    native = prepared.record.stack == TORCH_NATIVE
+    stack = () if native else (f"stack:{prepared.record.stack}",)
+    fused = () if native else (f"stack:{prepared.record.stack}/memory-bound",)
+    memory = ("memory-bound", "compile") if prepared.compiled else ("memory-bound",)
+    return {
+        "matmul": (f"matmul/{prepared.precision}", *stack),
+        "attention": ("attention", *stack),
+        "memory-bound": (*memory, *fused),
+        "kernel-launch": ("kernel-launch",),
+        "intra-node": ("intra-node",),
+        "inter-node": ("inter-node",),
+        "activation": ("activation",),
+        "other": (),
+    }
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    return COMPILE_RANGE if name == "compile" else MULTIPLIER_RANGE
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Fitted multipliers (1: the profile was right) and the runs each was fitted on."""
+
+    multipliers: dict[str, float]
+    runs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per parameter, the names of the runs with a part it scales."""
+
+    def stack_factor(self, stack: str) -> float:
+        return self.multipliers.get(f"stack:{stack}", 1.0)
+
+    def predict_linear(self, prepared: Prepared, *, stack: bool = True) -> float:
+        total = 0.0
+        for part, params in part_parameters(prepared).items():
+            scale = np.prod([self.multipliers.get(p, 1.0) for p in params if stack or not p.startswith("stack:")])
+            total += prepared.parts[part] * float(scale)
+        return total
+
+
+def fit(prepared: Sequence[Prepared], *, iterations: int = 200) -> Fit:
+    """Least squares on log ratios with a weak prior (module docstring)."""
+    if not prepared:
+        raise SoapError("no runs to fit")
+    names: list[str] = []
+    runs: dict[str, list[str]] = {}
+    rows = []
+    for p in prepared:
+        terms = []
+        for part, params in part_parameters(p).items():
+            value = p.parts[part]
+            if value <= 0:
+                continue
+            for name in params:
+                if name not in names:
+                    names.append(name)
+                runs.setdefault(name, []).append(p.record.name)
+            terms.append((value, [names.index(n) for n in params]))
+        rows.append(terms)
+    n = len(names)
+    target = np.log([p.record.measured_step_s for p in prepared])
+    # dense form: F[i, j] = value of term j of run i; G[i, j, k] = 1 if parameter k scales it
+    width = max(len(t) for t in rows)
+    F = np.zeros((len(rows), width))
+    G = np.zeros((len(rows), width, n))
+    for i, terms in enumerate(rows):
+        for j, (value, params) in enumerate(terms):
+            F[i, j] = value
+            G[i, j, params] = 1.0
+    low = np.log([_bounds(nm)[0] for nm in names])
+    high = np.log([_bounds(nm)[1] for nm in names])
+    prior = np.sqrt(PRIOR_WEIGHT)
+
+    def residuals(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        weights = F * np.exp(G @ theta)
+        predicted = weights.sum(axis=1)
+        r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * theta])
+        return r, weights / np.maximum(predicted[:, None], 1e-300)
+
+    theta = np.zeros(n)
+    r, share = residuals(theta)
+    cost, damping = float(r @ r), 1e-3
+    for _ in range(iterations):
+        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), prior * np.eye(n)])
+        step = np.linalg.solve(jac.T @ jac + damping * np.eye(n), -jac.T @ r)
+        trial = np.clip(theta + step, low, high)
+        trial_r, trial_share = residuals(trial)
+        trial_cost = float(trial_r @ trial_r)
+        if trial_cost < cost:
+            theta, r, share, cost, damping = trial, trial_r, trial_share, trial_cost, damping / 3
+            if np.abs(step).max() < 1e-10:
+                break
+        else:
+            damping *= 10
+            if damping > 1e12:
+                break
+    return Fit(multipliers={nm: float(np.exp(t)) for nm, t in zip(names, theta)},
+               runs={nm: tuple(dict.fromkeys(r)) for nm, r in runs.items()})
+
+
+# --- writing the fitted profile --------------------------------------------------------------------------
+
+NAMED_RUNS = 4
+
+
+def _runs_text(runs: Sequence[str]) -> str:
+    shown = "; ".join(runs[:NAMED_RUNS])
+    return f"{len(runs)} runs ({shown}{f'; and {len(runs) - NAMED_RUNS} more' if len(runs) > NAMED_RUNS else ''})"
+
+
+def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | None = None) -> dict:
+    """A copy of an inline cluster profile with the fitted terms written in, each changed number's source
+    naming its runs. `stack`: also fold that stack's factor into the compute classes (to predict its runs)."""
+    out = copy.deepcopy(cluster_inline)
+    device = out["device"]
+    today = datetime.date.today().isoformat()
+    m, runs = result.multipliers, result.runs
+
+    def stamp(name: str) -> str:
+        return f"x{m[name]:.3g} fitted by soap calibrate --from-runs ({source}, {today}) on {_runs_text(runs[name])}"
+
+    native = not stack or stack == TORCH_NATIVE
+    core = 1.0 if native else m.get(f"stack:{stack}", 1.0)
+    fused = 1.0 if native else m.get(f"stack:{stack}/memory-bound", 1.0)
+    kernel = device.get("kernel_factors", {"source": "", "factors": {}})
+    factors = kernel.setdefault("factors", {})
+    notes = []
+
+    def set_class(cls: str, precision: str, value: float) -> None:
+        key = f"{cls}/{precision}"
+        points = factors.get(key) or [[1.0, 1.0]]
+        factors[key] = [[x, float(f"{min(max(f * value, 1e-3), 1e3):.4g}")] for x, f in points]
+
+    for precision in PRECISION_KEYS:
+        name = f"matmul/{precision}"
+        if name in m or core != 1.0:
+            set_class("matmul", precision, m.get(name, 1.0) * core)
+        if name in m:
+            notes.append(f"{name} {stamp(name)}")
+    for name, classes, scale in (("attention", ("attention",), core), ("memory-bound", MEMORY_BOUND_CLASSES, fused)):
+        if name in m or scale != 1.0:
+            for cls in classes:
+                for precision in PRECISION_KEYS:
+                    set_class(cls, precision, m.get(name, 1.0) * scale)
+        if name in m:
+            notes.append(f"{', '.join(classes)} (every precision) {stamp(name)}")
+    for name in m:
+        if name.startswith("stack:"):
+            folded = "folded in here" if not native and name.split(":")[1].split("/")[0] == stack else \
+                "reported, not written: soap predicts its own torch-native executor"
+            notes.append(f"{name} {stamp(name)} ({folded})")
+    if factors:
+        kernel["source"] = "; ".join(notes) if notes else kernel.get("source", "")
+        device["kernel_factors"] = kernel
+    if "compile" in m:
+        compile_table = device.setdefault("compile_factors", {"source": "", "factors": {}})
+        table = compile_table.setdefault("factors", {})
+        for cls in MEMORY_BOUND_CLASSES:
+            for direction in ("fwd", "bwd"):
+                old = table.get(f"{cls}/{direction}") or [[1.0, 1.0]]
+                table[f"{cls}/{direction}"] = [[x, float(f"{min(max(f * m['compile'], COMPILE_RANGE[0]), COMPILE_RANGE[1]):.4g}")]
+                                               for x, f in old]
+        compile_table["source"] = f"memory-bound classes under torch.compile {stamp('compile')}"
+    if "kernel-launch" in m:
+        _scale(device["kernel_overhead_us"], m["kernel-launch"], stamp("kernel-launch"))
+    for part, link_name in (("intra-node", "intra_node"), ("inter-node", "inter_node")):
+        if part in m and link_name in out["links"]:
+            link = out["links"][link_name]
+            _scale(link["bandwidth_gbps"], 1 / m[part], stamp(part))
+            _scale(link["latency_us"], m[part], stamp(part))
+    if "intra-node" in m and "collective_call_overhead_us" in device:
+        _scale(device["collective_call_overhead_us"], m["intra-node"], stamp("intra-node"))
+    if "activation" in m:
+        ratio = m["activation"] / m.get("intra-node", 1.0)
+        entry = device.setdefault("activation_collective_factor", {"value": 1.0, "source": "activation collectives"})
+        _scale(entry, ratio, f"activation x{m['activation']:.3g} over intra-node x{m.get('intra-node', 1.0):.3g}, "
+                             f"{stamp('activation')}")
+    return out
+
+
+def _scale(entry: dict, factor: float, source: str) -> None:
+    entry["value"] = float(f"{entry['value'] * factor:.4g}")
+    entry["source"] = f"{entry['source'].split('; x')[0].split('; refit')[0]}; {source}"
+
+
+# --- errors ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    name: str
+    measured_tokens: float
+    predicted_tokens: float
+    measured_memory_gib: float | None
+    predicted_memory_gib: float | None
+
+    @property
+    def error(self) -> float:
+        return self.predicted_tokens / self.measured_tokens - 1
+
+
+def fitted_cluster(prepared: Prepared, result: Fit, *, with_stack: bool = True) -> ClusterSpec:
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict
+
+    stack = prepared.record.stack if with_stack else None
+    return cluster_from_dict(apply_fit(cluster_to_dict(prepared.cluster), result, source="leave-one-out", stack=stack))
+
+
+def predict(prepared: Prepared, result: Fit | None, *, with_stack: bool = True) -> Prediction:
+    """Re-simulate the run on its cluster refitted by `result` (None: the profile as it is)."""
+    from executor.validation_refit import simulate_on
+
+    record = prepared.record
+    cluster = prepared.cluster if result is None else fitted_cluster(prepared, result, with_stack=with_stack)
+    sim = simulate_on(prepared.plan, prepared.graph, cluster)
+    tokens = record.batch * record.seq / (sim.step_time_s * record.gpus)
+    memory = max(m.at_peak.total for m in sim.memory) / 2**30
+    return Prediction(name=record.name, measured_tokens=record.measured_tokens_per_s_per_gpu, predicted_tokens=tokens,
+                      measured_memory_gib=record.memory_gib, predicted_memory_gib=memory)
+
+
+GROUPINGS: dict[str, Callable[[RunRecord], str]] = {
+    "run": lambda r: r.name,
+    "model": lambda r: str(r.model if isinstance(r.model, str) else r.model.get("name", r.model)),
+    "gpus": lambda r: str(r.gpus),
+    "stack": lambda r: r.stack,
+}
+
+
+def leave_out(prepared: Sequence[Prepared], grouping: str, *,
+              progress: Callable[[], None] | None = None) -> list[Prediction]:
+    """Every run predicted by a fit on the runs outside its group (`GROUPINGS`); runs in groups whose removal
+    leaves nothing to fit are skipped."""
+    key = GROUPINGS[grouping]
+    out = []
+    for group in dict.fromkeys(key(p.record) for p in prepared):
+        held = [p for p in prepared if key(p.record) == group]
+        rest = [p for p in prepared if key(p.record) != group]
+        if not rest:
+            continue
+        result = fit(rest)
+        for p in held:
+            out.append(predict(p, result))
+            if progress:
+                progress()
+    return out
+
+
+def mape(predictions: Sequence[Prediction]) -> float:
+    return 100 * float(np.mean([abs(p.error) for p in predictions])) if predictions else float("nan")
+
+
+# --- soap calibrate --from-runs on outside records --------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExternalRefit:
+    """What `refit_external` fitted, wrote and measured."""
+
+    fit: Fit
+    prepared: tuple[Prepared, ...]
+    before: tuple[Prediction, ...]
+    """Every run on its profile as it was."""
+    in_sample: tuple[Prediction, ...]
+    leave_out: dict[str, tuple[Prediction, ...]]
+    """Per grouping (`GROUPINGS`), every run predicted by a fit without its group."""
+    profile: dict
+    """The fitted target cluster profile, device inline."""
+    written: tuple[Any, ...] = ()
+
+
+def split_path(spec: str) -> tuple[str, str | None]:
+    """`FILE` or `FILE:CLUSTER` (the cluster profile for the file's records that name none)."""
+    from pathlib import Path
+
+    if Path(spec).exists() or ":" not in spec:
+        return spec, None
+    path, cluster = spec.rsplit(":", 1)
+    return path, cluster or None
+
+
+def load_records(specs: Sequence[str], *, cluster: str | None) -> list[RunRecord]:
+    from executor.run_records import read_records
+
+    records: list[RunRecord] = []
+    for spec in specs:
+        path, file_cluster = split_path(spec)
+        records.extend(read_records(path, cluster=file_cluster or cluster).records)
+    names = [r.name for r in records]
+    seen: dict[str, int] = {}
+    unique = []
+    for record in records:
+        if names.count(record.name) > 1:  # fitted sources and error tables name runs: make twins tell apart
+            seen[record.name] = seen.get(record.name, 0) + 1
+            record = record.model_copy(update={"name": f"{record.name} (seq {record.seq}, #{seen[record.name]})"})
+        unique.append(record)
+    return unique
+
+
+def refit_external(records: Sequence[RunRecord], *, target: str | None = None,
+                   progress: Callable[[str], None] | None = None) -> ExternalRefit:
+    """Plan every record, fit, and measure before / in-sample / leave-one-out (module docstring); the fitted
+    profile is `target` (default: the cluster of the first torch-native record) refitted."""
+    from costmodel.profiles import cluster_to_dict, load_cluster
+
+    graphs: dict = {}
+    prepared = []
+    for record in records:
+        prepared.append(prepare(record, graphs=graphs))
+        if progress:
+            progress(record.name)
+    result = fit(prepared)
+    groupings = {}
+    for grouping in GROUPINGS:
+        if len({GROUPINGS[grouping](p.record) for p in prepared}) > 1:
+            groupings[grouping] = tuple(leave_out(prepared, grouping))
+    name = target or next((p.cluster.name for p in prepared if p.record.stack == TORCH_NATIVE), prepared[0].cluster.name)
+    source = f"{len(records)} run records"
+    profile = apply_fit(cluster_to_dict(load_cluster(name)), result, source=source)
+    return ExternalRefit(fit=result, prepared=tuple(prepared), before=tuple(predict(p, None) for p in prepared),
+                         in_sample=tuple(predict(p, result) for p in prepared), leave_out=groupings, profile=profile)
+
+
+def write_fitted(profile: dict, *, name: str, output: Any = None) -> tuple[Any, ...]:
+    """Write the fitted profile: one inline file at `output`, else device and cluster files under profiles/
+    as NAME (cluster) and the device's name with NAME's suffix."""
+    import json
+    from pathlib import Path
+
+    from costmodel.profiles import PROFILES_DIR, cluster_from_dict
+    from tracer.files import write_atomic
+
+    profile = copy.deepcopy(profile)
+    base = profile["name"]
+    profile["name"] = name
+    device = profile["device"]
+    suffix = name[len(base):] if name.startswith(base) else f"-{name}"
+    device["name"] = f"{device['name']}{suffix}"
+    profile["description"] = f"{profile.get('description', base)}; refitted by soap calibrate --from-runs"
+    cluster_from_dict(profile)  # the loader's bounds hold for every fitted number
+    if output is not None:
+        targets = {Path(output): profile}
+    else:
+        targets = {PROFILES_DIR / "devices" / f"{device['name']}.json": device,
+                   PROFILES_DIR / "clusters" / f"{name}.json": {**profile, "device": device["name"]}}
+    for path, data in targets.items():
+        write_atomic(path, json.dumps(data, indent=2) + "\n", what="profile")
+    return tuple(targets)
