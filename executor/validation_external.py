@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,7 +47,7 @@ from executor.run_records import TORCH_NATIVE, RunRecord
 from tracer.errors import SoapError
 
 MEMORY_BOUND_CLASSES = ("arithmetic", "transcendental", "softmax", "norm", "dropout", "tanh")
-PRIOR_WEIGHT = 1e-3
+PRIOR_WEIGHT = 1e-4
 MULTIPLIER_RANGE = (1e-2, 1e2)
 COMPILE_RANGE = (0.02, 10.0)
 """`costmodel.profiles_json`'s MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR."""
@@ -206,8 +206,9 @@ class Fit:
         return total
 
 
-def fit(prepared: Sequence[Prepared], *, iterations: int = 200) -> Fit:
-    """Least squares on log ratios with a weak prior (module docstring)."""
+def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, iterations: int = 200) -> Fit:
+    """Least squares on log ratios with a weak prior (module docstring). `free`: fit only these parameters
+    (the rest stay 1)."""
     if not prepared:
         raise SoapError("no runs to fit")
     names: list[str] = []
@@ -219,6 +220,7 @@ def fit(prepared: Sequence[Prepared], *, iterations: int = 200) -> Fit:
             value = p.parts[part]
             if value <= 0:
                 continue
+            params = tuple(n for n in params if free is None or n in free)
             for name in params:
                 if name not in names:
                     names.append(name)

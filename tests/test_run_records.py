@@ -1,0 +1,181 @@
+"""Run records from outside soap (`executor.run_records`) and the fit on them (`executor.validation_external`):
+the schema and its errors, the fit recovering multipliers it planted, fitted profiles inside the loader's
+bounds and naming their runs, and `soap calibrate --from-runs` on a file of outside records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from executor.run_records import RunRecord, read_records
+from executor.validation_external import (
+    Fit,
+    Prepared,
+    apply_fit,
+    fit,
+    load_records,
+    part_parameters,
+    prepare,
+    step_terms,
+)
+from tracer.errors import SoapError
+
+TINY = {"hidden": 256, "ffn": 512, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512}
+
+
+def _row(**overrides):
+    row = dict(name="tiny dp8", model=TINY, gpus=8, dp=8, zero=3, micro_batch=4, global_batch=32, seq=512,
+               precision="bf16", recompute="none", torch_compile=False, tokens_per_s_per_gpu=1000.0)
+    row.update(overrides)
+    return row
+
+
+def test_a_published_table_file_gives_its_defaults_to_every_row(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"source": "a table", "stack": "nemo-te", "rows": [
+        _row(name="a", zero=None, recompute=None, dp=4, tp=2, fsdp=None), _row(name="b", stack="torch-native")]}))
+    a, b = read_records(path, cluster="dgx-h100").records
+    assert (a.stack, b.stack, a.cluster) == ("nemo-te", "torch-native", "dgx-h100")
+    # NeMo's distributed optimizer and no recompute when the table leaves them unstated
+    assert a.pins()["zero"] == 1 and a.pins()["recompute"] == "none" and a.pins()["tp"] == 2
+    assert b.pins()["zero"] == 3
+
+
+def test_fsdp_degree_stands_for_zero3_and_tokens_give_the_step(tmp_path):
+    record = RunRecord.model_validate(_row(dp=None, zero=None, fsdp=8, global_batch=None, micro_batch=2))
+    pins = record.pins()
+    assert pins["dp"] == 8 and pins["zero"] == 3 and pins["global_batch"] == 16
+    assert record.measured_step_s == pytest.approx(16 * 512 / (1000.0 * 8))
+
+
+def test_jsonl_records_and_their_errors_name_the_row_and_field(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(_row()) + "\n" + json.dumps(_row(name="bad", precision="fp4")) + "\n")
+    with pytest.raises(SoapError, match=r"bad: precision"):
+        read_records(path)
+    path.write_text(json.dumps(_row(tokens_per_s_per_gpu=None)) + "\n")
+    with pytest.raises(SoapError, match="tokens_per_s_per_gpu or step_time_s"):
+        read_records(path)
+    path.write_text("{not json\n")
+    with pytest.raises(SoapError, match=r"runs.jsonl:1: not JSON"):
+        read_records(path)
+
+
+def test_twin_names_are_told_apart(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(_row(seq=512)) + "\n" + json.dumps(_row(seq=1024)) + "\n")
+    names = [r.name for r in load_records([str(path)], cluster="dgx-h100")]
+    assert len(set(names)) == 2 and "seq 1024" in names[1]
+
+
+def _fake(name, parts, measured, *, compiled=False, precision="bf16", stack="torch-native"):
+    record = RunRecord.model_validate(_row(name=name, stack=stack, step_time_s=measured))
+    plan = SimpleNamespace(parallelism=SimpleNamespace(compile=compiled, precision=precision))
+    return Prepared(record=record, plan=plan, graph=None, cluster=None, parts=parts, predicted_s=sum(parts.values()),
+                    predicted_memory_gib=0.0)
+
+
+def test_the_fit_recovers_the_multipliers_it_planted():
+    import random
+
+    rng = random.Random(3)
+    truth = {"matmul/bf16": 1.6, "matmul/fp8": 1.4, "attention": 1.9, "memory-bound": 0.8, "compile": 0.3,
+             "kernel-launch": 0.4, "intra-node": 1.2, "inter-node": 1.5, "activation": 0.7, "stack:nemo-te": 0.7,
+             "stack:nemo-te/memory-bound": 0.2}
+    runs = []
+    for i in range(60):
+        parts = {k: rng.uniform(0.05, 2.0) for k in ("matmul", "attention", "memory-bound", "kernel-launch",
+                                                     "intra-node", "inter-node", "activation")}
+        parts["other"] = 0.01
+        probe = _fake(f"r{i}", parts, 1.0, compiled=i % 3 == 0, precision="fp8" if i % 2 else "bf16",
+                      stack="nemo-te" if i % 4 == 1 else "torch-native")
+        measured = sum(parts[p] * float(__import__("math").prod(truth[k] for k in ks))
+                       for p, ks in part_parameters(probe).items())
+        runs.append(replace(probe, record=probe.record.model_copy(update={"step_time_s": measured})))
+    result = fit(runs)
+    for name, value in truth.items():  # the weak pull toward 1 costs a few percent on the rarely-seen terms
+        assert result.multipliers[name] == pytest.approx(value, rel=0.08), name
+    assert set(result.runs["compile"]) == {f"r{i}" for i in range(0, 60, 3)}
+
+
+def test_fitted_profiles_stay_inside_the_loaders_bounds_and_name_their_runs():
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+
+    base = cluster_to_dict(load_cluster("dgx-h100"))
+    extreme = Fit(multipliers={"matmul/bf16": 100.0, "compile": 0.001, "memory-bound": 0.01, "kernel-launch": 0.01,
+                               "intra-node": 100.0, "activation": 0.01, "stack:nemo-te": 0.5},
+                  runs={k: ("run A", "run B") for k in ("matmul/bf16", "compile", "memory-bound", "kernel-launch",
+                                                        "intra-node", "activation", "stack:nemo-te")})
+    for stack in (None, "nemo-te"):
+        profile = apply_fit(base, extreme, source="test", stack=stack)
+        cluster = cluster_from_dict(profile)  # raises past any bound
+        assert "run A" in cluster.device.sources["kernel_factors"]
+        assert "run A" in profile["device"]["kernel_overhead_us"]["source"]
+    native = cluster_from_dict(apply_fit(base, extreme, source="test"))
+    assert native.device.kernel_factors["matmul/bf16"].at(1e9) == pytest.approx(100.0)
+    folded = cluster_from_dict(apply_fit(base, extreme, source="test", stack="nemo-te"))
+    assert folded.device.kernel_factors["matmul/bf16"].at(1e9) == pytest.approx(50.0)
+
+
+def test_step_terms_add_up_to_the_simulated_step():
+    record = RunRecord.model_validate(_row(cluster="dgx-h100", dp=4, tp=2, global_batch=16))
+    p = prepare(record)
+    parts, total = step_terms(p.plan, p.graph, p.cluster)
+    assert sum(parts.values()) == pytest.approx(total, rel=1e-6)
+    assert parts["activation"] > 0 and parts["matmul"] > 0 and parts["kernel-launch"] > 0
+
+
+def test_a_fit_on_runs_simulated_with_known_terms_finds_them():
+    """Measured steps made by the simulator on a profile whose matmuls take 2x and launches 0.5x: the fit on
+    the unchanged profile finds both, and predicts the runs within 2% after re-simulation."""
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict
+    from executor.validation_external import predict
+    from executor.validation_refit import simulate_on
+
+    planted = Fit(multipliers={"matmul/bf16": 2.0, "kernel-launch": 0.5},
+                  runs={"matmul/bf16": ("planted",), "kernel-launch": ("planted",)})
+    runs = []
+    for i, (mb, seq) in enumerate(((1, 256), (8, 512), (4, 1024), (16, 1024))):
+        record = RunRecord.model_validate(_row(name=f"mb{mb} seq{seq}", cluster="dgx-h100", micro_batch=mb,
+                                               global_batch=8 * mb, seq=seq))
+        p = prepare(record)
+        truth = cluster_from_dict(apply_fit(cluster_to_dict(p.cluster), planted, source="planted"))
+        measured = simulate_on(p.plan, p.graph, truth).step_time_s
+        runs.append(replace(p, record=record.model_copy(update={"step_time_s": measured,
+                                                                "tokens_per_s_per_gpu": None})))
+    result = fit(runs, free=("matmul/bf16", "kernel-launch"))  # four runs cannot tell five terms apart
+    assert result.multipliers["matmul/bf16"] == pytest.approx(2.0, rel=0.05)
+    assert result.multipliers["kernel-launch"] == pytest.approx(0.5, rel=0.05)
+    assert all(abs(predict(p, result).error) < 0.02 for p in runs)
+
+
+def test_calibrate_from_outside_records_writes_a_profile_and_prints_leave_one_out(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    rows = [_row(name=f"tiny mb{mb}", micro_batch=mb, global_batch=8 * mb, tokens_per_s_per_gpu=t)
+            for mb, t in ((1, 9000.0), (4, 20000.0), (8, 26000.0))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "fitted.json"
+    done = subprocess.run([sys.executable, "-m", "soap", "calibrate", "--from-runs", str(path), "--cluster", "dgx-h100",
+                           "-o", str(out), "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["runs"] == 3 and summary["written"] == [str(out)]
+    assert "run" in summary["mape_leave_one_out_pct"]
+    from costmodel.profiles import load_cluster
+
+    fitted = load_cluster(str(out))
+    assert fitted.name == "dgx-h100-fitted" and "tiny mb1" in fitted.device.sources["kernel_overhead_us"]
+
+
+def test_calibrate_from_a_bad_record_is_one_error_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(_row(gpus=0)) + "\n")
+    done = subprocess.run([sys.executable, "-m", "soap", "calibrate", "--from-runs", str(path), "--cluster", "dgx-h100"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error:") and "gpus" in done.stderr and "Traceback" not in done.stderr
