@@ -2,16 +2,23 @@
 reported in one line with the nearest plan's simulated step time.
 
 Target parsers run where they are installed (`pip install -e ".[export-check]"`): accelerate's config
-loader and `ParallelismConfig`, transformers' `TrainingArguments`, torchtitan's config dataclasses with
-its tyro registry, DeepSpeed's `DeepSpeedConfig`. Without them the files are checked against the
-targets' documented keys (pinned below from accelerate 1.15, torchtitan 0.3.0, DeepSpeed 0.19).
+loader and `ParallelismConfig`, transformers' `TrainingArguments`, DeepSpeed's `DeepSpeedConfig`, and
+torchtitan's two `ConfigManager`s: 0.2's reads the TOML (`--job.config_file`), 0.3's parses the header's
+command-line overrides. torchtitan installs outside the environment (see TORCHTITAN_HOME). Without them the
+files are checked against the targets' documented keys (pinned below from accelerate 1.15, torchtitan 0.2.2
+and 0.3.0, DeepSpeed 0.19).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
+import subprocess
+import sys
 import tomllib
 import warnings
 from pathlib import Path
@@ -38,9 +45,46 @@ PLANS = {
     # TP x CP with fp16 and selective recompute
     "tp_cp": dict(dp=2, zero=2, tp=2, pp=1, cp=2, precision="fp16", recompute="selective", micro_batch=1),
 }
-HAVE = {name: importlib.util.find_spec(name) is not None for name in ("accelerate", "torchtitan", "deepspeed")}
+HAVE = {name: importlib.util.find_spec(name) is not None for name in ("accelerate", "deepspeed")}
 
-TORCHTITAN_KEYS = {  # torchtitan 0.3.0 config dataclasses, for when torchtitan is not installed
+TORCHTITAN_PLANS = {
+    **PLANS,
+    # fp8 converter, torch.compile, CPU offload
+    "fp8": dict(dp=4, zero=3, tp=2, pp=1, cp=1, precision="fp8", micro_batch=1, compile=True, offload=True),
+    # two stages per rank (stage lists), fp32
+    "interleaved": dict(dp=4, zero=3, tp=1, pp=2, cp=1, schedule="Interleaved1F1B", virtual_stages=2, micro_batch=1,
+                        precision="fp32"),
+}
+TORCHTITAN_HOME = Path(os.environ.get("SOAP_TORCHTITAN_HOME") or Path.home() / ".cache" / "soap" / "torchtitan")
+"""Where .ci/run puts torchtitan 0.3.0 and 0.2.2 (`pip install --no-deps --target HOME/VERSION`): neither installs
+into this environment. 0.3.0 pins datasets<4.8 (its dependencies would downgrade datasets, fsspec and
+huggingface_hub and add wandb, tensorboard and torchdata); the two releases share the package name; and each
+imports triton (0.2's package __init__, 0.3's model registry), a 286 MB GPU compiler. Their config code needs
+only torch and tyro."""
+
+TORCHTITAN_TOML_KEYS = {  # torchtitan 0.2.2's JobConfig: the sections soap writes, for when torchtitan 0.2 is absent
+    "job": {"config_file", "dump_folder", "description", "print_config", "save_config_file", "custom_config_module"},
+    "training": {"dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps",
+                 "enable_cpu_offload", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq",
+                 "gc_debug", "dataloader"},
+    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
+                    "pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+                    "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
+                    "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                    "pipeline_parallel_expert_parallel_overlap", "context_parallel_degree",
+                    "context_parallel_load_balancer", "context_parallel_rotate_method", "expert_parallel_degree",
+                    "expert_tensor_parallel_degree", "expert_parallel_comm_backend"},
+    "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+                              "early_stop", "memory_budget", "visualize_memory_budget_pareto", "preserve_rng_state",
+                              "determinism_check", "debug"},
+    "compile": {"enable", "components", "backend"},
+    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "early_step_in_backward"},
+    "model": {"name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion"},
+    "quantize.linear.float8": {"enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+                               "recipe_name", "filter_fqns", "emulate"},
+}
+TORCHTITAN_03_FIELDS = {  # torchtitan 0.3.0's config dataclasses, for when torchtitan 0.3 is absent
     "training": {"local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps", "enable_cpu_offload",
                  "disable_cuda_graphs", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq",
                  "gc_debug"},
@@ -52,6 +96,7 @@ TORCHTITAN_KEYS = {  # torchtitan 0.3.0 config dataclasses, for when torchtitan 
                     "context_parallel_degree", "context_parallel_load_balancer", "context_parallel_ptrr_mask_key",
                     "expert_parallel_degree"},
     "compile": {"enable", "enable_async_tensor_parallel", "components", "backend"},
+    "activation_checkpoint": {"none", "selective", "full", "memory-budget"},  # its subcommands
 }
 DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                   "zero_optimization", "bf16", "fp16", "gradient_clipping", "steps_per_print", "wall_clock_breakdown"}
@@ -151,44 +196,209 @@ def test_accelerate_config_loads_in_accelerate_and_its_fields_in_training_argume
         assert args.bf16 == fields["bf16"] and args.fp16 == fields["fp16"]
 
 
-@pytest.mark.parametrize("which", sorted(PLANS))
-def test_torchtitan_toml_is_accepted_by_torchtitans_config_classes(plans, which, capsys):
-    path, _ = export(plans[which], "torchtitan", capsys)
-    doc = tomllib.loads(path.read_text())
+READ_WITH_TORCHTITAN_0_2 = r"""
+import dataclasses, json, sys, types
+# torchtitan 0.2's package __init__ imports its MoE triton kernels (to register the float8 converter); its
+# config package (job_config.py, manager.py) needs torch and tyro only, so it runs, unchanged, under a bare
+# package module.
+package = types.ModuleType("torchtitan")
+package.__path__ = [sys.argv[1] + "/torchtitan"]
+sys.modules["torchtitan"] = package
+from torchtitan.config import ConfigManager
+read = {path: dataclasses.asdict(ConfigManager().parse_args(["--job.config_file", path])) for path in sys.argv[2:]}
+print("\n" + json.dumps(read))
+"""
+
+
+def _installed_torchtitan() -> str:
+    try:
+        return importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _torchtitan_0_2_root() -> Path | None:
+    """The folder holding torchtitan 0.2's package: an installed 0.2, else .ci/run's copy."""
+    if _installed_torchtitan().startswith("0.2."):
+        return Path(importlib.util.find_spec("torchtitan").origin).parent.parent
+    folder = TORCHTITAN_HOME / "0.2.2"
+    return folder if (folder / "torchtitan" / "config" / "manager.py").is_file() else None
+
+
+def _torchtitan_0_3(monkeypatch) -> bool:
+    """Whether torchtitan 0.3's config package imports: an installed 0.3, else .ci/run's copy (put on the path)."""
+    if _installed_torchtitan().startswith("0.3."):
+        return True
+    folder = TORCHTITAN_HOME / "0.3.0"
+    if not (folder / "torchtitan" / "config" / "manager.py").is_file() or importlib.util.find_spec("tyro") is None:
+        return False
+    monkeypatch.syspath_prepend(str(folder))
+    return True
+
+
+@pytest.fixture(scope="module")
+def torchtitan_exports(plans):
+    """name -> (torchtitan TOML, the plan it describes) for TORCHTITAN_PLANS."""
+    root = plans["fsdp"].parent
+    out = {}
+    for name, pins in TORCHTITAN_PLANS.items():
+        plan_path = plans.get(name)
+        if plan_path is None:
+            plan_path = root / f"{name}.json"
+            soap.plan(str(root), gpus=8, global_batch=32, seq_len=256, **pins).save(plan_path)
+        toml = root / f"{name}.torchtitan.toml"
+        assert main(["export", str(plan_path), "torchtitan", "-o", str(toml)]) == 0
+        out[name] = (toml, _exported_plan(plan_path, "torchtitan"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def read_by_torchtitan_0_2(torchtitan_exports):
+    """name -> torchtitan 0.2's JobConfig (as a dict) read from the TOML by its ConfigManager, in one subprocess;
+    None without torchtitan 0.2 (or tyro)."""
+    root = _torchtitan_0_2_root()
+    if root is None or importlib.util.find_spec("tyro") is None:
+        return None
+    paths = {str(toml): name for name, (toml, _) in torchtitan_exports.items()}
+    run = subprocess.run([sys.executable, "-c", READ_WITH_TORCHTITAN_0_2, str(root), *paths],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return {paths[path]: config for path, config in json.loads(run.stdout.splitlines()[-1]).items()}
+
+
+def _header_overrides(toml: Path) -> list[str]:
+    lines = toml.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "add these overrides:" in line)
+    return shlex.split(lines[at + 1].removeprefix("#"))
+
+
+@pytest.mark.parametrize("which", sorted(TORCHTITAN_PLANS))
+def test_torchtitan_toml_uses_torchtitan_0_2s_job_config_names(torchtitan_exports, which):
+    toml, plan = torchtitan_exports[which]
+    doc = tomllib.loads(toml.read_text())
     p = doc["parallelism"]
     world = (p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] * p["tensor_parallel_degree"]
              * p["context_parallel_degree"] * p["pipeline_parallel_degree"])
     assert world == 8
     dp = p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"]
-    assert doc["training"]["global_batch_size"] % (doc["training"]["local_batch_size"] * dp) == 0
+    assert doc["training"]["global_batch_size"] == doc["training"]["local_batch_size"] * dp * plan.parallelism.grad_accum
     assert doc["activation_checkpoint"]["mode"] in ("none", "selective", "full")
-    if not HAVE["torchtitan"]:
-        for section, keys in TORCHTITAN_KEYS.items():
-            assert set(doc[section]) <= keys, section
-        return
-    import dataclasses
+    float8 = doc.pop("quantize", {}).get("linear", {}).get("float8")
+    if float8 is not None:
+        doc["quantize.linear.float8"] = float8
+    assert set(doc) <= set(TORCHTITAN_TOML_KEYS)
+    for section, keys in doc.items():
+        assert set(keys) <= TORCHTITAN_TOML_KEYS[section], section
 
-    import tyro
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.config.manager import ConfigManager, custom_registry
-    from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig, SelectiveAC
 
-    TrainingConfig(**doc["training"]), ParallelismConfig(**p), CompileConfig(**doc["compile"])
-    ConfigManager()  # registers torchtitan's tyro rules
+@pytest.mark.parametrize("which", sorted(TORCHTITAN_PLANS))
+def test_torchtitan_overrides_use_torchtitan_0_3s_field_names(torchtitan_exports, which):
+    toml, plan = torchtitan_exports[which]
+    args = _header_overrides(toml)
+    flags = [a.removeprefix("--").split(".", 1) for a in args if a.startswith("--")]
+    for section, key in flags:
+        assert key.removeprefix("no-") in TORCHTITAN_03_FIELDS[section], (section, key)
+    assert args[-1].split(":") == ["activation_checkpoint", args[-1].split(":")[1]]
+    assert args[-1].split(":")[1] in TORCHTITAN_03_FIELDS["activation_checkpoint"]
+    p = plan.parallelism
+    # 0.3.0's Trainer.Config refuses its default CUDA graphs beside a pipeline (and beside EP's token dispatch)
+    assert ("--training.disable_cuda_graphs" in args) == (p.pp > 1 or p.ep > 1)
+    local = int(args[args.index("--training.local_batch_size") + 1])
+    assert local % p.micro_batch == 0
 
-    # the sections of torchtitan's Trainer.Config that import without a GPU model registry (triton)
-    job_class = dataclasses.make_dataclass("Job", [
-        (name, kind, dataclasses.field(default_factory=default)) for name, kind, default in (
+
+def _assert_torchtitan_read_the_plan(training, parallelism, compile_enable, plan):
+    """What both torchtitan releases read: the plan's mesh, schedule, batch, sequence, precision, compile."""
+    p = plan.parallelism
+    assert training["global_batch_size"] == plan.global_batch and training["seq_len"] == plan.seq_len
+    dp = parallelism["data_parallel_replicate_degree"] * parallelism["data_parallel_shard_degree"]
+    assert dp == p.dp_replicate * p.dp_shard
+    assert training["global_batch_size"] == training["local_batch_size"] * dp * p.grad_accum
+    assert training["mixed_precision_param"] == ("float32" if p.precision in ("fp32", "tf32") else "bfloat16")
+    assert training["enable_cpu_offload"] == p.offload_optimizer
+    assert (parallelism["tensor_parallel_degree"], parallelism["context_parallel_degree"],
+            parallelism["pipeline_parallel_degree"], parallelism["expert_parallel_degree"]) == (p.tp, p.cp, p.pp, p.ep)
+    assert parallelism["pipeline_parallel_schedule"] == p.schedule
+    assert parallelism["pipeline_parallel_microbatch_size"] == p.micro_batch
+    # ZeRO-3 reshards after forward, ZeRO-1/2 run as FSDP2 without resharding, ZeRO-0 is DDP (replicate only)
+    assert parallelism["fsdp_reshard_after_forward"] == {3: "always", 0: "default"}.get(p.zero, "never")
+    assert (parallelism["data_parallel_shard_degree"] == 1) >= (p.zero == 0)
+    assert compile_enable == p.compile
+
+
+@pytest.mark.parametrize("which", sorted(TORCHTITAN_PLANS))
+def test_torchtitan_toml_is_read_by_torchtitan_0_2s_config_manager(torchtitan_exports, read_by_torchtitan_0_2,
+                                                                   which):
+    if read_by_torchtitan_0_2 is None:
+        pytest.skip(f"torchtitan 0.2 not in the environment nor in {TORCHTITAN_HOME / '0.2.2'} (see .ci/run), "
+                    "or tyro missing")
+    config, (toml, plan) = read_by_torchtitan_0_2[which], torchtitan_exports[which]
+    p = plan.parallelism
+    assert config["job"]["config_file"] == str(toml)
+    _assert_torchtitan_read_the_plan(config["training"], config["parallelism"], config["compile"]["enable"], plan)
+    stages = config["parallelism"]["module_fqns_per_model_part"]
+    assert (stages is not None) == (p.pp > 1)
+    if stages is not None:
+        assert len(stages) == p.pp * p.virtual_stages and stages[0][0] == "tok_embeddings" and stages[-1][-1] == "output"
+    assert config["activation_checkpoint"]["mode"] == p.recompute
+    assert config["optimizer"]["name"] == "AdamW"
+    assert config["model"]["converters"] == (["quantize.linear.float8"] if p.precision == "fp8" else [])
+    if p.precision == "fp8":
+        assert config["quantize"]["linear"]["float8"]["enable_fsdp_float8_all_gather"] == (p.zero == 3)
+        source = (_torchtitan_0_2_root() / "torchtitan/components/quantization/float8.py").read_text()
+        assert 'register_model_converter(Float8LinearConverter, "quantize.linear.float8")' in source
+
+
+@pytest.mark.parametrize("which", sorted(TORCHTITAN_PLANS))
+def test_torchtitan_overrides_parse_in_torchtitan_0_3s_config_manager(torchtitan_exports, which, monkeypatch):
+    if not _torchtitan_0_3(monkeypatch):
+        pytest.skip(f"torchtitan 0.3 not in the environment nor in {TORCHTITAN_HOME / '0.3.0'} (see .ci/run), "
+                    "or tyro missing")
+    from torchtitan.config import CompileConfig, ConfigManager, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig, FullAC, SelectiveAC
+
+    # The sections of 0.3's Trainer.Config that the overrides set: Trainer.Config itself comes with the model
+    # registry (`--module/--config`), which imports triton.
+    job = dataclasses.make_dataclass("Job", [
+        ("hf_assets_path", str, dataclasses.field(default=".")),
+        *((name, kind, dataclasses.field(default_factory=default)) for name, kind, default in (
             ("training", TrainingConfig, TrainingConfig), ("parallelism", ParallelismConfig, ParallelismConfig),
             ("compile", CompileConfig, CompileConfig),
-            ("activation_checkpoint", ActivationCheckpointingConfig, SelectiveAC.Config))
+            ("activation_checkpoint", ActivationCheckpointingConfig, SelectiveAC.Config))),
     ], kw_only=True)
 
-    overrides = format_module("torchtitan").cli_overrides(_exported_plan(plans[which], "torchtitan"))
-    job = tyro.cli(job_class, args=overrides, registry=custom_registry)
-    assert job.parallelism.tensor_parallel_degree == p["tensor_parallel_degree"]
-    assert job.training.seq_len == doc["training"]["seq_len"]
-    assert (job.activation_checkpoint is None) == (doc["activation_checkpoint"]["mode"] == "none")
+    class ModelFreeConfigManager(ConfigManager):
+        def _load_config(self, args):  # in place of the config_registry function --module/--config name
+            return job(), args
+
+    toml, plan = torchtitan_exports[which]
+    config = ModelFreeConfigManager().parse_args(_header_overrides(toml))
+    p = plan.parallelism
+    training, parallelism = dataclasses.asdict(config.training), dataclasses.asdict(config.parallelism)
+    _assert_torchtitan_read_the_plan(training, parallelism, config.compile.enable, plan)
+    assert parallelism["enable_sequence_parallel"] == p.sequence_parallel
+    assert training["disable_cuda_graphs"] == (p.pp > 1 or p.ep > 1)
+    assert type(config.activation_checkpoint) is {"none": type(None), "full": FullAC.Config,
+                                                  "selective": SelectiveAC.Config}[p.recompute]
+    # the header and the TOML agree wherever both set a field
+    doc = tomllib.loads(toml.read_text())
+    for section, values in (("training", training), ("parallelism", parallelism),
+                            ("compile", dataclasses.asdict(config.compile))):
+        for key, value in doc[section].items():
+            if key != "module_fqns_per_model_part":
+                assert values[key] == value, (section, key)
+
+
+def test_tp_without_sequence_parallelism_is_an_override_and_a_comment_for_torchtitan_0_2(plans, tmp_path, capsys):
+    data = json.loads(plans["tp_cp"].read_text())
+    data["parallelism"]["sequence_parallel"] = False  # planner plans run it whenever tp > 1; a hand-edited one may not
+    custom = tmp_path / "no_sp.json"
+    custom.write_text(json.dumps(data))
+    path, _ = export(custom, "torchtitan", capsys)
+    text = path.read_text()
+    assert "--parallelism.no-enable_sequence_parallel" in _header_overrides(path)
+    assert "# sequence parallelism is off in this plan: torchtitan <= 0.2 always runs it with TP." in text
+    assert "enable_sequence_parallel" not in tomllib.loads(text)["parallelism"]
 
 
 @pytest.mark.parametrize("which", sorted(PLANS))

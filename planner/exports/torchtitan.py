@@ -1,9 +1,14 @@
-"""`torchtitan`: a job TOML in torchtitan's field names ([training], [parallelism], [activation_checkpoint],
-[compile], float8), plus the same settings as torchtitan >= 0.3 command-line overrides.
+"""`torchtitan`: a job TOML for torchtitan <= 0.2 (`--job.config_file`), in its `JobConfig` section and
+field names ([job], [training], [parallelism], [activation_checkpoint], [compile], [optimizer], float8 as
+[model] converters + [quantize.linear.float8]), plus the same settings as torchtitan 0.3 command-line
+overrides in the file's header.
 
-Sections and names are those of torchtitan's config dataclasses (`torchtitan.config.TrainingConfig`,
-`ParallelismConfig`, `CompileConfig`); releases up to 0.2 read the file with `--job.config_file`, 0.3
-builds its config in Python (`--module M --config C`) and takes the overrides printed in the header.
+torchtitan 0.3 reads no TOML: it builds its job in Python (`--module M --config C`) and takes overrides in its
+config dataclasses' names (`torchtitan.config.TrainingConfig`, `ParallelismConfig`, `CompileConfig`, the
+activation-checkpoint policy as a subcommand). The two differ where the header's overrides carry 0.3-only
+fields: `enable_sequence_parallel` (0.2 always runs sequence parallelism under TP and rejects the key) and
+`disable_cuda_graphs` (0.3 captures CUDA graphs by default and refuses them with pipeline or expert
+parallelism). Both parsers check these outputs in tests/test_exports.py.
 torchtitan runs every soap mesh (HSDP x TP x CP x PP, EP borrowed from dp_shard x cp) and every
 torch.distributed.pipelining schedule. It has no fp16 (bf16 or fp32 only), no optimizer-only sharding
 (ZeRO-1) and only AdamW among soap's optimizers; its TP applies the Megatron placements.
@@ -50,6 +55,8 @@ def stage_modules(plan) -> list[list[str]] | None:
 
 
 def sections(plan) -> dict[str, dict]:
+    """The TOML's sections, in torchtitan 0.2's `JobConfig` names (every key also a 0.3 field where 0.3 has
+    the section, except [job], [optimizer], [model] and [quantize...], which 0.3 sets in Python)."""
     p = plan.parallelism
     dp = p.dp_replicate * p.dp_shard
     fsdp = layout.on_fsdp2(p.model_dump()) or p.zero >= 2
@@ -59,7 +66,6 @@ def sections(plan) -> dict[str, dict]:
         "data_parallel_shard_degree": shard,
         "fsdp_reshard_after_forward": "always" if p.zero == 3 else "never" if fsdp else "default",
         "tensor_parallel_degree": p.tp,
-        "enable_sequence_parallel": p.sequence_parallel,
         "context_parallel_degree": p.cp,
         "pipeline_parallel_degree": p.pp,
         "pipeline_parallel_schedule": p.schedule,
@@ -91,9 +97,14 @@ def sections(plan) -> dict[str, dict]:
 
 
 def cli_overrides(plan) -> list[str]:
-    """The [training], [parallelism] and [compile] settings as torchtitan >= 0.3 command-line arguments,
-    and the activation-checkpoint policy as its subcommand."""
+    """The [training], [parallelism] and [compile] settings as torchtitan 0.3 command-line arguments, with
+    0.3's own fields (sequence parallelism, CUDA graphs off where 0.3 refuses them), and the
+    activation-checkpoint policy as its subcommand."""
+    p = plan.parallelism
     s = sections(plan)
+    if p.pp > 1 or p.ep > 1:
+        s["training"]["disable_cuda_graphs"] = True
+    s["parallelism"]["enable_sequence_parallel"] = p.sequence_parallel
     args = []
     for section in ("training", "parallelism", "compile"):
         for key, value in s[section].items():
@@ -121,15 +132,18 @@ def _toml_value(value) -> str:
 
 
 def render(plan, path: Path) -> dict[Path, str]:
+    p = plan.parallelism
     lines = [
         f"# torchtitan job config for {plan.model.name} on {plan.cluster.gpus} x {plan.cluster.name}, written by soap.",
         f"# launch (torchtitan <= 0.2): {launch(plan, path)}",
-        "# torchtitan >= 0.3: pick the model with --module/--config and add these overrides:",
+        "# torchtitan >= 0.3 reads no TOML: pick the model with --module/--config and add these overrides:",
         "#   " + " ".join(cli_overrides(plan)),
-        "",
-        "[job]",
-        f'description = "{plan.model.name}: soap plan"',
     ]
+    if p.precision == "fp8":
+        lines.append("# torchtitan >= 0.3: fp8 is a model converter (Float8LinearConverter) in the Python config.")
+    if p.tp > 1 and not p.sequence_parallel:
+        lines.append("# sequence parallelism is off in this plan: torchtitan <= 0.2 always runs it with TP.")
+    lines += ["", "[job]", f"description = {_toml_value(f'{plan.model.name}: soap plan')}"]
     for section, values in sections(plan).items():
         lines += ["", f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()]
     return {path: "\n".join(lines) + "\n"}
