@@ -135,24 +135,26 @@ def apply_multipliers(cluster_inline: dict, m: Multipliers, *, source: str) -> d
     stamp = f"{source}, {datetime.date.today().isoformat()}"
     device = out["device"]
     for entry in device["peak_tflops"].values():
-        _scale(entry, 1 / m.compute, stamp)
-    _scale(device["memory_bandwidth_gbps"], 1 / m.compute, stamp)
-    _scale(device["kernel_overhead_us"], m.kernel_overhead, stamp)
+        scale_entry(entry, 1 / m.compute, stamp)
+    scale_entry(device["memory_bandwidth_gbps"], 1 / m.compute, stamp)
+    scale_entry(device["kernel_overhead_us"], m.kernel_overhead, stamp)
     if "collective_call_overhead_us" in device:
-        _scale(device["collective_call_overhead_us"], m.communication, stamp)
+        scale_entry(device["collective_call_overhead_us"], m.communication, stamp)
     for link in out["links"].values():
-        _scale(link["bandwidth_gbps"], 1 / m.communication, stamp)
-        _scale(link["latency_us"], m.communication, stamp)
+        scale_entry(link["bandwidth_gbps"], 1 / m.communication, stamp)
+        scale_entry(link["latency_us"], m.communication, stamp)
     if m.activation_communication != m.communication or "activation_collective_factor" in device:
         device.setdefault("activation_collective_factor", {"value": 1.0, "source": "activation collectives"})
         entry = device["activation_collective_factor"]
-        _scale(entry, m.activation_communication / m.communication, stamp)
+        scale_entry(entry, m.activation_communication / m.communication, stamp)
         # runs that no model explains can drive the ratio past the loader's bound: it saturates there
         entry["value"] = min(max(entry["value"], 1 / MAX_STEP_FACTOR), MAX_STEP_FACTOR)
     return out
 
 
-def _scale(entry: dict, factor: float, source: str) -> None:
+def scale_entry(entry: dict, factor: float, source: str) -> None:
+    """Multiply a profile entry `{"value", "source"}` by `factor`, its source saying so; a refit replaces an
+    earlier refit's note instead of stacking another."""
     entry["value"] = float(f"{entry['value'] * factor:.4g}")
     entry["source"] = f"{entry['source']}; x{factor:.3g} {source}" if "refit" not in entry["source"] else \
         f"{entry['source'].split('; x')[0]}; x{factor:.3g} {source}"

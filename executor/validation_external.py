@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from costmodel.calibrate_runs import scale_entry
 from costmodel.profiles import PRECISION_KEYS, ClusterSpec, FactorCurve
 from executor.run_records import TORCH_NATIVE, RunRecord
 from tracer.errors import SoapError
@@ -67,9 +68,6 @@ class Prepared:
     graph: Any
     cluster: ClusterSpec
     parts: dict[str, float]
-    predicted_s: float
-    predicted_memory_gib: float
-    """The simulated peak per GPU, allocated bytes (reserved where the profile has an allocator reserve)."""
 
     @property
     def compiled(self) -> bool:
@@ -143,7 +141,7 @@ def step_terms(plan: Any, graph: Any, cluster: ClusterSpec) -> tuple[dict[str, f
 def prepare(record: RunRecord, *, cluster: str | None = None, graphs: dict | None = None) -> Prepared:
     """Plan `record` as published on its cluster profile and split its simulated step."""
     from costmodel.profiles import load_cluster
-    from executor.validation_refit import simulate_on, trace_plan_model
+    from executor.validation_refit import trace_plan_model
     from planner.api import plan_report
 
     name = record.cluster or cluster
@@ -160,10 +158,8 @@ def prepare(record: RunRecord, *, cluster: str | None = None, graphs: dict | Non
     if key not in graphs:
         graphs[key] = trace_plan_model(plan, spec)
     graph = graphs[key]
-    parts, total = step_terms(plan, graph, spec)
-    memory = max(m.at_peak.total for m in simulate_on(plan, graph, spec).memory) / 2**30
-    return Prepared(record=record, plan=plan, graph=graph, cluster=spec, parts=parts, predicted_s=total,
-                    predicted_memory_gib=memory)
+    parts, _ = step_terms(plan, graph, spec)
+    return Prepared(record=record, plan=plan, graph=graph, cluster=spec, parts=parts)
 
 
 # --- the fit ---------------------------------------------------------------------------------------------
@@ -291,7 +287,10 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
     m, runs = result.multipliers, result.runs
 
     def stamp(name: str) -> str:
-        return f"x{m[name]:.3g} fitted by soap calibrate --from-runs ({source}, {today}) on {_runs_text(runs[name])}"
+        return f"refit by soap calibrate --from-runs ({source}, {today}) on {_runs_text(runs[name])}"
+
+    def note(name: str) -> str:
+        return f"x{m[name]:.3g} {stamp(name)}"
 
     native = not stack or stack == TORCH_NATIVE
     core = 1.0 if native else m.get(f"stack:{stack}", 1.0)
@@ -310,19 +309,19 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
         if name in m or core != 1.0:
             set_class("matmul", precision, m.get(name, 1.0) * core)
         if name in m:
-            notes.append(f"{name} {stamp(name)}")
+            notes.append(f"{name} {note(name)}")
     for name, classes, scale in (("attention", ("attention",), core), ("memory-bound", MEMORY_BOUND_CLASSES, fused)):
         if name in m or scale != 1.0:
             for cls in classes:
                 for precision in PRECISION_KEYS:
                     set_class(cls, precision, m.get(name, 1.0) * scale)
         if name in m:
-            notes.append(f"{', '.join(classes)} (every precision) {stamp(name)}")
+            notes.append(f"{', '.join(classes)} (every precision) {note(name)}")
     for name in m:
         if name.startswith("stack:"):
             folded = "folded in here" if not native and name.split(":")[1].split("/")[0] == stack else \
                 "reported, not written: soap predicts its own torch-native executor"
-            notes.append(f"{name} {stamp(name)} ({folded})")
+            notes.append(f"{name} {note(name)} ({folded})")
     if factors:
         kernel["source"] = "; ".join(notes) if notes else kernel.get("source", "")
         device["kernel_factors"] = kernel
@@ -334,27 +333,22 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
                 old = table.get(f"{cls}/{direction}") or [[1.0, 1.0]]
                 table[f"{cls}/{direction}"] = [[x, float(f"{min(max(f * m['compile'], COMPILE_RANGE[0]), COMPILE_RANGE[1]):.4g}")]
                                                for x, f in old]
-        compile_table["source"] = f"memory-bound classes under torch.compile {stamp('compile')}"
+        compile_table["source"] = f"memory-bound classes under torch.compile {note('compile')}"
     if "kernel-launch" in m:
-        _scale(device["kernel_overhead_us"], m["kernel-launch"], stamp("kernel-launch"))
+        scale_entry(device["kernel_overhead_us"], m["kernel-launch"], stamp("kernel-launch"))
     for part, link_name in (("intra-node", "intra_node"), ("inter-node", "inter_node")):
         if part in m and link_name in out["links"]:
             link = out["links"][link_name]
-            _scale(link["bandwidth_gbps"], 1 / m[part], stamp(part))
-            _scale(link["latency_us"], m[part], stamp(part))
+            scale_entry(link["bandwidth_gbps"], 1 / m[part], stamp(part))
+            scale_entry(link["latency_us"], m[part], stamp(part))
     if "intra-node" in m and "collective_call_overhead_us" in device:
-        _scale(device["collective_call_overhead_us"], m["intra-node"], stamp("intra-node"))
+        scale_entry(device["collective_call_overhead_us"], m["intra-node"], stamp("intra-node"))
     if "activation" in m:
         ratio = m["activation"] / m.get("intra-node", 1.0)
         entry = device.setdefault("activation_collective_factor", {"value": 1.0, "source": "activation collectives"})
-        _scale(entry, ratio, f"activation x{m['activation']:.3g} over intra-node x{m.get('intra-node', 1.0):.3g}, "
-                             f"{stamp('activation')}")
+        scale_entry(entry, ratio, f"(activation x{m['activation']:.3g} over intra-node x{m.get('intra-node', 1.0):.3g}) "
+                                  f"{stamp('activation')}")
     return out
-
-
-def _scale(entry: dict, factor: float, source: str) -> None:
-    entry["value"] = float(f"{entry['value'] * factor:.4g}")
-    entry["source"] = f"{entry['source'].split('; x')[0].split('; refit')[0]}; {source}"
 
 
 # --- errors ----------------------------------------------------------------------------------------------

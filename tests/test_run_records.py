@@ -76,8 +76,7 @@ def test_twin_names_are_told_apart(tmp_path):
 def _fake(name, parts, measured, *, compiled=False, precision="bf16", stack="torch-native"):
     record = RunRecord.model_validate(_row(name=name, stack=stack, step_time_s=measured))
     plan = SimpleNamespace(parallelism=SimpleNamespace(compile=compiled, precision=precision))
-    return Prepared(record=record, plan=plan, graph=None, cluster=None, parts=parts, predicted_s=sum(parts.values()),
-                    predicted_memory_gib=0.0)
+    return Prepared(record=record, plan=plan, graph=None, cluster=None, parts=parts)
 
 
 def test_the_fit_recovers_the_multipliers_it_planted():
