@@ -19,12 +19,9 @@ from planner.feasibility import pin_changes
 from planner.report import memory_table, render_summary, report_json
 from soap.cli import main
 from tracer.errors import SoapError
+from tracer_helpers import TINY_GPT2, config_dir
 
 GIB = 2**30
-TINY_GPT2 = {
-    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 8,
-    "vocab_size": 8192, "n_positions": 1024,
-}
 WIDE_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
     "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
@@ -35,20 +32,14 @@ ROW = re.compile(r"^│ (\d+)\s+│ ([\d,]+)\s+│(.*)│$")
 FIX = re.compile(r"cheapest fix: (--[a-z-]+) (\S+) \(")
 
 
-def _config_dir(tmp_path_factory, name: str, config: dict) -> str:
-    path = tmp_path_factory.mktemp(name)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return _config_dir(tmp_path_factory, "tiny-gpt2", TINY_GPT2)
+    return config_dir(tmp_path_factory, "tiny-gpt2", TINY_GPT2)
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    return _config_dir(tmp_path_factory, "wide-llama", WIDE_LLAMA)
+    return config_dir(tmp_path_factory, "wide-llama", WIDE_LLAMA)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,8 @@ from planner.api import make_request
 from planner.plan import load_plan
 from soap.cli import main
 from tracer.errors import SoapError
+from tracer_helpers import TINY_GPT2, config_dir
 
-TINY_GPT2 = {
-    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 8,
-    "vocab_size": 8192, "n_positions": 1024,
-}
 TINY_MIXTRAL = {
     "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 256,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
@@ -23,20 +20,14 @@ TINY_MIXTRAL = {
 }
 
 
-def _config_dir(tmp_path_factory, name: str, config: dict) -> str:
-    path = tmp_path_factory.mktemp(name)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return _config_dir(tmp_path_factory, "tiny-gpt2", TINY_GPT2)
+    return config_dir(tmp_path_factory, "tiny-gpt2", TINY_GPT2)
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    return _config_dir(tmp_path_factory, "tiny-mixtral", TINY_MIXTRAL)
+    return config_dir(tmp_path_factory, "tiny-mixtral", TINY_MIXTRAL)
 
 
 def _planned(model: str, tmp_path, *flags: str) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import flop_counter as fc
@@ -75,3 +77,17 @@ def real_step(config, task: str, batch: int, seq_len: int, *, seed: int = 0):
             loss = model(**inputs).loss
         loss.backward()
     return counter.get_total_flops(), sum(saved.values())
+
+
+TINY_GPT2 = {
+    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 8,
+    "vocab_size": 8192, "n_positions": 1024,
+}
+"""A 4-layer gpt2 that plans in well under a second (a MODEL directory holding its config.json)."""
+
+
+def config_dir(tmp_path_factory, name: str, config: dict) -> str:
+    """A fresh directory named `name` holding `config` as config.json: what `soap plan DIR` takes as MODEL."""
+    path = tmp_path_factory.mktemp(name)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
