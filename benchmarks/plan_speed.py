@@ -51,6 +51,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
         rows = ["| case | GPUs | cold (s) | warm (s) | target | configurations estimated | simulated | chosen plan |",
@@ -86,8 +87,9 @@ def main() -> int:
             print(rows[-1], file=sys.stderr)
         sections.append("Growth with layer count (llama-3-8b config, 512 GPUs, warm):\n\n" + "\n".join(rows))
     body = ("Wall time of `soap plan MODEL --gpus N --json` as a fresh subprocess: Python start-up, imports, "
-            "tracing (cold) or the trace cache (warm), enumeration, estimates, simulations and the plan.\n\n"
-            + "\n\n".join(sections))
+            "tracing (cold) or the trace cache (warm), enumeration, estimates, simulations and the plan. "
+            f"1-minute load average {load_before:.2f} before the benchmark and {os.getloadavg()[0]:.2f} after it "
+            "(the machine is shared).\n\n" + "\n\n".join(sections))
     if args.no_write:
         print(body)
     else:

@@ -35,6 +35,7 @@ import functools
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from tracer.errors import SoapError
 
@@ -56,8 +57,9 @@ COMPUTE_KINDS = frozenset({F, B, I, W})
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
+class Action(NamedTuple):
+    """One action of one rank (immutable; a named tuple, since the generators make hundreds of thousands)."""
+
     stage: int
     kind: ActionKind
     microbatch: int
@@ -81,6 +83,19 @@ action = functools.lru_cache(maxsize=1 << 18)(Action)
 """`Action(stage, kind, microbatch)`, one shared instance per value: the generators make hundreds of
 thousands of actions, mostly the same ones again (actions are frozen, so sharing is safe), and a frozen
 dataclass costs far more to build than a cache look-up."""
+
+_RUNS: dict[tuple[int, ActionKind], list[Action]] = {}
+
+
+def action_run(stage: int, kind: ActionKind, count: int) -> list[Action]:
+    """`[Action(stage, kind, mb) for mb in range(count)]`, kept per (stage, kind) and grown on demand (never
+    trimmed: as large as the largest schedule seen): a generator slices (or indexes) runs of micro-batches
+    instead of making or looking up every action."""
+    run = _RUNS.setdefault((stage, kind), [])
+    if len(run) < count:
+        n = len(run)
+        run.extend(map(Action, [stage] * (count - n), [kind] * (count - n), range(n, count)))
+    return run[:count]
 
 
 class ScheduleDeadlock(SoapError):
@@ -123,17 +138,14 @@ class PipelineSchedule:
 
 
 def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
+    """Per rank: `pp - rank` warm-up forwards, then backward/forward pairs, then the last backwards."""
     ranks = []
     for rank in range(pp):
         warmup = min(m, pp - rank)
-        acts = [action(rank, F, mb) for mb in range(warmup)]
-        fwd = warmup
-        for bwd in range(m):
-            acts.append(action(rank, B, bwd))
-            if fwd < m:
-                acts.append(action(rank, F, fwd))
-                fwd += 1
-        ranks.append(acts)
+        forwards, backwards = action_run(rank, F, m), action_run(rank, B, m)
+        steady = [forwards[0]] * (2 * (m - warmup))
+        steady[0::2], steady[1::2] = backwards[:m - warmup], forwards[warmup:]
+        ranks.append(forwards[:warmup] + steady + backwards[m - warmup:])
     return ranks
 
 

@@ -26,16 +26,13 @@ SoapError.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
-
-from costmodel.schedule import B, F, I, W, Action, action
+from costmodel.schedule import B, F, I, W, Action, action_run
 from tracer.errors import SoapError
 
 
 def gpipe(pp: int, m: int) -> list[list[Action]]:
     """All forwards, then all backwards, in micro-batch order."""
-    return [[action(rank, F, mb) for mb in range(m)] + [action(rank, B, mb) for mb in range(m)] for rank in range(pp)]
+    return [action_run(rank, F, m) + action_run(rank, B, m) for rank in range(pp)]
 
 
 def looped_bfs(pp: int, m: int, v: int) -> list[list[Action]]:
@@ -43,8 +40,8 @@ def looped_bfs(pp: int, m: int, v: int) -> list[list[Action]]:
     ranks = []
     for rank in range(pp):
         stages = range(rank, pp * v, pp)
-        acts = [action(s, F, mb) for s in stages for mb in range(m)]
-        acts += [action(s, B, mb) for s in reversed(stages) for mb in reversed(range(m))]
+        acts = [a for s in stages for a in action_run(s, F, m)]
+        acts += [a for s in reversed(stages) for a in reversed(action_run(s, B, m))]
         ranks.append(acts)
     return ranks
 
@@ -56,59 +53,47 @@ def interleaved(name: str, pp: int, m: int, v: int) -> list[list[Action]]:
         raise SoapError(f"{name} needs num_microbatches ({m}) divisible by max(1, m // pp) = {rounds}")
     per_round = m // rounds
     zero_bubble = name == "InterleavedZeroBubble"
+    ops = m * v
     ranks = []
     for rank in range(pp):
         warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), m * v)
-
-        def forward_stage(step: int, rank: int = rank) -> int:
-            return (step // per_round) % v * pp + rank
-
-        def backward_stage(step: int, rank: int = rank, warmup: int = warmup) -> int:
-            return (v - 1 - ((step - warmup) // per_round) % v) * pp + rank
-
-        ranks.append(_one_f_one_b_ops(m * v, warmup, forward_stage, backward_stage, rank if zero_bubble else None))
+        # forward step s runs local stage (s // per_round) % v; backward step t (from the end of the warm-up)
+        # runs them in reverse; a stage's micro-batches count up over the steps that run it
+        f_runs = [action_run(k * pp + rank, F, m) for k in range(v)]
+        b_runs = [action_run(k * pp + rank, I if zero_bubble else B, m) for k in range(v)]
+        forwards = [f_runs[(s // per_round) % v][s // (per_round * v) * per_round + s % per_round] for s in range(ops)]
+        backward_at = [(v - 1 - (t // per_round) % v, t // (per_round * v) * per_round + t % per_round)
+                       for t in range(ops)]
+        backwards = [b_runs[k][mb] for k, mb in backward_at]
+        weights = None
+        if zero_bubble:
+            w_runs = [action_run(k * pp + rank, W, m) for k in range(v)]
+            weights = [w_runs[k][mb] for k, mb in backward_at]
+        ranks.append(_one_f_one_b_ops(forwards, backwards, warmup, weights, rank))
     return ranks
 
 
-def _one_f_one_b_ops(
-    ops: int, warmup: int, forward_stage: Callable[[int], int], backward_stage: Callable[[int], int],
-    one_f_one_b_before_w: int | None,
-) -> list[Action]:
+def _one_f_one_b_ops(forwards: list[Action], backwards: list[Action], warmup: int, weights: list[Action] | None,
+                     one_f_one_b_before_w: int) -> list[Action]:
     """torch's `_get_1f1b_rank_ops` without the no-op slots: `warmup` forwards, then forward/backward
-    pairs, then the remaining backwards. `one_f_one_b_before_w` is None for a full backward (B), else
-    the number of pairs before each backward input (I) is followed by the oldest pending weight
-    gradient (W); the Ws still pending at the end follow in order."""
-    fwd_mb: dict[int, int] = defaultdict(int)
-    bwd_mb: dict[int, int] = defaultdict(int)
-    weight_mb: dict[int, int] = defaultdict(int)
-    backward_steps: list[int] = []
-    weights_done = 0
-    acts: list[Action] = []
-
-    def take(counter: dict[int, int], stage: int) -> int:
-        counter[stage] += 1
-        return counter[stage] - 1
-
-    def weight() -> None:
-        nonlocal weights_done
-        stage = backward_stage(backward_steps[weights_done])
-        acts.append(action(stage, W, take(weight_mb, stage)))
-        weights_done += 1
-
-    backward_kind = B if one_f_one_b_before_w is None else I
-    fwd_bwd = ops - warmup
-    for step in range(warmup + fwd_bwd + warmup):  # torch's cooldown is as long as the warm-up
-        if step < warmup + fwd_bwd:
-            stage = forward_stage(step)
-            acts.append(action(stage, F, take(fwd_mb, stage)))
-        if step >= warmup:
-            stage = backward_stage(step)
-            acts.append(action(stage, backward_kind, take(bwd_mb, stage)))
-            backward_steps.append(step)
-            if one_f_one_b_before_w is not None and step - warmup >= one_f_one_b_before_w:
-                weight()
-    while one_f_one_b_before_w is not None and weights_done < len(backward_steps):
-        weight()
+    pairs, then the remaining backwards (its cooldown is as long as the warm-up). With `weights` (the
+    backward split into input gradients I and weight gradients W), the t-th backward input is followed by
+    the weight gradient of backward t - `one_f_one_b_before_w` (the oldest pending), and the Ws still
+    pending at the end follow in order."""
+    ops = len(forwards)
+    if weights is None:
+        steady = [forwards[0]] * (2 * (ops - warmup))
+        steady[0::2], steady[1::2] = forwards[warmup:], backwards[:ops - warmup]
+        return forwards[:warmup] + steady + backwards[ops - warmup:]
+    acts = forwards[:warmup]
+    lag = one_f_one_b_before_w
+    for t in range(ops):
+        if warmup + t < ops:
+            acts.append(forwards[warmup + t])
+        acts.append(backwards[t])
+        if t >= lag:
+            acts.append(weights[t - lag])
+    acts += weights[max(0, ops - lag):]
     return acts
 
 
@@ -118,38 +103,39 @@ def zbv(pp: int, m: int) -> list[list[Action]]:
     ranks = []
     for rank in range(pp):
         chunk0, chunk1 = rank, 2 * pp - 1 - rank
+        F0, I0, W0 = (action_run(chunk0, kind, n_micro) for kind in (F, I, W))
+        F1, I1, W1 = (action_run(chunk1, kind, n_micro) for kind in (F, I, W))
         f0 = f1 = b0 = b1 = 0
         acts: list[Action] = []
         for _ in range(2 * (pp - rank) - 1):
-            acts.append(action(chunk0, F, f0))
+            acts.append(F0[f0])
             f0 += 1
         for _ in range(rank):
-            acts += [action(chunk1, F, f1), action(chunk0, F, f0)]
+            acts += [F1[f1], F0[f0]]
             f1 += 1
             f0 += 1
         for _ in range(pp - rank):
-            acts += [action(chunk1, F, f1), action(chunk1, I, b1), action(chunk1, W, b1)]
+            acts += [F1[f1], I1[b1], W1[b1]]
             f1 += 1
             b1 += 1
         while f1 < f0 or f0 < n_micro:
             if f0 < n_micro:
-                acts.append(action(chunk0, F, f0))
+                acts.append(F0[f0])
                 f0 += 1
-            acts += [action(chunk0, I, b0), action(chunk0, W, b0), action(chunk1, F, f1),
-                     action(chunk1, I, b1), action(chunk1, W, b1)]
+            acts += [I0[b0], W0[b0], F1[f1], I1[b1], W1[b1]]
             b0 += 1
             f1 += 1
             b1 += 1
         w0, w1 = b0, b1
         for _ in range(rank):
-            acts += [action(chunk0, I, b0), action(chunk1, I, b1)]
+            acts += [I0[b0], I1[b1]]
             b0 += 1
             b1 += 1
         for _ in range(pp - rank):
-            acts += [action(chunk0, I, b0), action(chunk0, W, w0)]
+            acts += [I0[b0], W0[w0]]
             b0 += 1
             w0 += 1
-        acts += [action(chunk1, W, mb) for mb in range(w1, b1)]
-        acts += [action(chunk0, W, mb) for mb in range(w0, b0)]
+        acts += W1[w1:b1]
+        acts += W0[w0:b0]
         ranks.append([a for a in acts if a.microbatch < m])
     return ranks

@@ -5,10 +5,10 @@ Pipeline (each step a module):
    per-micro-batch cost of every chunk (block instance) of every stage on one representative rank,
    from `costmodel.placement` (which split each op gets and the collectives it implies),
    `costmodel.opcost.op_time`, `costmodel.collectives.collective_time` and `costmodel.memory`.
-2. `costmodel.simulator_step.build_step`: StepCosts + the pipeline schedule (`costmodel.schedule`)
-   -> a task graph over each pipeline rank's streams (compute, tp-comm, dp-comm, pp-p2p).
-3. `costmodel.simulator_engine.run_tasks`: discrete-event simulation with link contention.
-4. `costmodel.simulator_result.analyse`: step time, breakdown, memory over time, timeline.
+2. `costmodel.simulator_step.run_step`: StepCosts + the pipeline schedule (`costmodel.schedule`)
+   -> every task of each pipeline rank's streams (compute, tp-comm, dp-comm, pp-p2p), timed as it is
+   issued by `costmodel.simulator_engine.RankLanes` (discrete-event simulation with link contention).
+3. `costmodel.simulator_result.analyse`: step time, breakdown, memory over time, timeline.
 
 Symmetry: all DP, TP and CP ranks of a pipeline stage do the same work, so one representative per
 pipeline rank is simulated; a 16,384-GPU plan with pp=16 simulates 16 ranks.
@@ -23,9 +23,8 @@ from collections.abc import Sequence
 
 from costmodel.profiles import ClusterSpec
 from costmodel.simulator_costs import StepCosts
-from costmodel.simulator_engine import run_tasks
 from costmodel.simulator_result import SimResult, StepFacts, analyse
-from costmodel.simulator_step import build_step
+from costmodel.simulator_step import run_step
 from costmodel.strategy import Strategy
 from tracer.ir import OpGraph
 
@@ -37,9 +36,7 @@ def simulate_costs(costs: StepCosts, facts: StepFacts | None = None) -> SimResul
     collecting = gc.isenabled()
     gc.disable()
     try:
-        step = build_step(costs)
-        tasks = run_tasks(step.graph)
-        return analyse(costs, tasks, step.memory, facts or StepFacts())
+        return analyse(costs, run_step(costs), facts or StepFacts())
     finally:
         if collecting:
             gc.enable()

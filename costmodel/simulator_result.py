@@ -11,11 +11,15 @@ Time breakdown of one rank (it sums to the step time):
   transfer started), and idle time at the end of the step after the rank's last work;
 - other: idle time with no dependency to blame (0 in the current model).
 The result's `breakdown` is that of the critical rank: the one with the most compute plus optimizer
-time (the bottleneck stage), lowest rank on ties.
+time (the bottleneck stage), lowest rank on ties. It is accumulated while the step is simulated
+(`costmodel.simulator_engine.RankLanes`, which states the gap rule).
 
 Memory of a rank over time: constant weights, gradients, optimizer state, buffers and overhead, plus
-activations and gathered parameters that follow the `MemoryEvent`s; its peak and the breakdown at
-the peak are reported per pipeline rank.
+activations and gathered parameters that follow the step's memory events (`costmodel.simulator_step`);
+its peak and the breakdown at the peak are reported per pipeline rank. The timeline and the timeline
+events are made when first read, by running the step again with its records
+(`costmodel.simulator_step.run_step(costs, record=True)`, the same times): the search simulates dozens of
+candidates and draws one.
 """
 
 from __future__ import annotations
@@ -27,10 +31,8 @@ from typing import Any, NamedTuple
 from costmodel.memory import MemoryBreakdown, rank_breakdown
 from costmodel.memory_schedule import rank_activation_peaks, stage_activations
 from costmodel.simulator_costs import StepCosts
-from costmodel.simulator_engine import Task
-from costmodel.simulator_step import MemoryEvent
+from costmodel.simulator_step import StepRun, memory_changes, run_step
 
-COMM_CATEGORIES = frozenset({"tp", "cp", "ep", "dp", "fsdp", "pp"})
 GIB = 2**30
 
 
@@ -55,8 +57,9 @@ class RankMemory:
     """Pipeline rank (it stands for every DP/TP/CP rank of its stages)."""
     stages: tuple[int, ...]
     at_peak: MemoryBreakdown
-    timeline: tuple[tuple[float, int], ...]
-    """(time, total bytes) after each change, starting at (0, the constant part)."""
+    timeline: Sequence[tuple[float, int]]
+    """(time, total bytes) after each change, starting at (0, the constant part): a `MemoryTimeline`, made
+    on first use, in a simulated result."""
 
     @property
     def peak_bytes(self) -> int:
@@ -77,22 +80,26 @@ class TimelineEvent(NamedTuple):
     peer: int | None = None
 
 
-class TimelineEvents(Sequence):
-    """The step's `TimelineEvent`s (tasks of positive duration, in issue order), made on first use: the
-    search simulates dozens of candidates and draws the timeline of one."""
+def _name(spec) -> str:
+    """A task's name from its template and arguments (`costmodel.simulator_step`), or the name itself."""
+    if isinstance(spec, str):
+        return spec
+    return spec[0].format(*(_name(a) if isinstance(a, tuple) else a for a in spec[1:]))
 
-    def __init__(self, tasks: Sequence[Any]) -> None:
-        self._tasks: Sequence[Any] | None = tasks
-        self._events: tuple[TimelineEvent, ...] = ()
 
-    def _made(self) -> tuple[TimelineEvent, ...]:
-        if self._tasks is not None:
-            self._events = tuple(
-                TimelineEvent(t.rank, t.stream, t.name, t.category, t.start, t.end, t.flow, t.peer)
-                for t in self._tasks if t.duration > 0
-            )
-            self._tasks = None
-        return self._events
+class _Lazy(Sequence):
+    """A tuple made on first use (equal to, and hashing as, that tuple)."""
+
+    def __init__(self) -> None:
+        self._items: tuple | None = None
+
+    def _make(self) -> tuple:
+        raise NotImplementedError
+
+    def _made(self) -> tuple:
+        if self._items is None:
+            self._items = self._make()
+        return self._items
 
     def __getitem__(self, index):
         return self._made()[index]
@@ -104,13 +111,71 @@ class TimelineEvents(Sequence):
         return iter(self._made())
 
     def __eq__(self, other: object) -> bool:
-        return self._made() == (other._made() if isinstance(other, TimelineEvents) else other)
+        return self._made() == (other._made() if isinstance(other, _Lazy) else other)
 
     def __hash__(self) -> int:
         return hash(self._made())
 
+
+class _Recorded:
+    """A step's run with its timeline records and memory events, made once, when first asked for."""
+
+    def __init__(self, costs: StepCosts, run: StepRun) -> None:
+        self._costs: StepCosts | None = costs
+        self._run = run if run.memory is not None else None
+
+    def run(self) -> StepRun:
+        if self._run is None:
+            assert self._costs is not None
+            self._run = run_step(self._costs, record=True)
+            self._costs = None
+        return self._run
+
+
+class TimelineEvents(_Lazy):
+    """The step's `TimelineEvent`s (tasks of positive duration; rank by rank, each in issue order), made on
+    first use."""
+
+    def __init__(self, recorded: _Recorded) -> None:
+        super().__init__()
+        self._recorded: _Recorded | None = recorded
+
+    def _make(self) -> tuple[TimelineEvent, ...]:
+        assert self._recorded is not None
+        events = []
+        for lanes in self._recorded.run().lanes:
+            for record in lanes.records:
+                for stream, name, category, start, end, flow, peer in (
+                        (record,) if type(record) is tuple else record.records()):
+                    events.append(TimelineEvent(lanes.rank, stream, _name(name), category, start, end, flow, peer))
+        self._recorded = None
+        return tuple(events)
+
     def __repr__(self) -> str:
         return f"TimelineEvents({len(self)} events)"
+
+
+class MemoryTimeline(_Lazy):
+    """A rank's (time, total bytes) after each activation change, from (0, constant), made on first use."""
+
+    def __init__(self, constant: int, recorded: _Recorded, rank: int) -> None:
+        super().__init__()
+        self._constant, self._recorded, self._rank = constant, recorded, rank
+
+    def _make(self) -> tuple[tuple[float, int], ...]:
+        assert self._recorded is not None
+        memory = self._recorded.run().memory
+        assert memory is not None
+        constant, live = self._constant, 0
+        timeline = [(0.0, constant)]
+        for time, delta in sorted(memory_changes(memory[self._rank])):
+            live += delta
+            timeline.append((time, constant + live))
+        self._recorded = None
+        return tuple(timeline)
+
+    def __repr__(self) -> str:
+        return f"MemoryTimeline({len(self)} points)"
 
 
 @dataclass(frozen=True)
@@ -180,61 +245,21 @@ class SimResult:
         }
 
 
-def analyse(costs: StepCosts, tasks: Sequence[Task], memory_events: Sequence[MemoryEvent], facts: StepFacts) -> SimResult:
-    step = max((t.end for t in tasks), default=0.0)
-    pp = costs.schedule.pp
-    by_rank: list[list[Task]] = [[] for _ in range(pp)]
-    for t in tasks:
-        by_rank[t.rank].append(t)
-    breakdowns = tuple(_rank_breakdown(rank, by_rank[rank], tasks, step) for rank in range(pp))
-    critical = max(range(pp), key=lambda r: (breakdowns[r].compute + breakdowns[r].optimizer, -r))
-    events = TimelineEvents(tasks)
+def analyse(costs: StepCosts, run: StepRun, facts: StepFacts) -> SimResult:
+    """The result of `run` (`run_step(costs)`, recorded or not: the timelines replay it when read)."""
+    step = run.step_time_s
+    breakdowns = tuple(TimeBreakdown(*lanes.breakdown(step)) for lanes in run.lanes)
+    critical = max(range(len(breakdowns)), key=lambda r: (breakdowns[r].compute + breakdowns[r].optimizer, -r))
+    recorded = _Recorded(costs, run)
     return SimResult(
         step_time_s=step, breakdown=breakdowns[critical], rank_breakdowns=breakdowns, critical_rank=critical,
-        memory=_memory(costs, tasks, memory_events), events=events, facts=facts,
+        memory=_memory(costs, recorded), events=TimelineEvents(recorded), facts=facts,
     )
 
 
-def _rank_breakdown(rank: int, own: Sequence[Task], tasks: Sequence[Task], step: float) -> TimeBreakdown:
-    """`own`: this rank's tasks in issue order; `tasks`: all of them, indexed by id (dependencies)."""
-    compute = optimizer = exposed = bubble = other = 0.0
-    prev_end = 0.0
-    last_own_comm_end = 0.0
-    for t in own:
-        if t.stream != "compute":
-            last_own_comm_end = max(last_own_comm_end, t.end)
-            continue
-        gap = t.start - prev_end
-        if gap > 1e-15:
-            binding = max((tasks[d] for d in t.deps), key=lambda d: d.end, default=None)
-            if binding is None or binding.end < t.start - 1e-12:
-                other += gap
-            elif binding.category == "pp":
-                covered = max(0.0, binding.end - max(prev_end, binding.start))
-                exposed += min(gap, covered)
-                bubble += gap - min(gap, covered)
-            elif binding.category in COMM_CATEGORIES and binding.rank == rank:
-                exposed += gap
-            else:
-                bubble += gap
-        if t.category == "optimizer":
-            optimizer += t.duration
-        elif t.category in COMM_CATEGORIES:  # a collective's host share (`costmodel.simulator_step`)
-            exposed += t.duration
-        else:
-            compute += t.duration
-        prev_end = max(prev_end, t.end)
-    tail = step - prev_end
-    if tail > 0:
-        comm_tail = min(tail, max(0.0, last_own_comm_end - prev_end))
-        exposed += comm_tail
-        bubble += tail - comm_tail
-    return TimeBreakdown(compute, exposed, bubble, optimizer, other)
-
-
-def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEvent]) -> tuple[RankMemory, ...]:
+def _memory(costs: StepCosts, recorded: _Recorded) -> tuple[RankMemory, ...]:
     """Per pipeline rank: the constant terms, the activation peak of `memory_schedule.rank_activation_peaks`
-    (the estimator's rule) and the activation timeline the events draw."""
+    (the estimator's rule) and the activation timeline the memory events draw."""
     sched = costs.schedule
     chunks = [c for s in costs.stages for c in s.chunks]
     bounds = [0]
@@ -242,11 +267,6 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
         bounds.append(bounds[-1] + len(s.chunks))
     stage_acts = stage_activations([c.activation_bytes for c in chunks], [c.recompute_bytes for c in chunks], bounds)
     peaks = rank_activation_peaks(sched, stage_acts)
-    per_rank: list[list[tuple[float, int]]] = [[] for _ in range(sched.pp)]
-    for e in events:
-        if e.delta:
-            t = tasks[e.task]
-            per_rank[t.rank].append((t.end if e.at_end else t.start, e.delta))
     out = []
     for rank in range(sched.pp):
         stages = sched.stages_of(rank)
@@ -256,14 +276,9 @@ def _memory(costs: StepCosts, tasks: Sequence[Task], events: Sequence[MemoryEven
         host = sum(costs.stages[s].host_bytes for s in stages)
         buffers = costs.rank_buffer_bytes[rank] if costs.rank_buffer_bytes else 0
         constant = weights + grads + opt + buffers + costs.workspace_bytes
-        live = 0
-        timeline = [(0.0, constant)]
-        for time, delta in sorted(per_rank[rank]):
-            live += delta
-            timeline.append((time, constant + live))
         out.append(
             RankMemory(
-                rank=rank, stages=stages, timeline=tuple(timeline),
+                rank=rank, stages=stages, timeline=MemoryTimeline(constant, recorded, rank),
                 at_peak=rank_breakdown(
                     weights=weights, grads=grads, optimizer=opt, activations=int(peaks[rank]), buffers=buffers,
                     host=host, workspace=costs.workspace_bytes, reserve_fraction=costs.allocator_reserve_fraction,

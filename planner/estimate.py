@@ -55,7 +55,7 @@ from costmodel.placement import is_expert
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
 from costmodel.simulator_pricing import SELECTIVE_KEEPS, data_parallel_traffic, offload_host_bytes
-from costmodel.strategy import TrainingConfig, runs_on_fsdp2, shards_vocabulary
+from costmodel.strategy import ParallelDims, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
 from planner.stages import partition_stages
@@ -64,6 +64,22 @@ from tracer.ir import OpGraph, OpKind
 
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}
 """Bytes per activation element crossing a link (fp8 recipes keep activations in 16 bit between ops)."""
+
+
+@dataclass(frozen=True)
+class _RankTables:
+    """One micro-batch's unit costs summed per pipeline rank (`Estimator._rank_tables`)."""
+
+    bottleneck: float
+    """The busiest rank's time with TP/CP/EP communication and pipeline transfers."""
+    compute_max: float
+    params_local: float
+    """The local parameters of the rank holding the most."""
+    worst_counts: np.ndarray
+    """Unit instances on that rank."""
+    params_unit: np.ndarray
+    worst_bwd: float
+    worst_compute: float
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,11 @@ class Estimator:
         self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds_uncached)
         self._comm = lru_cache(maxsize=None)(self._comm_uncached)
         self.unit_costs = lru_cache(maxsize=None)(self._unit_costs_uncached)
+        self.rank_counts = lru_cache(maxsize=None)(self._rank_counts_uncached)
+        self._policies = lru_cache(maxsize=None)(self._policies_uncached)
+        self._rank_tables = lru_cache(maxsize=16384)(self._rank_tables_uncached)
+        self._dp_comm = lru_cache(maxsize=16384)(self._dp_comm_uncached)
+        self._per_instance = lru_cache(maxsize=None)(self._per_instance_uncached)
 
     # --- cached per-unit costs ------------------------------------------------------------------
     def _unit_time_uncached(
@@ -145,8 +166,8 @@ class Estimator:
         assert part is not None, "a partition without memory limits always exists when stages <= layers"
         return tuple(part.bounds)
 
-    def rank_counts(self, pp: int, v: int, schedule: str) -> np.ndarray:
-        """Instances of each unit on each pipeline rank: shape (pp, units)."""
+    def _rank_counts_uncached(self, pp: int, v: int, schedule: str) -> np.ndarray:
+        """Instances of each unit on each pipeline rank: shape (pp, units) (`rank_counts`, memoized)."""
         stage_counts = self.memory_tables.stage_counts(self.stage_bounds(pp, v))
         ranks = np.zeros((pp, len(self.units)))
         for row, rank in zip(stage_counts, stage_to_rank(schedule, pp, v)):
@@ -182,9 +203,12 @@ class Estimator:
 
     def _p2p(self, mesh: MeshChoice, mb: int, precision: str, v: int) -> float:
         d = mesh.dims
-        if d.pp == 1:
+        return self._p2p_dims(d.pp, d.cp, d.tp, mb, precision, v)
+
+    def _p2p_dims(self, pp: int, cp: int, tp: int, mb: int, precision: str, v: int) -> float:
+        if pp == 1:
             return 0.0
-        nbytes = mb * self.graph.seq_len / d.cp * self.hidden * ACTIVATION_BYTES[precision] / d.tp
+        nbytes = mb * self.graph.seq_len / cp * self.hidden * ACTIVATION_BYTES[precision] / tp
         return 2 * v * self._comm("send_recv", nbytes, 2, 1)
 
     def time_floor(self, mesh: MeshChoice, mb: int, num_microbatches: int, grad_accum: int, precision: str,
@@ -194,30 +218,47 @@ class Estimator:
         rank no busier than the average, and the smallest bubble factor ((pp-1)/v, halved for ZBV)
         of the schedules allowed."""
         d = mesh.dims
-        per_instance = sum(
-            unit.repeat * self.unit_costs(u, d.tp, d.cp, d.ep, mb, precision, "none")[1]
-            for u, unit in enumerate(self.units)
-        )
-        average = per_instance / d.pp + self._p2p(mesh, mb, precision, 1)
+        average = self._per_instance(d.tp, d.cp, d.ep, mb, precision) / d.pp + self._p2p(mesh, mb, precision, 1)
         return num_microbatches * average + grad_accum * bubble_factor * (d.pp - 1) * average
 
+    def _per_instance_uncached(self, tp: int, cp: int, ep: int, mb: int, precision: str) -> float:
+        """One micro-batch through every unit instance without recompute (`time_floor`, memoized)."""
+        return sum(unit.repeat * self.unit_costs(u, tp, cp, ep, mb, precision, "none")[1]
+                   for u, unit in enumerate(self.units))
+
     # --- the estimate ---------------------------------------------------------------------------
-    def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
-        d, t = mesh.dims, train
-        counts = self.rank_counts(d.pp, t.virtual_stages, t.schedule)
-        policies = [t.recompute_for(None if unit.id.startswith("<") else unit.id) for unit in self.units]
-        costs = np.array([self.unit_costs(u, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policy)
-                          for u, policy in enumerate(policies)])
+    def _policies_uncached(self, recompute: str, recompute_per_block: tuple) -> tuple[str, ...]:
+        t = TrainingConfig(global_batch=1, seq_len=1, recompute=recompute, recompute_per_block=recompute_per_block)
+        return tuple(t.recompute_for(None if unit.id.startswith("<") else unit.id) for unit in self.units)
+
+    def _rank_tables_uncached(self, pp: int, v: int, schedule: str, tp: int, cp: int, ep: int, mb: int, precision: str,
+                              policies: tuple[str, ...]) -> _RankTables:
+        """The per-rank sums of one micro-batch's unit costs (memoized: they read none of the candidate's
+        data-parallel, ZeRO, optimizer or offload choices, nor its micro-batch count)."""
+        counts = self.rank_counts(pp, v, schedule)
+        costs = np.array([self.unit_costs(u, tp, cp, ep, mb, precision, policy) for u, policy in enumerate(policies)])
         compute_unit, per_unit, bwd_unit = costs.T
         # local parameters per unit instance, as `costmodel.memory.stage_params` shards them (time only)
-        alone = self.memory_tables.params(d.tp, d.ep, shards_vocabulary(tp=d.tp, pp=d.pp))
+        alone = self.memory_tables.params(tp, ep, shards_vocabulary(tp=tp, pp=pp))
         params_unit = np.array([p.trainable for p in alone], dtype=float)
-        p2p = self._p2p(mesh, t.micro_batch, t.precision, t.virtual_stages)
+        p2p = self._p2p_dims(pp, cp, tp, mb, precision, v)
         rank_time = counts @ per_unit + p2p
         rank_compute = counts @ compute_unit
         rank_bwd = counts @ bwd_unit
         rank_params = counts @ params_unit
-        bottleneck = float(rank_time.max())
+        worst = int(np.argmax(rank_params))
+        return _RankTables(
+            bottleneck=float(rank_time.max()), compute_max=float(rank_compute.max()),
+            params_local=float(rank_params[worst]), worst_counts=counts[worst], params_unit=params_unit,
+            worst_bwd=float(rank_bwd[worst]), worst_compute=float(rank_compute[worst]),
+        )
+
+    def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
+        d, t = mesh.dims, train
+        policies = self._policies(t.recompute, t.recompute_per_block)
+        tables_key = (d.pp, t.virtual_stages, t.schedule, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policies)
+        tables = self._rank_tables(*tables_key)
+        bottleneck = tables.bottleneck
 
         m, runs = t.num_microbatches, t.grad_accum
         bubble = 0.0
@@ -228,22 +269,20 @@ class Estimator:
             bubble *= runs
         pipeline = m * bottleneck + bubble
 
-        worst = int(np.argmax(rank_params))
-        params_local = float(rank_params[worst])
+        params_local = tables.params_local
         state = model_state_bytes(
             int(params_local), precision=t.precision, optimizer=t.optimizer, zero=t.zero,
             dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer, pipeline=d.pp > 1,
             fsdp=runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer),
         )
-        dp_exposed, zero3_exposed = self._dp_comm(mesh, t, counts[worst], params_unit, float(rank_bwd[worst]),
-                                                  float(rank_compute[worst]))
+        dp_exposed, zero3_exposed = self._dp_comm(d, t.zero, t.precision, t.offload_optimizer, m, tables_key)
         device = self.cluster.device
         if t.offload_optimizer:
             optimizer_s = offload_host_bytes(params_local / d.shard_degree, pp=d.pp, train=t) / device.host_bandwidth
         else:
             optimizer_s = 2 * (state.weights + state.grads + state.optimizer) / device.memory_bandwidth
         step = pipeline + dp_exposed + zero3_exposed + optimizer_s
-        compute_s = m * float(rank_compute.max())
+        compute_s = m * tables.compute_max
 
         memory = self.memory_tables.memory(d, t, self.stage_bounds(d.pp, t.virtual_stages), device)
         return Estimate(
@@ -252,15 +291,20 @@ class Estimator:
             bubble_s=bubble, optimizer_s=optimizer_s,
         )
 
-    def _dp_comm(self, mesh: MeshChoice, t: TrainingConfig, unit_counts: np.ndarray, params_unit: np.ndarray,
-                 bwd_s: float, compute_s: float) -> tuple[float, float]:
+    def _dp_comm_uncached(self, d: ParallelDims, zero: int, precision: str, offload: bool, m: int,
+                          tables_key: tuple) -> tuple[float, float]:
         """(gradient sync, parameter gather) seconds exposed per step, by the simulator's rule
         (`costmodel.simulator_pricing.data_parallel_traffic` and its module docstring's ZeRO/FSDP
         arithmetic): each unit instance gathers its parameters and reduces its fp32 gradients in calls of
-        its own, on one dp stream that overlaps compute."""
-        d, gpn = mesh.dims, self.cluster.gpus_per_node
+        its own, on one dp stream that overlaps compute. Memoized on what it reads: the mesh, the ZeRO
+        stage, precision, offload and micro-batch count, and the worst rank's tables (`_rank_tables`)."""
+        gpn = self.cluster.gpus_per_node
         if d.sync_degree == 1:
             return 0.0, 0.0
+        tables = self._rank_tables(*tables_key)
+        unit_counts, params_unit = tables.worst_counts, tables.params_unit
+        bwd_s, compute_s = tables.worst_bwd, tables.worst_compute
+        t = TrainingConfig(global_batch=1, seq_len=1, zero=zero, precision=precision, offload_optimizer=offload)
         traffic = data_parallel_traffic(d, t)
         inner = d.tp  # data parallelism runs over dp x cp (`ParallelDims.sync_degree`, `shard_degree`)
         grad_b, weight_b = GRAD_BYTES[t.precision], activation_itemsize(t.precision)
@@ -283,7 +327,6 @@ class Estimator:
             per_unit = [self._comm("all_gather", p * weight_b, *shard_group) if c else 0.0
                         for p, c in zip(params_unit, present)]
             gathers = traffic.gathers_per_microbatch * float(unit_counts @ np.array(per_unit))
-        m = t.num_microbatches
         if traffic.sync_every_microbatch:
             return 0.0, m * max(0.0, gathers + sync - compute_s)
         return max(0.0, sync - bwd_s), m * max(0.0, gathers - compute_s)

@@ -57,6 +57,7 @@ class MemoryTables:
         self.stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
         self.rank_activations = lru_cache(maxsize=4096)(self._rank_activations_uncached)
         self.held = lru_cache(maxsize=16384)(self._held_uncached)
+        self.rank_state = lru_cache(maxsize=8192)(self._rank_state_uncached)
 
     # --- tables -----------------------------------------------------------------------------------
     def _degrees_uncached(self, tp: int, ep: int, vocab: bool) -> dict[str, int]:
@@ -92,8 +93,11 @@ class MemoryTables:
         rank over the schedule. Memoized: it reads none of the candidate's data-parallel, ZeRO, optimizer or
         offload choices, which the enumeration varies most."""
         policies = dict(recompute_per_block)
+        # placements read the pipeline degree only through the vocabulary rule, so a unit's activations are
+        # one table entry for every pp that shards the vocabulary as pp = 1 does
+        unit_pp = 1 if shards_vocabulary(tp=tp, pp=1) == shards_vocabulary(tp=tp, pp=pp) else pp
         unit_acts = np.array([
-            self.unit_activations(u, tp, cp, ep, pp, sequence_parallel, mb,
+            self.unit_activations(u, tp, cp, ep, unit_pp, sequence_parallel, mb,
                                   "none" if unit.id.startswith("<") else policies.get(unit.id, recompute),
                                   precision, attention)
             for u, unit in enumerate(self.units)])
@@ -129,43 +133,62 @@ class MemoryTables:
             largest_unit=max([alone[u].largest_unit for u in blocks] + [outside.largest_unit]),
         )
 
+    def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
+                             vocab: bool, precision: str, optimizer: str, zero: int, dp_shard: int, dp_sync: int,
+                             offload: bool, fsdp: bool, pipeline: bool) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Each pipeline rank's (weights, grads, optimizer, buffers, host) bytes: model state per stage on the
+        engine the executor runs, summed over the rank's stages, and buffers over the rank's parameters.
+        Memoized: it reads none of the micro-batching and recompute choices."""
+        adafactor = optimizer == "adafactor"
+        state = []
+        same: dict[tuple[int, int], object] = {}  # stages holding as many parameters hold as much state
+        for s in range(len(bounds) - 1):
+            params = self.held(bounds, (s,), tp, ep, vocab, adafactor)
+            key = (params.trainable, params.frozen)
+            if adafactor or key not in same:
+                same[key] = model_state_bytes(
+                    params.trainable, precision=precision, optimizer=optimizer, zero=zero, dp_shard=dp_shard,
+                    offload_optimizer=offload, param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
+                    pipeline=pipeline, fsdp=fsdp)
+            state.append(same[key])
+        out = []
+        for mine in rank_stages(schedule, pp, v):
+            held = self.held(bounds, mine, tp, ep, vocab, False)
+            out.append((
+                sum(state[s].weights for s in mine), sum(state[s].grads for s in mine),
+                sum(state[s].optimizer for s in mine),
+                buffer_bytes(params=held, precision=precision, zero=zero, dp=dp_sync, dp_shard=dp_shard, offload=offload,
+                             fsdp=fsdp),
+                sum(state[s].offloaded for s in mine),
+            ))
+        return tuple(out)
+
     def memory(self, dims: ParallelDims, train: TrainingConfig, bounds: tuple[int, ...], device: DeviceProfile
                ) -> MemoryBreakdown:
         """The worst pipeline rank's memory (see the module docstring)."""
         d, t = dims, train
         vocab = shards_vocabulary(tp=d.tp, pp=d.pp)
-        counts = self.stage_counts(bounds)
-        n_stages = counts.shape[0]
-
         name, pp, m, v, _ = step_shape(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
         activations = self.rank_activations(d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute,
                                             t.recompute_per_block, t.precision, t.attention, bounds, name, m, v)
-        owner = stage_to_rank(name, pp, v)
-
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
-        state = []
-        for s in range(n_stages):
-            adafactor = t.optimizer == "adafactor"
-            params = self.held(bounds, (s,), d.tp, d.ep, vocab, adafactor)
-            state.append(model_state_bytes(params.trainable, precision=t.precision, optimizer=t.optimizer, zero=t.zero,
-                                           dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
-                                           param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
-                                           pipeline=d.pp > 1, fsdp=fsdp))
+        ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,
+                                d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1)
         workspace = workspace_bytes(device)
         worst: MemoryBreakdown | None = None
-        for rank in range(pp):
-            mine = tuple(s for s, r in enumerate(owner) if r == rank)
-            held = self.held(bounds, mine, d.tp, d.ep, vocab, False)
-            total = rank_breakdown(
-                weights=sum(state[s].weights for s in mine), grads=sum(state[s].grads for s in mine),
-                optimizer=sum(state[s].optimizer for s in mine), activations=int(activations[rank]),
-                buffers=buffer_bytes(params=held, precision=t.precision, zero=t.zero, dp=d.sync_degree, dp_shard=d.shard_degree,
-                                     offload=t.offload_optimizer, fsdp=fsdp),
-                host=sum(state[s].offloaded for s in mine), workspace=workspace,
-                reserve_fraction=device.allocator_reserve_fraction,
-            )
+        for (weights, grads, optimizer, buffers, host), peak in zip(ranks, activations):
+            total = rank_breakdown(weights=weights, grads=grads, optimizer=optimizer, activations=int(peak),
+                                   buffers=buffers, host=host, workspace=workspace,
+                                   reserve_fraction=device.allocator_reserve_fraction)
             if worst is None or total.total > worst.total:
                 worst = total
         assert worst is not None
         return worst
+
+
+@lru_cache(maxsize=1024)
+def rank_stages(schedule: str, pp: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """The stages each pipeline rank runs (`costmodel.schedule.stage_to_rank`), rank by rank."""
+    owner = stage_to_rank(schedule, pp, v)
+    return tuple(tuple(s for s, r in enumerate(owner) if r == rank) for rank in range(pp))

@@ -4,7 +4,8 @@ Pricing one candidate (`Pricer.__call__`):
 1. stage partition (pp > 1): the estimator's (`Estimator.stage_bounds`: `planner.stages.partition_stages`
    over the layer sequence, time-balanced), so the simulated memory is the memory the search pruned by;
 2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)` under the Megatron
-   placement; with tp > 1, also under the per-op splits of the CP-SAT split search
+   placement, with the simulator's default `ProfilePricer` whose op and collective prices are memoized
+   across the search's candidates (`CachedPrices`: pure functions of their arguments); with tp > 1, also under the per-op splits of the CP-SAT split search
    (`planner.block_splits.chosen_op_splits`, solved once per block type and degrees) where they
    cost less than it under the search's tables, keeping whichever fits and simulates faster, so the searched splits are never
    slower than the default under the simulator;
@@ -24,6 +25,7 @@ from functools import lru_cache
 
 from costmodel.placement import tp_plan
 from costmodel.simulator import simulate
+from costmodel.simulator_pricing import ProfilePricer, node_ranks
 from planner.api import PlanRequest
 from planner.baselines import baseline_families, baseline_mesh
 from planner.block_splits import block_placements, chosen_op_splits
@@ -42,6 +44,39 @@ from planner.units import layer_units, model_units
 from tracer.ir import OpGraph
 
 
+class CachedPrices:
+    """A `ProfilePricer` whose op and collective prices are computed once per search: candidates share
+    most of them (the same ops at the same local shapes, the same collectives), and both are pure."""
+
+    def __init__(self, inner: ProfilePricer) -> None:
+        self.inner = inner
+        self._ops: dict[tuple, tuple[float, float, float]] = {}
+        self._collectives: dict[tuple, float] = {}
+
+    def op(self, op, split, micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
+        key = (id(op), tuple(split.items()), micro_batch, batch_traced)  # the graphs outlive the search
+        price = self._ops.get(key)
+        if price is None:
+            price = self._ops[key] = self.inner.op(op, split, micro_batch, batch_traced)
+        return price
+
+    def collective(self, kind: str, nbytes: float, group) -> float:
+        key = (kind, nbytes, group)
+        price = self._collectives.get(key)
+        if price is None:
+            price = self._collectives[key] = self.inner.collective(kind, nbytes, group)
+        return price
+
+    def memory_time(self, nbytes: float) -> float:
+        return self.inner.memory_time(nbytes)
+
+    def optimizer_time(self, optimizer: str, elements: float) -> float:
+        return self.inner.optimizer_time(optimizer, elements)
+
+    def host_time(self, nbytes: float) -> float:
+        return self.inner.host_time(nbytes)
+
+
 class Pricer:
     """Simulates candidates of one request on the estimator's stage partition."""
 
@@ -53,6 +88,7 @@ class Pricer:
         self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds)
         self._cache = BlockSplitCache()
         self._splits: dict[tuple, tuple] = {}
+        self._prices: dict[tuple, CachedPrices] = {}
 
     def _stage_bounds(self, candidate: Candidate) -> tuple[int, ...] | None:
         """The estimate's partition (`Estimator.stage_bounds`), so that the memory the search pruned by is
@@ -75,8 +111,17 @@ class Pricer:
                 return searched
         return priced
 
+    def prices(self, candidate: Candidate) -> CachedPrices:
+        """The simulator's default pricer for the candidate (`costmodel.simulator_pricing.price_step`'s), memoized."""
+        cluster, strategy = self.request.cluster, candidate.strategy
+        t = strategy.train
+        key = (t.precision, node_ranks(strategy, cluster), t.compile)
+        if key not in self._prices:
+            self._prices[key] = CachedPrices(ProfilePricer(cluster, t.precision, node_ranks=key[1], compile=t.compile))
+        return self._prices[key]
+
     def _simulate(self, candidate: Candidate, graph: OpGraph, bounds: tuple[int, ...] | None) -> Priced:
-        result = simulate(graph, candidate.strategy, self.request.cluster, stages=bounds)
+        result = simulate(graph, candidate.strategy, self.request.cluster, stages=bounds, pricer=self.prices(candidate))
         peak = float(result.peak_memory_bytes)
         fits = peak <= self.request.memory_limit and self.host.simulation_fits(candidate.mesh.dims, candidate.train,
                                                                                result)

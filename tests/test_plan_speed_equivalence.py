@@ -4,15 +4,15 @@
   estimator calls without building the schedule) equal the walk over the full schedule, communication
   included, that `rank_activation_peaks` was;
 - shared (interned) actions are plain equal `Action`s, and the compute order is the schedule's compute;
-- `run_tasks`'s work-list order gives the start times of the heap ordered by earliest start it replaced;
-- the estimator's memoized memory (activations and held parameters per partition) equals a fresh
-  estimator's for the same candidates in any order.
+- the simulator's tasks, timed as they are issued, equal the task graph and heap engine it replaced:
+  tests/test_plan_speed_simulator.py;
+- the estimator's memoized estimate (per-rank unit tables, data-parallel traffic, per-rank model state,
+  activations and held parameters per partition) equals a fresh estimator's for the same candidates in
+  any order.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import json
 import random
 
@@ -20,9 +20,6 @@ import pytest
 
 from costmodel.memory_schedule import StageActivations, activation_peaks, rank_activation_peaks
 from costmodel.schedule import B, F, I, W, Action, action, build_schedule, compute_order
-from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
-from costmodel.simulator_engine import CRITICAL_STREAMS, run_tasks
-from costmodel.simulator_step import build_step
 
 SCHEDULES = (
     [("1F1B", 1, m, 1) for m in (1, 3, 8)]
@@ -76,73 +73,7 @@ def test_shared_actions_are_plain_equal_actions():
     assert str(action(2, B, 0)) == "2B0"
 
 
-def _heap_run(graph):
-    """The engine before issue 17: a heap of ready tasks ordered by earliest start."""
-    tasks = graph.tasks
-    n = len(tasks)
-    succ = [[] for _ in range(n)]
-    waiting = [0] * n
-    last_on_stream, last_critical = {}, {}
-    for tid, t in enumerate(tasks):
-        preds = [last_on_stream.get((t.rank, t.stream))]
-        last_on_stream[(t.rank, t.stream)] = tid
-        if t.link is not None:
-            preds.append(last_critical.get((t.rank, t.link)))
-            if t.stream in CRITICAL_STREAMS:
-                last_critical[(t.rank, t.link)] = tid
-        for prev in preds:
-            if prev is not None:
-                succ[prev].append(tid)
-                waiting[tid] += 1
-        deps = [key if isinstance(key, int) else graph.id_of(key) for key in t.deps]
-        for dep in deps:
-            succ[dep].append(tid)
-            waiting[tid] += 1
-    ready_at = [0.0] * n
-    heap = [(0.0, tid) for tid in range(n) if waiting[tid] == 0]
-    heapq.heapify(heap)
-    times = [None] * n
-    while heap:
-        start, tid = heapq.heappop(heap)
-        end = start + tasks[tid].duration
-        times[tid] = (start, end)
-        for s in succ[tid]:
-            ready_at[s] = max(ready_at[s], end)
-            waiting[s] -= 1
-            if waiting[s] == 0:
-                heapq.heappush(heap, (ready_at[s], s))
-    return times
-
-
-def _costs(name, pp, m, v, ga, seed):
-    rng = random.Random(seed)
-
-    def chunk(i):
-        return ChunkCost(name=f"c{i}", fwd_s=rng.uniform(1, 3), bwd_input_s=rng.uniform(1, 3),
-                         bwd_weight_s=rng.uniform(0.5, 2), fwd_comm_s=rng.choice([0.0, rng.uniform(0, 1)]),
-                         bwd_comm_s=rng.choice([0.0, rng.uniform(0, 1)]), grad_sync_s=rng.uniform(0, 2),
-                         param_gather_s=rng.choice([0.0, rng.uniform(0, 1)]), activation_bytes=rng.randint(1, 9),
-                         recompute_s=rng.choice([0.0, 0.5]), recompute_bytes=rng.choice([0, 3]))
-
-    stages = tuple(StageCost(chunks=tuple(chunk(i) for i in range(rng.randint(1, 3))), send_activation_s=rng.uniform(0, 1),
-                             send_gradient_s=rng.uniform(0, 1), optimizer_s=rng.uniform(0, 2)) for _ in range(pp * v))
-    return StepCosts(schedule=build_schedule(name, pp, m, v), stages=stages, grad_accum=ga,
-                     links={"tp-comm": "intra_node", "pp-p2p": "inter_node", "dp-comm": "inter_node"},
-                     comm_compute_share=rng.choice([0.0, 0.0, 0.5]), grad_sync_every_microbatch=rng.random() < 0.3,
-                     gather_in_backward=rng.random() < 0.5)
-
-
-@pytest.mark.parametrize("seed,schedule", list(itertools.product(range(3), [
-    ("1F1B", 1, 4, 1), ("1F1B", 4, 8, 1), ("GPipe", 2, 4, 1), ("Interleaved1F1B", 2, 4, 2),
-    ("InterleavedZeroBubble", 2, 4, 2), ("ZBVZeroBubble", 2, 4, 2), ("LoopedBFS", 2, 2, 2)])))
-def test_work_list_engine_gives_the_heap_engines_times(seed, schedule):
-    costs = _costs(*schedule, ga=2, seed=seed)
-    reference = _heap_run(build_step(costs).graph)
-    tasks = run_tasks(build_step(costs).graph)
-    assert [(t.start, t.end) for t in tasks] == reference
-
-
-def test_memoized_estimator_memory_equals_a_fresh_estimators(tmp_path):
+def test_memoized_estimate_equals_a_fresh_estimators(tmp_path):
     from costmodel.profiles import load_cluster
     from planner.api import make_request
     from planner.estimate import Estimator
@@ -162,4 +93,53 @@ def test_memoized_estimator_memory_equals_a_fresh_estimators(tmp_path):
     shared = Estimator(graph, cluster, model_units(graph))
     for mesh, train in pairs:
         fresh = Estimator(graph, cluster, model_units(graph))
-        assert shared.estimate(mesh, train).memory == fresh.estimate(mesh, train).memory
+        assert shared.estimate(mesh, train) == fresh.estimate(mesh, train)
+
+
+def test_unit_activations_read_the_pipeline_degree_only_through_the_vocabulary_rule(tmp_path):
+    """The estimator keys a unit's activations on pp = 1 wherever pp shards the vocabulary as pp = 1 does."""
+    from costmodel.strategy import shards_vocabulary
+    from planner.api import make_request
+    from planner.memory_estimate import MemoryTables
+    from planner.units import model_units
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 256, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    req = make_request(str(tmp_path), gpus=8, global_batch=32, seq_len=64, mem_limit_gib=1e6, cluster="dgx-h100")
+    graph = req.model.trace(task=None, seq_len=64)
+    tables = MemoryTables(graph, model_units(graph))
+    for u in range(len(tables.units)):
+        for tp, cp, sp, policy in [(1, 1, False, "none"), (2, 1, True, "selective"), (4, 2, False, "full")]:
+            one = tables._unit_activations_uncached(u, tp, cp, 1, 1, sp, 2, policy, "bf16", "sdpa")
+            for pp in (2, 4):
+                if shards_vocabulary(tp=tp, pp=pp) == shards_vocabulary(tp=tp, pp=1):
+                    assert tables._unit_activations_uncached(u, tp, cp, 1, pp, sp, 2, policy, "bf16", "sdpa") == one
+
+
+def test_the_search_pricers_memoized_prices_simulate_as_the_default_pricer(tmp_path):
+    """`planner.pricing.Pricer` simulates every candidate with op and collective prices memoized across the
+    search (`CachedPrices`); the results equal `simulate` with its own default pricer."""
+    from costmodel.simulator import simulate
+    from planner.api import make_request
+    from planner.estimate import Estimator
+    from planner.pricing import Pricer
+    from planner.regimes import RegimeEstimator
+    from planner.search import enumerate_candidates
+    from planner.units import model_units
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    req = make_request(str(tmp_path), gpus=8, global_batch=32, seq_len=64, cluster="dgx-h100")
+    graph = req.model.trace(task=None, seq_len=64)
+    estimator = RegimeEstimator(graph, Estimator(graph, req.cluster, model_units(graph)), None)
+    candidates, _ = enumerate_candidates(req.space, estimator, req.memory_limit, keep_meshes=1 << 30, keep_top=1 << 30)
+    pricer = Pricer(req, graph, estimator)
+    for c in random.Random(0).sample(candidates, min(40, len(candidates))):
+        priced = pricer._simulate(c, graph, pricer.stage_bounds(c))
+        plain = simulate(graph, c.strategy, req.cluster, stages=pricer.stage_bounds(c))
+        assert (priced.step_time_s, priced.result.rank_breakdowns) == (plain.step_time_s, plain.rank_breakdowns)
+        assert priced.result.memory == plain.memory
