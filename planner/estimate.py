@@ -155,12 +155,14 @@ class Estimator:
 
     def _stage_bounds_uncached(self, pp: int, v: int) -> tuple[int, ...]:
         """Layer bounds of the pp*v stages (`planner.units.layer_units` order), time-balanced at one sample
-        per micro-batch: the partition both the estimate and the simulation (`planner.pricing.Pricer`) use."""
+        per micro-batch, at one precision: the partition both the estimate and the simulation (`planner.pricing.Pricer`) use."""
         layers = layer_units(self.units)
         stages = pp * v
         if stages == 1:
             return (0, len(layers))
-        times = [sum(self.unit_time(i, 1, 1, 1, 1, "bf16")[:2]) for i in layers]
+        # one precision for every candidate, so that all share the partition: bf16 where the device has it
+        precision = next(p for p in ("bf16", "fp16", "fp32") if p in self.cluster.device.peak_flops)
+        times = [sum(self.unit_time(i, 1, 1, 1, 1, precision)[:2]) for i in layers]
         zeros = [0.0] * len(layers)
         part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
         assert part is not None, "a partition without memory limits always exists when stages <= layers"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from costmodel.profiles import list_clusters, load_cluster
 from planner.api import make_request, plan_report
 from planner.plan import load_plan
 from soap.cli import main
@@ -148,3 +149,12 @@ def test_simulate_reproduces_the_plans_prediction(which, tiny, tmp_path, capsys)
     predicted = load_plan(out).predicted
     assert simulated["step_time_s"] == pytest.approx(predicted["step_time_s"], rel=1e-9)
     assert simulated["peak_memory_gib"] == pytest.approx(predicted["peak_memory_gib"], rel=1e-9)
+
+
+@pytest.mark.parametrize("cluster", list_clusters())
+def test_every_shipped_cluster_plans_with_the_defaults(tiny, cluster, capsys):
+    """Pipeline candidates are partitioned at one precision the device has (a V100 has no bf16 rate;
+    a hard-coded bf16 there stopped every default plan on `dgx1-v100-16g`)."""
+    assert main(["plan", tiny, "--gpus", "16", "--cluster", cluster, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parallelism"]["precision"] in load_cluster(cluster).device.peak_flops
