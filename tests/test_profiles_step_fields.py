@@ -84,6 +84,17 @@ def test_the_optimizer_step_is_its_one_pass_estimate_times_the_measured_factor()
         optimizer_step_time(plain, elements, precision="bf16", optimizer="adamw")  # no bf16 factor measured
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16", "fp8"])
+def test_fp16_alone_pays_the_grad_scalers_unscale_pass(precision):
+    """The executor runs fp16 with a GradScaler (`executor.precision`), whose unscale reads and writes
+    every fp32 gradient once before the step; no other precision has one."""
+    device = load_device("v100-sxm2-16g" if precision in ("fp32", "fp16") else "h100-sxm")
+    elements = 3e8
+    step = memory_pass_time(device, optimizer_step_bytes(elements, precision=precision, optimizer="adamw"))
+    unscale = memory_pass_time(device, 2 * elements * 4) if precision == "fp16" else 0.0
+    assert optimizer_step_time(device, elements, precision=precision, optimizer="adamw") == pytest.approx(step + unscale)
+
+
 def test_kernels_slow_down_by_the_concurrency_efficiency_of_the_ranks_on_a_node():
     from tracer.ir import OpKind
 
