@@ -13,8 +13,10 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   matmuls and attention, 1 for the rest (their FLOPs are never the bound in practice).
 - W: memory bandwidth; e_mem: `memory_efficiency` at B. t_launch: `kernel_overhead_s`.
 - k: the device's `kernel_factors` for the op's class (`kernel_class`: matmul, attention, arithmetic,
-  tanh, transcendental, softmax, norm, dropout, from its kind and ATen target) at the run's precision, at
-  x = F for matmul and attention and x = B for the rest; 1 where the profile has none (GPU profiles).
+  tanh, transcendental, softmax, norm, dropout, from its kind and ATen target) at the precision the op
+  computes in (`kernel_precision`: the run's, except fp32 for an op a 16-bit trace keeps in fp32, such
+  as autocast's layer norms, losses and upcasts, whose kernels are the fp32 ones), at x = F for matmul
+  and attention and x = B for the rest; 1 where the profile has none (most GPU profiles).
   It is how a profile says, as data, that a CPU's tanh or softmax costs several adds at the same bytes.
 - Forward (`forward_time`): one kernel with the op's `fwd_flops` and `bytes_moved`.
 - Backward (`backward_time`): `bwd_flops` and twice the forward bytes (gradients are read and written
@@ -190,9 +192,25 @@ def kernel_class(op: OpNode) -> str:
     return "arithmetic"
 
 
+def kernel_precision(op: OpNode, precision: str) -> str:
+    """The precision key of the kernel `op` runs in a `precision` run: fp32 when the run is 16-bit but the
+    op's floating outputs, as traced in the run's regime, are all fp32 (autocast keeps layer norms and
+    losses in fp32; a bf16 model upcasts before its norms); the run's precision otherwise. An op of an
+    fp32 trace rescaled to 16 bits (no traced dtypes) runs at the run's precision."""
+    if activation_itemsize(precision) == 4:
+        return precision
+    traced_low = op.attrs.get("traced_dtype") or any(
+        t.dtype in LOW_PRECISION_DTYPES for t in (*op.inputs, *op.outputs))
+    floating = [t.dtype for t in op.outputs if t.dtype in FLOAT_DTYPES]
+    if traced_low and floating and all(d == "float32" for d in floating):
+        return "fp32"
+    return precision
+
+
 def kernel_factor(op: OpNode, device: DeviceProfile, precision: str, flops: float, nbytes: float) -> float:
-    """The device's time factor for `op`'s class at `precision` (1 where the profile has none)."""
-    curve = device.kernel_factors.get(f"{kernel_class(op)}/{precision}")
+    """The device's time factor for `op`'s class at the precision it computes in (1 where the profile has
+    none)."""
+    curve = device.kernel_factors.get(f"{kernel_class(op)}/{kernel_precision(op, precision)}")
     if curve is None:
         return 1.0
     return curve.at(flops if op.kind in MATMUL_LIKE else nbytes)

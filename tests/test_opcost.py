@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodel.opcost import op_time
-from costmodel.profiles import DeviceProfile, EfficiencyCurve, load_device
+from costmodel.opcost import kernel_precision, op_time
+from costmodel.profiles import DeviceProfile, EfficiencyCurve, FactorCurve, load_device
 from tracer.errors import SoapError
 from tracer.ir import DimRole, OpKind, OpNode, ParamMeta, TensorMeta
 
@@ -69,6 +69,30 @@ def test_elementwise_is_memory_bound_at_16_bit_under_mixed_precision():
     assert bf16.bytes_moved == nbytes / 2
     assert bf16.fwd_s == pytest.approx(nbytes / 2 / (1e12 * 0.8) + 5e-6)
     assert bf16.bwd_s == pytest.approx(nbytes / (1e12 * 0.8) + 5e-6)  # one kernel, 2x bytes
+
+
+def layer_norm_op(dtype_in, dtype_out, **attrs):
+    x = TensorMeta((B, T, H), dtype_in, (S, A, P))
+    y = TensorMeta((B, T, H), dtype_out, (S, A, P))
+    w = ParamMeta("layers.0.norm.weight", (H,), "float32")
+    return OpNode("layers.0.norm:layer_norm", OpKind.NORM, "aten.layer_norm.default", "layers.0.norm", "layers",
+                  (x,), (y,), (w,), 8 * x.numel, 16 * x.numel, x.nbytes + y.nbytes, (x,), attrs=attrs)
+
+
+def test_an_op_autocast_keeps_in_fp32_takes_the_fp32_kernel_factor():
+    """A measured profile's `norm/fp16` factor is a 16-bit norm kernel's; autocast's layer norm runs the
+    fp32 kernel at fp32 bytes, in an fp16 run as in an fp32 one."""
+    factors = {"norm/fp32": FactorCurve(((1.0, 3.0),)), "norm/fp16": FactorCurve(((1.0, 0.5),))}
+    dev = dataclasses.replace(flat_device(), kernel_factors=factors)
+    autocast_norm = layer_norm_op("float32", "float32", traced_dtype="autocast-float16")
+    fp32 = op_time(layer_norm_op("float32", "float32"), device=dev, precision="fp32", micro_batch=B, batch_traced=B)
+    kept = op_time(autocast_norm, device=dev, precision="fp16", micro_batch=B, batch_traced=B)
+    assert kernel_precision(autocast_norm, "fp16") == "fp32"
+    assert (kept.fwd_s, kept.bwd_s, kept.bytes_moved) == pytest.approx((fp32.fwd_s, fp32.bwd_s, fp32.bytes_moved))
+    half = op_time(layer_norm_op("float16", "float16"), device=dev, precision="fp16", micro_batch=B, batch_traced=B)
+    assert half.fwd_s == pytest.approx(0.5 * half.bytes_moved / (1e12 * 0.8) + 5e-6)
+    rescaled = layer_norm_op("float32", "float32")  # an fp32 trace priced at 16 bits: the 16-bit kernel
+    assert kernel_precision(rescaled, "fp16") == "fp16"
 
 
 def test_precisions_use_their_own_peaks_and_fp8_needs_hardware():
