@@ -116,7 +116,7 @@ def test_the_partitioner_saves_what_compiled_keep_predicts_on_a_llama_layer():
     _, ops = traced_layer_ops()
     size = _Sizer(micro_batch=BATCH, batch_traced=BATCH, split={}, precision=None)
     assert size(block_saved(ops, "none", "sdpa")) == pytest.approx(eager, rel=0.01)
-    # the rule leaves out only the partitioner's fp32 norm statistics ([tokens, 1] each): within 1%
+    # measured 7,560 bytes per token, the rule 7,584 (the module docstring)
     assert size(block_saved(ops, "none", "sdpa", compiled=True)) == pytest.approx(compiled, rel=0.01)
     assert compiled < 0.8 * eager
 
