@@ -48,13 +48,17 @@ window is the compiled none set less it (the fused backward materializes only wh
 saves). So compiled <= eager for every term.
 Measured (tests/test_compile_memory.py, one HF Llama decoder layer, hidden h = 256, ffn f = 704,
 kv width k = 64, bf16, 256 tokens, each storage once, parameters and rotary tables left out): eager
-autograd saves 11,048 bytes per token, the partitioner 7,560 (x 0.68). The partitioner keeps
-2 x (6h + 2k + 3f) = 7,552 bytes per token plus fp32 statistics: the block input, the qkv input, q, k,
-v, the attention output, the o_proj output (to recompute the residual sum and the second norm), the MLP
-input, gate, up and their product. Eager keeps 2 x (10h + 2k + 4f) + 40 = 11,048: in place of the block
-input and the o_proj output, the fp32 copies of both norm inputs (4h bytes each) and their bf16
-normalized outputs, and also the SiLU output. `compiled_keep` on soap's trace of the same layer gives
-7,584 bytes per token (+0.3%, the logsumexp); its eager none set is eager's 11,048 exactly.
+autograd saves 11,048 bytes per token, the partitioner 7,592 (x 0.69): 2 x (6h + 2k + 3f) = 7,552 plus
+the fp32 logsumexp (32) and two norms' fp32 statistics (8). It keeps the block input, the qkv input,
+q, k, v, the attention output, the o_proj output (to recompute the residual sum and the second norm),
+the MLP input, gate, up and their product. Eager keeps 2 x (10h + 2k + 4f) + 40 = 11,048: in place of
+the block input and the o_proj output, the fp32 copies of both norm inputs (4h bytes each) and their
+bf16 normalized outputs, and also the SiLU output. `compiled_keep` on soap's trace of the same layer
+gives 7,584 bytes per token (-0.1%: the norm statistics); its eager none set is eager's 11,048 exactly.
+Compiled selective checkpointing (the executor's policy: every matmul and attention output must be
+saved) keeps eager's set less the saved outputs no backward reads (the block's last projection,
+2h bytes per token: measured the same test), a set soap's selective estimate (matmul inputs) does not
+hold, so selective's kept set is not lowered here.
 
 Loss working set (`loss_working_set`), counted with what the loss op saves (its log-probabilities):
 the training loop holds the logits (the loss's input) from forward until backward, and the loss's
