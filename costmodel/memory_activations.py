@@ -364,16 +364,17 @@ def chunk_activations(
     """
     ops = tuple(placed)
 
-    def by_split(items):
-        groups: dict[tuple, list] = {}
-        for op, split, *rest in items:
-            groups.setdefault(tuple(sorted(split.items())), []).append((op, *rest))
+    def by_split(kept: Sequence[tuple[TensorMeta, ...]]) -> Iterable[tuple[tuple, list[tuple[OpNode, tuple]]]]:
+        """(split, [(op, what it keeps)]) per split, in op order."""
+        groups: dict[tuple, list[tuple[OpNode, tuple]]] = {}
+        for (op, split), tensors in zip(ops, kept, strict=True):
+            groups.setdefault(tuple(sorted(split.items())), []).append((op, tensors))
         return groups.items()
 
     def saved(p: str) -> int:
         total = 0.0
-        for split, group in by_split(ops):
-            parts = activation_parts([op for op, in group], micro_batch=micro_batch, batch_traced=batch_traced,
+        for split, group in by_split([()] * len(ops)):
+            parts = activation_parts([op for op, _ in group], micro_batch=micro_batch, batch_traced=batch_traced,
                                      recompute=p, attention=attention, split=dict(split), precision=precision)
             total += parts.prologue + parts.blocks + parts.epilogue
         return int(total)
@@ -382,7 +383,7 @@ def chunk_activations(
         eager = [op_saved(op, attention, int(split.get("attribute", 1))) for op, split in ops]
         keep = compiled_keep([op for op, _ in ops], eager)
         total = 0.0
-        for split, group in by_split((op, split, kept) for (op, split), kept in zip(ops, keep)):
+        for split, group in by_split(keep):
             size = _Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=dict(split), precision=precision,
                           traced_low_precision=traced_in_low_precision([op for op, _ in group]))
             total += size(t for _, kept in group for t in kept)
