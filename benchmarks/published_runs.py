@@ -106,8 +106,14 @@ def main() -> None:
         f"Memory: {within} of {len(memory_errors)} rows that publish a peak are within {MEMORY_TOLERANCE:.0%} "
         f"(mean |error| {100 * sum(abs(e) for e in memory_errors) / max(len(memory_errors), 1):.1f}%). The published "
         "peak is torchtitan's reserved memory; soap's is its simulated peak of the HF model, allocated (no allocator "
-        "reserve fitted: no row reports both peaks). soap does not price torch.compile's lower activation memory, so "
-        "compiled rows sit highest.",
+        "reserve fitted: no row reports both peaks). Every row peaks in the loss's backward, after the blocks, so "
+        "torch.compile's rule (`costmodel.memory_activations.compiled_keep`: a compiled block keeps what Inductor's "
+        "partitioner saves) leaves these selective and full-recompute rows as eager, and compiled rows sit highest. "
+        "Two causes measured on CPU and not priced: compiled selective checkpointing drops the saved matmul outputs no "
+        "backward reads (each block's last projection, [tokens, hidden] at 2 bytes: 4.0 GiB at 16k tokens over 32 "
+        "layers), which soap's selective set (matmul inputs) does not hold; and the loss's working set is 3.5 x the fp32 "
+        "logits with the head's 16-bit logits held by soap's training loop, 3.0 x where the loop frees them before "
+        "backward as torchtitan does, while soap counts 4 x.",
         "",
         *rows,
     ])

@@ -415,6 +415,7 @@ def estimate_memory(
         precision=train.precision,
         block_counts=counts,
         recompute_per_block=dict(train.recompute_per_block),
+        compiled=train.compile,
     )
     return MemoryBreakdown(
         weights=state.weights,

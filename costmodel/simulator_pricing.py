@@ -46,7 +46,8 @@ every instance and every stage (`_UnitPricer.chunk`):
   estimator above it);
 - activations: what `memory.activation_parts` says one micro-batch keeps, per group of ops sharing a
   split; the recompute window (the dropped tensors, re-materialized while the chunk's backward runs)
-  is the none set less the kept set. With full recomputation only the block input is kept.
+  is the none set less the kept set. With full recomputation only the block input is kept. Under
+  torch.compile a block's none set is what Inductor's partitioner saves (`memory_activations.compiled_keep`).
 
 Per stage: model state from `memory.model_state_bytes` over `memory.stage_params` (TP-sharded
 matmul/embedding weights); the optimizer step is memory-bound: local elements updated (the dp_shard
@@ -343,7 +344,7 @@ def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, ba
     sp = t.sequence_parallel and d.tp > 1
     return chunk_activations(((p.op, p.split.local()) for p in placements), policy=policy, micro_batch=t.micro_batch,
                              batch_traced=batch_traced, attention=t.attention, precision=t.precision,
-                             block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1))
+                             block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1), compiled=t.compile)
 
 
 def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int, int]:
