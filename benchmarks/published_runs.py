@@ -108,12 +108,13 @@ def main() -> None:
         "peak is torchtitan's reserved memory; soap's is its simulated peak of the HF model, allocated (no allocator "
         "reserve fitted: no row reports both peaks). Every row peaks in the loss's backward, after the blocks, so "
         "torch.compile's rule (`costmodel.memory_activations.compiled_keep`: a compiled block keeps what Inductor's "
-        "partitioner saves) leaves these selective and full-recompute rows as eager, and compiled rows sit highest. "
-        "Two causes measured on CPU and not priced: compiled selective checkpointing drops the saved matmul outputs no "
-        "backward reads (each block's last projection, [tokens, hidden] at 2 bytes: 4.0 GiB at 16k tokens over 32 "
-        "layers), which soap's selective set (matmul inputs) does not hold; and the loss's working set is 3.5 x the fp32 "
-        "logits with the head's 16-bit logits held by soap's training loop, 3.0 x where the loop frees them before "
-        "backward as torchtitan does, while soap counts 4 x.",
+        "partitioner saves) leaves these selective and full-recompute rows as eager. "
+        "The loss's working set is priced as soap's executor keeps it (measured on CPU, "
+        "`tests/test_memory.py`): 3.5 x the fp32 logits, the head's 16-bit logits held by the training loop; torchtitan "
+        "frees them before backward (3.0 x), so soap stays about 0.5 x the logits high here. Measured on CPU and not "
+        "priced: compiled selective checkpointing drops the saved matmul outputs no backward reads (each block's last "
+        "projection, [tokens, hidden] at 2 bytes: 4.0 GiB at 16k tokens over 32 layers), which soap's selective set "
+        "(matmul inputs) does not hold; compiled rows sit highest.",
         "",
         *rows,
     ])

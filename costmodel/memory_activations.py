@@ -61,12 +61,15 @@ saved) keeps eager's set less the saved outputs no backward reads (the block's l
 hold, so selective's kept set is not lowered here.
 
 Loss working set (`loss_working_set`), counted with what the loss op saves (its log-probabilities):
-the training loop holds the logits (the loss's input) from forward until backward, and the loss's
-backward creates the gradient of the log-probabilities and then that of the logits while everything
-saved is still live: 3 x the loss's floating-point inputs at their local size. For a language model
-these are [tokens, vocab] tensors, the largest activations of the step; measured on CPU (RSS per phase,
-single process), the backward's peak exceeds the end of forward by 2 x the logits bytes for gpt2,
-llama and bert alike. A pipeline holds the whole epilogue per micro-batch in flight, which
+the training loop holds the logits the head produced (at the run's activation width: a 16-bit run's
+loss upcasts a copy, `cross_entropy(logits.float())`, which the log-softmax does not keep) from forward
+until backward, and the loss's backward creates the gradient of the log-probabilities and then that of
+the (fp32) logits while everything saved is still live: 2 x the loss's floating-point inputs plus the
+held logits at their local size. For a language model these are [tokens, vocab] tensors, the largest
+activations of the step. Measured on CPU: in fp32 (RSS per phase, single process) the backward's peak
+exceeds the end of forward by 2 x the logits bytes for gpt2, llama and bert alike (4 x the logits at
+the peak); with a bf16 head and the executor's fp32 loss (live storages tracked), the peak is 3.5 x the
+fp32 logits, 3.0 x where the loop frees its logits before backward (torchtitan's `del pred`). A pipeline holds the whole epilogue per micro-batch in flight, which
 over-counts the two gradients there (they exist for one micro-batch at a time). Under tensor
 parallelism without a pipeline the head's logits and the loss are vocab-parallel
 (`executor.tensor_parallel`): these tensors, whose vocabulary dimension has the parameter role, hold
@@ -82,7 +85,7 @@ block is recomputed: prologue + kept + max(epilogue, largest block's none set - 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.opcost import FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, local_scale
 from tracer.errors import SoapError
@@ -93,8 +96,8 @@ ATTENTION_IMPLS = ("sdpa", "eager")
 SELECTIVE_KEEPS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS})
 FUSIBLE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION, OpKind.COPY, OpKind.VIEW})
 """Op kinds Inductor fuses into pointwise and reduction kernels, recomputed rather than saved when compiled."""
-LOSS_LIVE_COPIES = 3
-"""The logits held by the training loop, the gradient of the log-probabilities and that of the logits."""
+LOSS_GRADIENTS = 2
+"""The gradient of the log-probabilities and that of the logits, live with what the loss saves."""
 
 
 def _is_logsumexp(t: TensorMeta, q: TensorMeta) -> bool:
@@ -207,11 +210,16 @@ def block_saved(ops: Sequence[OpNode], policy: str, attention: str, cp: int = 1,
     return () if first is None else (first,)
 
 
-def loss_working_set(op: OpNode) -> tuple[TensorMeta, ...]:
-    """The transient tensors around a loss op beyond what it saves (see the module docstring)."""
+def loss_working_set(op: OpNode, *, low_precision: bool = False) -> tuple[TensorMeta, ...]:
+    """The transient tensors around a loss op beyond what it saves (see the module docstring): the two
+    gradients at the loss input's width, and the logits the training loop holds, at 16 bits in a
+    `low_precision` run (the head's output, before the loss upcasts a copy)."""
     if op.kind is not OpKind.LOSS:
         return ()
-    return tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES) * LOSS_LIVE_COPIES
+    inputs = tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES)
+    held = tuple(replace(t, dtype="bfloat16") if low_precision and t.dtype not in LOW_PRECISION_DTYPES else t
+                 for t in inputs)
+    return inputs * LOSS_GRADIENTS + held
 
 
 def traced_in_low_precision(ops: Sequence[OpNode]) -> bool:
@@ -282,8 +290,10 @@ def activation_parts(
     if attention not in ATTENTION_IMPLS:
         raise SoapError(f"unknown attention implementation {attention!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
     ops = tuple(ops)
+    traced_low = traced_in_low_precision(ops)
     size = _Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=split, precision=precision,
-                  traced_low_precision=traced_in_low_precision(ops))
+                  traced_low_precision=traced_low)
+    low = traced_low or (precision is not None and activation_itemsize(precision) == 2)
     counts = dict(block_counts or {})
     cp = int(dict(split or {}).get("attribute", 1))
     policies = dict(recompute_per_block or {})
@@ -292,7 +302,7 @@ def activation_parts(
     seen_block = False
     for op in ops:
         if op.block_id is None:
-            saved = size(op_saved(op, attention, cp)) + size(loss_working_set(op))
+            saved = size(op_saved(op, attention, cp)) + size(loss_working_set(op, low_precision=low))
             if seen_block:
                 epilogue += saved
             else:

@@ -60,7 +60,7 @@ def toy_graph(count=3):
 
 IDS, XB, QB, LSEB, FFNB, LOGITS = B * T * 8, X.nbytes, Q.nbytes, LSE.nbytes, FFN.nbytes, B * T * 100 * 4
 BLOCK_NONE = (XB + LSEB) + XB + (4 * QB + LSEB) + XB + FFNB + FFNB
-LOSS_WORKING_SET = 3 * LOGITS  # logits held by the loop + gradients of the log-probabilities and of the logits
+LOSS_WORKING_SET = 3 * LOGITS  # logits held by the loop + gradients of the log-probabilities and of the logits (fp32)
 EPILOGUE = XB + LOGITS + LOSS_WORKING_SET
 
 
@@ -243,8 +243,9 @@ def test_a_graph_traced_in_bf16_keeps_its_fp32_upcasts():
     traced_bf16 = activation_bytes(ops, micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", precision="bf16")
     traced_fp32 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa",
                                    precision="bf16")
-    # the two fp32 statistics stay at 4 bytes, and so do the loss's fp32 (upcast) logits in its working set
-    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + LOSS_WORKING_SET // 2
+    # the two fp32 statistics stay at 4 bytes, and so do the gradients of the loss's fp32 (upcast) logits in its
+    # working set; the logits the loop holds are the head's, at 16 bits in both
+    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + 2 * LOGITS // 2
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -354,3 +355,64 @@ def test_runtime_workspace_is_optional_profile_data_counted_in_the_overhead():
     est = estimate_memory(toy_graph(), device=device, train=train)
     assert est.workspace == shipped.context_bytes + 13 * 2**20
     assert est.total - estimate_memory(toy_graph(), device=shipped, train=train).total == 13 * 2**20
+
+
+class _LiveStorages:
+    """A dispatch mode that tracks every storage an op creates until it is freed: the peak of live bytes."""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        owner = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if hasattr(t, "untyped_storage"):
+                        owner.track(t.untyped_storage(), weakref)
+                return out
+
+        self.mode, self.live, self.now, self.peak = Mode(), {}, 0, 0
+
+    def track(self, storage, weakref):
+        key = storage.data_ptr()
+        if key in self.live or not storage.nbytes():
+            return
+        self.live[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, lambda: setattr(self, "now", self.now - self.live.pop(key, 0)))
+
+
+@pytest.mark.parametrize("dtype, precision", [("float32", "fp32"), ("bfloat16", "bf16")])
+def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, precision):
+    """The executor's loss (`executor.data`: cross_entropy on the logits upcast to fp32, the logits held
+    by the loop through backward) peaks at what the loss saves plus `loss_working_set`: 4 x the fp32
+    logits in fp32, 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
+    import torch
+    import torch.nn.functional as F
+
+    from costmodel.memory_activations import activation_parts
+
+    tokens, hidden, vocab = 256, 32, 2048
+    torch_dtype = getattr(torch, dtype)
+    h = torch.randn(tokens, hidden, dtype=torch_dtype, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch_dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    live = _LiveStorages()
+    with live.mode:
+        logits = h @ w.t()
+        F.cross_entropy(logits.float(), labels).backward()
+    measured = live.peak - (h.numel() + w.numel()) * h.element_size()  # less the two parameter gradients
+    fp32_logits = act(tokens, vocab, roles=(S, P))  # as a 16-bit trace records the loss: its input upcast
+    head = op("head", OpKind.MATMUL, None, (act(tokens, hidden, roles=(S, A), dtype=dtype),),
+              (act(tokens, vocab, roles=(S, P), dtype=dtype),), (), (ParamMeta("head.weight", (vocab, hidden), dtype),))
+    loss = op("loss", OpKind.LOSS, None, (fp32_logits,), (act(roles=()),), (fp32_logits,))
+    predicted = activation_parts([head, loss], micro_batch=1, batch_traced=1, recompute="none", attention="sdpa",
+                                 precision=precision).prologue
+    assert measured / fp32_logits.nbytes == pytest.approx({"fp32": 4.0, "bf16": 3.5}[precision], abs=0.02)
+    assert predicted == pytest.approx(measured, rel=0.01)
