@@ -95,9 +95,11 @@ machine) does nothing the user needs. Not for commands that run workers or hold 
 def process_main() -> None:
     """`main` for a whole process: exit with its code. A successful fast-exit command first runs the
     `atexit` handlers (temporary-file finalizers among them) and flushes stdout and stderr, so nothing
-    written is lost, then skips the teardown."""
+    written is lost, then skips the teardown. Not under a profiler or tracer (cProfile, coverage): they
+    write their results at exit."""
     code = main()
-    if code == 0 and sys.argv[1:2] and sys.argv[1] in FAST_EXIT_COMMANDS:
+    watched = sys.getprofile() is not None or sys.gettrace() is not None
+    if code == 0 and not watched and sys.argv[1:2] and sys.argv[1] in FAST_EXIT_COMMANDS:
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
