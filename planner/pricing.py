@@ -5,7 +5,7 @@ Pricing one candidate (`Pricer.__call__`):
    over the layer sequence, time-balanced), so the simulated memory is the memory the search pruned by;
 2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)` under the Megatron
    placement, with the simulator's default `ProfilePricer` whose op and collective prices are memoized
-   across the search's candidates (`CachedPrices`: pure functions of their arguments); with tp > 1, also under the per-op splits of the CP-SAT split search
+   across the search's candidates (`CachedPrices`: pure functions of their arguments); with tp > 1, also under the per-op splits of the exact split search
    (`planner.block_splits.chosen_op_splits`, solved once per block type and degrees) where they
    cost less than it under the search's tables, keeping whichever fits and simulates faster, so the searched splits are never
    slower than the default under the simulator;
