@@ -124,13 +124,16 @@ def make_request(
 
 def plan_report(
     model: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", graph: OpGraph | None = None,
-    time_budget_s: float | None = None, seed: int = 0, **kwargs: Any,
+    time_budget_s: float | None = None, seed: int = 0, progress: Any = None, **kwargs: Any,
 ) -> PlanReport:
-    """Search and return the full report (chosen plan, alternatives, baselines, why)."""
+    """Search and return the full report (chosen plan, alternatives, baselines, why). `progress(phase, done,
+    total)` hears what the planner is doing (`planner.search.Progress`), for a progress bar."""
     import tracer
     from planner.pricing import run_search
 
     trust = bool(kwargs.get("trust_remote_code", False))
+    if progress:
+        progress("tracing", 0, None)
     if graph is None and model_ref(model, task=kwargs.get("task"), trust_remote_code=trust).config is None:
         graph = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=kwargs.get("seq_len"),
                              trust_remote_code=trust)
@@ -143,7 +146,7 @@ def plan_report(
     elif graph.seq_len != request.space.seq_len:
         raise SoapError(f"the graph was traced at sequence length {graph.seq_len}, not {request.space.seq_len}; "
                         "trace it at the planned --seq-len")
-    return run_search(request, graph, time_budget_s=time_budget_s, seed=seed, trace=trace)
+    return run_search(request, graph, time_budget_s=time_budget_s, seed=seed, trace=trace, progress=progress)
 
 
 def plan(model_or_spec: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", **pins: Any) -> Plan:

@@ -1,4 +1,4 @@
-"""Per-op SOAP splits inside one block, chosen jointly with CP-SAT (Alpa's intra-op pass).
+"""Per-op SOAP splits inside one block, chosen jointly and exactly (Alpa's intra-op pass).
 
 Model. A block is a small graph of ops i = 0..n-1. Op i has candidate splits k = 0..K_i-1 (e.g.
 "replicated", "column-parallel", "row-parallel", "sequence-sharded"), each with a cost c_i[k]: its
@@ -11,17 +11,31 @@ Variables: x[i, k] in {0, 1}, one split per op: sum_k x[i, k] = 1.
            sum_b y[i, j, a, b] = x[i, a] and sum_a y[i, j, a, b] = x[j, b].
 Objective: minimise sum_i sum_k c_i[k] x[i, k] + sum_(i,j) sum_(a,b) r_ij[a, b] y[i, j, a, b].
 
-CP-SAT needs integer coefficients, so costs are scaled to integers with `COST_RESOLUTION` steps
-between zero and the largest finite cost; an infinite (or NaN) cost forbids the choice. The kernel
-(`solve_block_splits`) is a pure function over arrays; `BlockSplitCache` solves each distinct cost
-table once (a block type under one tp/cp/sp setting) and reuses the answer for every repeat.
-Solving runs single-threaded with a fixed seed, so the answer is deterministic; among equal-cost
-optima the solver's hint (the lowest-index choice of each op) breaks ties reproducibly.
+Costs are scaled to integers with `COST_RESOLUTION` steps between zero and the largest finite cost
+(CP-SAT needs integer coefficients, and exact integer sums make ties exact); an infinite (or NaN)
+cost forbids the choice.
+
+Solver. A block's dataflow is a chain with a few skip edges (residuals), so exact variable
+elimination is cheap (`_eliminate`): eliminate ops from the last to the first; eliminating op i sums
+every table that mentions it into one table over op i and its remaining neighbours (ops before i)
+and takes the minimum over op i's split. The tables stay small: their width is the number of edges
+crossing a point of the op order (the main path, the residual stream, a few more inside attention):
+at most 486 entries for the shipped presets' blocks. Assigning ops first to last, each op takes the lowest split index that reaches
+the minimum given the ops before it, so the answer is the lexicographically smallest optimum and
+deterministic. Where a table would pass `ELIMINATION_LIMIT` entries (a densely connected block),
+CP-SAT solves the same integer model instead (`_cp_sat`): single-threaded with a fixed seed, its hint
+the lowest allowed choice of each op. Keeping CP-SAT off the common path also keeps its import
+(ortools and pandas, about half a second) out of `soap plan`.
+
+The kernel (`solve_block_splits`) is a pure function over arrays; `BlockSplitCache` solves each
+distinct cost table once (a block type under one tp/cp/sp setting) and reuses the answer for every
+repeat.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -31,6 +45,9 @@ from tracer.errors import SoapError
 COST_RESOLUTION = 1_000_000
 """Integer steps between zero and the largest finite cost; rounding changes a cost by at most
 max_cost / COST_RESOLUTION, far below what separates the splits of a real block."""
+
+ELIMINATION_LIMIT = 1 << 20
+"""Entries of the largest table variable elimination may build before CP-SAT takes over."""
 
 SOLVER_TIME_LIMIT_S = 10.0
 """A safety net: real blocks (tens of ops, a handful of splits each) solve in milliseconds."""
@@ -67,10 +84,57 @@ def solve_block_splits(
     under split a feeding op j under split b. `inf` forbids a choice. Raises SoapError when every
     assignment is forbidden.
     """
-    from ortools.sat.python import cp_model
-
     nodes, edges = _as_costs(node_costs, edge_costs)
     scale = _scale(nodes, edges)
+    nodes = [_integer_costs(c, scale) for c in nodes]
+    edges = {e: _integer_costs(t, scale) for e, t in edges.items() if not np.all(t == 0)}
+    choice = _eliminate(nodes, edges)
+    if choice is None:
+        choice = _cp_sat(nodes, edges)
+    if choice is None:
+        raise SoapError("no combination of per-op splits is allowed for this block; relax the pinned degrees")
+    return choice
+
+
+def _integer_costs(costs: np.ndarray, scale: float) -> np.ndarray:
+    """Costs rounded to integer steps (held as floats, exact below 2^53), inf where forbidden."""
+    finite = np.isfinite(costs)
+    return np.where(finite, np.round(np.where(finite, costs, 0.0) * scale), np.inf)
+
+
+def _eliminate(nodes: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]) -> list[int] | None:
+    """The lexicographically smallest optimal assignment by variable elimination (module docstring), or
+    None when a table would pass `ELIMINATION_LIMIT` entries or every assignment is forbidden (CP-SAT
+    then decides, or confirms that nothing is allowed)."""
+    factors: list[tuple[tuple[int, ...], np.ndarray]] = [((i,), c) for i, c in enumerate(nodes)]
+    factors += [((i, j), t) if i < j else ((j, i), t.T) for (i, j), t in edges.items()]
+    sizes = [c.size for c in nodes]
+    eliminated: list[tuple[tuple[int, ...], np.ndarray]] = [((), np.zeros(0))] * len(nodes)
+    for op in reversed(range(len(nodes))):
+        mine = [f for f in factors if op in f[0]]
+        factors = [f for f in factors if op not in f[0]]
+        scope = tuple(sorted({v for vs, _ in mine for v in vs}))
+        if math.prod(sizes[v] for v in scope) > ELIMINATION_LIMIT:
+            return None
+        table = np.zeros([sizes[v] for v in scope])
+        for vs, t in mine:
+            shape = [sizes[v] if v in vs else 1 for v in scope]
+            table = table + t.reshape(shape)
+        eliminated[op] = (scope, table)
+        factors.append((tuple(v for v in scope if v != op), table.min(axis=scope.index(op))))
+    choice: list[int] = []
+    for op, (scope, table) in enumerate(eliminated):
+        costs = table[tuple(choice[v] if v != op else slice(None) for v in scope)]
+        if not np.isfinite(costs.min()):
+            return None
+        choice.append(int(np.argmin(costs)))
+    return choice
+
+
+def _cp_sat(nodes: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]) -> list[int] | None:
+    """The same integer model solved by CP-SAT; None when every assignment is forbidden."""
+    from ortools.sat.python import cp_model
+
     model = cp_model.CpModel()
     objective = []
     x: list[list] = []
@@ -81,13 +145,11 @@ def solve_block_splits(
             if not np.isfinite(c):
                 model.Add(row[k] == 0)
             elif c:
-                objective.append(int(round(c * scale)) * row[k])
+                objective.append(int(c) * row[k])
         allowed = [k for k, c in enumerate(costs) if np.isfinite(c)]
         model.AddHint(row[allowed[0] if allowed else 0], 1)
         x.append(row)
     for (i, j), table in edges.items():
-        if np.all(table == 0):
-            continue
         y = [[model.NewBoolVar(f"y{i}_{j}_{a}_{b}") for b in range(table.shape[1])] for a in range(table.shape[0])]
         for a in range(table.shape[0]):
             model.Add(sum(y[a]) == x[i][a])
@@ -99,7 +161,7 @@ def solve_block_splits(
                 if not np.isfinite(c):
                     model.Add(y[a][b] == 0)
                 elif c:
-                    objective.append(int(round(c * scale)) * y[a][b])
+                    objective.append(int(c) * y[a][b])
     model.Minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.num_search_workers = 1
@@ -107,7 +169,7 @@ def solve_block_splits(
     solver.parameters.max_time_in_seconds = SOLVER_TIME_LIMIT_S
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise SoapError("no combination of per-op splits is allowed for this block; relax the pinned degrees")
+        return None
     return [next(k for k, v in enumerate(row) if solver.Value(v)) for row in x]
 
 

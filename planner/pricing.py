@@ -5,7 +5,7 @@ Pricing one candidate (`Pricer.__call__`):
    over the layer sequence, time-balanced), so the simulated memory is the memory the search pruned by;
 2. `costmodel.simulator.simulate(graph, strategy, cluster, stages=bounds)` under the Megatron
    placement, with the simulator's default `ProfilePricer` whose op and collective prices are memoized
-   across the search's candidates (`CachedPrices`: pure functions of their arguments); with tp > 1, also under the per-op splits of the CP-SAT split search
+   across the search's candidates (`CachedPrices`: pure functions of their arguments); with tp > 1, also under the per-op splits of the exact split search
    (`planner.block_splits.chosen_op_splits`, solved once per block type and degrees) where they
    cost less than it under the search's tables, keeping whichever fits and simulates faster, so the searched splits are never
    slower than the default under the simulator;
@@ -37,7 +37,7 @@ from planner.intra_op import BlockSplitCache
 from planner.planfile import build_plan
 from planner.regimes import RegimeEstimator
 from planner.report import PlanReport
-from planner.search import (Candidate, Priced, SearchConfig, compile_variant, enumerate_candidates, search,
+from planner.search import (Candidate, Priced, Progress, SearchConfig, compile_variant, enumerate_candidates, search,
                             simulation_work)
 from planner.space import mesh_choices
 from planner.units import layer_units, model_units
@@ -81,8 +81,9 @@ class Pricer:
     """Simulates candidates of one request on the estimator's stage partition."""
 
     def __init__(self, request: PlanRequest, graph: OpGraph, estimator: RegimeEstimator,
-                 host: HostMemoryCheck | None = None) -> None:
-        self.request, self.graph, self.estimator = request, graph, estimator
+                 host: HostMemoryCheck | None = None, progress: Progress | None = None) -> None:
+        self.request, self.graph, self.estimator, self.progress = request, graph, estimator, progress
+        self.simulated = 0
         self.host = host or HostMemoryCheck(request.cluster, request.space.gpus_per_node, graph)
         self.layers = layer_units(estimator.units)
         self.stage_bounds = lru_cache(maxsize=None)(self._stage_bounds)
@@ -121,6 +122,9 @@ class Pricer:
         return self._prices[key]
 
     def _simulate(self, candidate: Candidate, graph: OpGraph, bounds: tuple[int, ...] | None) -> Priced:
+        if self.progress:
+            self.progress("simulating", self.simulated, None)
+        self.simulated += 1
         result = simulate(graph, candidate.strategy, self.request.cluster, stages=bounds, pricer=self.prices(candidate))
         peak = float(result.peak_memory_bytes)
         fits = peak <= self.request.memory_limit and self.host.simulation_fits(candidate.mesh.dims, candidate.train,
@@ -142,23 +146,23 @@ class Pricer:
 
 
 def run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int,
-               trace: Callable[..., OpGraph] | None = None) -> PlanReport:
+               trace: Callable[..., OpGraph] | None = None, progress: Progress | None = None) -> PlanReport:
     """`trace(dtype=...)` traces the model again at a precision regime's dtype (planner.regimes); None prices
-    every candidate on `graph`."""
+    every candidate on `graph`. `progress` hears what the search is doing (`planner.search.Progress`)."""
     # The search allocates millions of small, acyclic objects (estimates, simulated tasks) and keeps many:
     # the cyclic collector, triggered by the allocations, would rescan them all again and again (a fifth of
     # a plan's time) to free nothing. Reference counting still frees everything the search drops.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _run_search(request, graph, time_budget_s=time_budget_s, seed=seed, trace=trace)
+        return _run_search(request, graph, time_budget_s=time_budget_s, seed=seed, trace=trace, progress=progress)
     finally:
         if collecting:
             gc.enable()
 
 
 def _run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | None, seed: int,
-                trace: Callable[..., OpGraph] | None) -> PlanReport:
+                trace: Callable[..., OpGraph] | None, progress: Progress | None) -> PlanReport:
     units = model_units(graph)
     estimator = RegimeEstimator(graph, Estimator(graph, request.cluster, units), trace)
     widest_tp = max((m.dims.tp for m in mesh_choices(request.space)), default=1)
@@ -167,12 +171,12 @@ def _run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | 
     host = HostMemoryCheck(request.cluster, request.space.gpus_per_node, graph)
     candidates, estimated = enumerate_candidates(
         request.space, estimator, request.memory_limit, keep_meshes=keep, keep_top=max(keep, SearchConfig.simulate_top),
-        always=lambda m: baseline_mesh(m, widest_tp=widest_tp), host_fits=host.estimate_fits,
+        always=lambda m: baseline_mesh(m, widest_tp=widest_tp), host_fits=host.estimate_fits, progress=progress,
     )
     if not candidates:
         raise (host_memory_error(request.model_name, request.space, estimator, request.memory_limit, host)
                or infeasible_error(request.model_name, request.space, estimator, request.memory_limit))
-    pricer = Pricer(request, graph, estimator, host)
+    pricer = Pricer(request, graph, estimator, host, progress)
     bandwidth = request.cluster.intra_node.bandwidth
     outcome = search(
         candidates, pricer,

@@ -163,6 +163,9 @@ def _bubble_factor(head: TrainingHead) -> float:
 
 
 HostFits = Callable[[MeshChoice, TrainingConfig, Estimate], bool]
+Progress = Callable[[str, int, "int | None"], None]
+"""`progress(phase, done, total)`: what the search is doing ("estimating", "simulating"), for a progress
+bar; total None where it is not known in advance."""
 """Whether an estimated configuration fits host memory (`planner.host_memory.HostMemoryCheck.estimate_fits`)."""
 
 
@@ -218,6 +221,7 @@ def _expand(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: li
 def enumerate_candidates(
     req: SpaceRequest, estimator: Estimator, memory_limit: float, *, keep_meshes: int = 24, keep_top: int = 16,
     always: Callable[[MeshChoice], bool] = lambda mesh: False, host_fits: HostFits = _any_host,
+    progress: Progress | None = None,
 ) -> tuple[list[Candidate], int]:
     """Candidates that fit by estimate, sorted by (estimated time, key), and how many were estimated.
 
@@ -226,10 +230,14 @@ def enumerate_candidates(
     mesh's estimate and the `keep_top`-th best candidate's (it can enter neither set that
     `select_for_simulation` draws from), unless `always(mesh)`: the baseline families' meshes are
     always expanded. A configuration fits when its estimated device memory is within `memory_limit` and
-    `host_fits` accepts it (host memory of offload plans)."""
+    `host_fits` accepts it (host memory of offload plans). `progress` hears of every mesh checked and
+    every mesh expanded."""
     scored = []
     estimated = 0
-    for mesh in mesh_choices(req):
+    meshes = list(mesh_choices(req))
+    for i, mesh in enumerate(meshes):
+        if progress:
+            progress("estimating", i, 2 * len(meshes))
         heads = training_heads(req, mesh)
         if not heads:
             continue
@@ -246,7 +254,9 @@ def enumerate_candidates(
     kept: list[Candidate] = []
     mesh_best: list[float] = []
     top: list[float] = []
-    for floor, _, mesh, heads in scored:
+    for i, (floor, _, mesh, heads) in enumerate(scored):
+        if progress:
+            progress("estimating", len(meshes) + i * len(meshes) // max(len(scored), 1), 2 * len(meshes))
         mesh_bar = mesh_best[keep_meshes - 1] if len(mesh_best) >= keep_meshes else math.inf
         top_bar = top[keep_top - 1] if len(top) >= keep_top else math.inf
         forced = always(mesh)

@@ -1,5 +1,3 @@
-import sys
+from soap.cli import process_main
 
-from soap.cli import main
-
-sys.exit(main())
+process_main()

@@ -3,12 +3,16 @@
 Each command module defines `add_parser(subparsers)` and `run(args) -> int`. Any `SoapError` (bad
 input) becomes one line `error: ...` on stderr and exit code 2; other exceptions too, unless `--debug`
 asks for the traceback.
+
+`process_main` is the process entry point (`python -m soap`, the `soap` script); tests call `main`.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
 import unicodedata
 
@@ -82,5 +86,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+FAST_EXIT_COMMANDS = frozenset({"plan"})
+"""Commands that leave by `os._exit` when they succeed: once a plan is printed and written, the
+interpreter's teardown (freeing every module and every object of the search, 0.2 to 0.7 s on a 2-core
+machine) does nothing the user needs. Not for commands that run workers or hold process groups."""
+
+
+def process_main() -> None:
+    """`main` for a whole process: exit with its code. A successful fast-exit command first runs the
+    `atexit` handlers (temporary-file finalizers among them) and flushes stdout and stderr, so nothing
+    written is lost, then skips the teardown. Not under a profiler or tracer (cProfile, coverage): they
+    write their results at exit."""
+    code = main()
+    watched = sys.getprofile() is not None or sys.gettrace() is not None
+    if code == 0 and not watched and sys.argv[1:2] and sys.argv[1] in FAST_EXIT_COMMANDS:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    process_main()

@@ -11,7 +11,8 @@ Routing is thus static on meta (no data-dependent shapes), and the expert FLOPs 
 top-k routing, tokens x k x expert FLOPs, whatever the actual load balance.
 
 Results are cached per process on (spec, task, batch, seq_len, frontend, dtype), so repeated traces are
-free; `persistent_cache=True` adds the on-disk cache. The default sequence length is min(the model's
+free, and what the full model gives (`_Skeleton`) per spec, so tracing a config at a second dtype
+builds only the truncated model; `persistent_cache=True` adds the on-disk cache. The default sequence length is min(the model's
 maximum positions, 2048) (inputs.py), and patches + 1 for image models.
 """
 
@@ -19,12 +20,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from tracer.errors import SoapError
 from tracer.ir import ModelDims, OpGraph
 
 _CACHE: dict[tuple, OpGraph] = {}
+
+
+@dataclass(frozen=True)
+class _Skeleton:
+    """What tracing reads off the whole model (every layer built on meta): none of it depends on the
+    dtype, so a second trace of one config in a process (the planner traces fp32 and a 16-bit regime)
+    reuses it instead of building every layer again (building on meta is most of an uncached trace's
+    own time for llama-3.1-405b's 126 layers). Kept per config (`_spec_key`); a user's module is never
+    truncated, so it has none."""
+
+    params_total: int
+    params_trainable: int
+    types: list[Any]
+    positions: tuple[tuple[str, int], ...]
+
+
+_SKELETONS: dict[tuple, _Skeleton] = {}
 
 
 def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int | None = None,
@@ -129,15 +148,26 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     from tracer.autocast_mode import traced_regime
 
     torch_dtype = torch.float32 if is_autocast(dtype) else getattr(torch, dtype)
-    full = build_model(spec, device="meta", dtype=torch_dtype, static_moe=True)
-    _check_learned_positions(full, spec.name, seq_len)
-    params_total = sum(p.numel() for p in full.parameters())
-    params_trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
-    types = block_types(full)
+    key = _spec_key(spec) if spec.module is None else None
+    full = None
+    if key not in _SKELETONS:
+        full = build_model(spec, device="meta", dtype=torch_dtype, static_moe=True)
+        skeleton = _Skeleton(
+            params_total=sum(p.numel() for p in full.parameters()),
+            params_trainable=sum(p.numel() for p in full.parameters() if p.requires_grad),
+            types=block_types(full), positions=_learned_positions(full))
+        if key is not None:
+            _SKELETONS[key] = skeleton
+    else:
+        skeleton = _SKELETONS[key]
+    _check_learned_positions(skeleton.positions, spec.name, seq_len)
+    params_total, params_trainable, types = skeleton.params_total, skeleton.params_trainable, skeleton.types
     depth = layers_to_trace(types)
     truncatable = spec.module is None and types and depth < max(len(t.indices) for t in types)
-    model = build_model(spec, device="meta", num_layers=depth, dtype=torch_dtype, static_moe=True) \
-        if truncatable else full
+    if truncatable:
+        model = build_model(spec, device="meta", num_layers=depth, dtype=torch_dtype, static_moe=True)
+    else:
+        model = full if full is not None else build_model(spec, device="meta", dtype=torch_dtype, static_moe=True)
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)
@@ -152,11 +182,17 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
 LEARNED_POSITION_TABLES = ("position_embeddings.weight", "wpe.weight", "embed_positions.weight")
 
 
-def _check_learned_positions(model: Any, name: str, seq_len: int) -> None:
-    """Learned absolute position tables cap the sequence length (RoPE and relative positions do not)."""
-    for fqn, p in model.named_parameters():
-        if fqn.endswith(LEARNED_POSITION_TABLES) and "relative" not in fqn and p.dim() == 2 and p.shape[0] < seq_len:
-            raise SoapError(f"{name} has {p.shape[0]} learned positions ({fqn}); --seq-len {seq_len} exceeds them")
+def _learned_positions(model: Any) -> tuple[tuple[str, int], ...]:
+    """Each learned absolute position table (FQN, positions): they cap the sequence length (RoPE and
+    relative positions do not)."""
+    return tuple((fqn, p.shape[0]) for fqn, p in model.named_parameters()
+                 if fqn.endswith(LEARNED_POSITION_TABLES) and "relative" not in fqn and p.dim() == 2)
+
+
+def _check_learned_positions(positions: tuple[tuple[str, int], ...], name: str, seq_len: int) -> None:
+    for fqn, rows in positions:
+        if rows < seq_len:
+            raise SoapError(f"{name} has {rows} learned positions ({fqn}); --seq-len {seq_len} exceeds them")
 
 
 def model_dims(config: Any, types: list[Any]) -> ModelDims:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
 
@@ -58,6 +59,55 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+PROGRESS_DELAY_S = 1.0
+"""A plan that finishes sooner shows no progress bar."""
+
+
+class DelayedProgress:
+    """A rich progress bar on stderr that appears once the plan has taken `PROGRESS_DELAY_S` (a timer
+    thread starts it, so it shows during a long trace too) and is erased when the plan ends. Called as
+    `planner.search.Progress`. Nothing is drawn where stderr is not a terminal, and rich is imported
+    only when the bar appears, so quick plans pay nothing."""
+
+    def __init__(self, delay_s: float = PROGRESS_DELAY_S) -> None:
+        self._lock = threading.Lock()
+        self._state: tuple[str, int, int | None] = ("starting", 0, None)
+        self._bar = self._task = None
+        self._closed = False
+        self._timer = threading.Timer(delay_s, self._show)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        self._state = (phase, done, total)
+        if self._bar is not None:
+            task = next(t for t in self._bar.tasks if t.id == self._task)
+            task.total = total  # None: a pulsing bar (rich's update() reads None as "unchanged")
+            self._bar.update(self._task, description=phase, completed=done)
+
+    def _show(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        with self._lock:
+            if self._closed or not console.is_terminal:
+                return
+            bar = Progress(SpinnerColumn(), TextColumn("[bold]soap plan[/bold] {task.description}"), BarColumn(),
+                           MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+            phase, done, total = self._state
+            self._task = bar.add_task(phase, total=total, completed=done)
+            bar.start()
+            self._bar = bar
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._closed = True
+            if self._bar is not None:
+                self._bar.stop()
+
+
 def run(args: argparse.Namespace) -> int:
     from planner.api import plan_report
     from planner.report import render_summary, report_json
@@ -75,11 +125,16 @@ def run(args: argparse.Namespace) -> int:
         from soap.commands.export import parse_exports
 
         exports = parse_exports(args.export, directory=Path(args.output).parent if args.output else ".")
-    report = plan_report(
-        args.model, gpus=args.gpus, cluster=args.cluster, gpus_per_node=args.gpus_per_node, task=args.task,
-        global_batch=args.global_batch, seq_len=args.seq_len, mem_limit_gib=args.mem_limit,
-        time_budget_s=args.time_budget, seed=args.seed, trust_remote_code=args.trust_remote_code, **pins,
-    )
+    progress = DelayedProgress()
+    try:
+        report = plan_report(
+            args.model, gpus=args.gpus, cluster=args.cluster, gpus_per_node=args.gpus_per_node, task=args.task,
+            global_batch=args.global_batch, seq_len=args.seq_len, mem_limit_gib=args.mem_limit,
+            time_budget_s=args.time_budget, seed=args.seed, trust_remote_code=args.trust_remote_code,
+            progress=progress, **pins,
+        )
+    finally:
+        progress.close()
     if args.output:
         report.plan.save(args.output)
     if args.json:
