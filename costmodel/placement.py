@@ -46,7 +46,7 @@ rank; h = [micro_batch, seq/cp, hidden] at activation width, S = its bytes):
   parallelism the MoE block also all-gathers whole sequences (forward) and its output gradient
   (backward) over tp.
 
-Tables for an op-level search (planner/ builds a CP-SAT over them):
+Tables for an op-level search (`planner.intra_op` solves them exactly, by variable elimination or CP-SAT):
 - `candidate_splits(op, dims)`: the splits an op may take on a (dp, cp, tp) mesh: replicated over tp,
   Parameter x tp (if it has a parameter-role dimension), Attribute x tp*cp (if it has an attribute
   dimension): each with Sample x dp and Attribute x cp.

@@ -21,8 +21,8 @@ Pipeline (`search`):
 3b. Compile (after refinement): where the request leaves torch.compile free and the device's compile factors make some
    kernel class faster (`planner.space.compile_choices`), the `compile_top` best fitting simulated plans
    are simulated again with compile on (`compile_variant`) and join the ranking. The estimator does not
-   price compile and compile changes no memory in soap's model, so this is not a dimension the
-   enumeration doubles; on a tie the plan without compile wins (the key orders off first).
+   price compile, and compile only lowers memory in soap's model (`costmodel.memory_activations.compiled_keep`:
+   a plan that fits eager fits compiled), so this is not a dimension the enumeration doubles; on a tie the plan without compile wins (the key orders off first).
 4. Refine (optional, `--time-budget`): FlexFlow-style MCMC over the estimated candidates. From the
    current plan, propose a random neighbour (a candidate differing in one or two independent choices,
    `_move_key`: moving a factor between tp and dp is one move, tp to pp two), simulate it, and accept it with

@@ -34,7 +34,8 @@ Training rules (`training_choices`), per mesh:
 - torch.compile (`compile_choices`): off, or as pinned. Unpinned, compile is not a dimension the
   enumeration doubles: `planner.search` simulates the best plans again with compile on, and only where
   the device's measured `compile_factors` make some kernel class faster (`DeviceProfile.compile_pays`);
-  compile changes no memory in soap's model, and on a tie the plan without it wins.
+  compile only lowers memory in soap's model (`costmodel.memory_activations.compiled_keep`), and on a tie
+  the plan without it wins.
 
 Pins fix a dimension; `validate_pins` rejects impossible pins with the numbers, before any search. The
 pins and their ecosystem names: tp, pp, dp, cp, zero; ep (torchtitan's expert_parallel_degree: ranks the
