@@ -111,11 +111,12 @@ def test_unit_activations_read_the_pipeline_degree_only_through_the_vocabulary_r
     graph = req.model.trace(task=None, seq_len=64)
     tables = MemoryTables(graph, model_units(graph))
     for u in range(len(tables.units)):
-        for tp, cp, sp, policy in [(1, 1, False, "none"), (2, 1, True, "selective"), (4, 2, False, "full")]:
-            one = tables._unit_activations_uncached(u, tp, cp, 1, 1, sp, 2, policy, "bf16", "sdpa")
+        for tp, cp, sp, policy, compiled in [(1, 1, False, "none", False), (2, 1, True, "selective", True),
+                                             (4, 2, False, "full", False), (1, 1, False, "none", True)]:
+            one = tables._unit_activations_uncached(u, tp, cp, 1, 1, sp, 2, policy, "bf16", "sdpa", compiled)
             for pp in (2, 4):
                 if shards_vocabulary(tp=tp, pp=pp) == shards_vocabulary(tp=tp, pp=1):
-                    assert tables._unit_activations_uncached(u, tp, cp, 1, pp, sp, 2, policy, "bf16", "sdpa") == one
+                    assert tables._unit_activations_uncached(u, tp, cp, 1, pp, sp, 2, policy, "bf16", "sdpa", compiled) == one
 
 
 def test_the_search_pricers_memoized_prices_simulate_as_the_default_pricer(tmp_path):
