@@ -5,7 +5,7 @@
 1. `soap validate --suite calibration` on `local-cpu-kernels` (this machine as `soap calibrate` measured it:
    microbenchmarks only): 11 plans on models and batch shapes the validation suite does not use, executed
    on 2 gloo ranks, each run appended to a fresh runs log.
-2. `soap calibrate --from-runs` on that log (`executor.validation_refit.refit_cluster`): compute, kernel
+2. `soap calibrate --from-runs` on that log (`executor.validation.refit.refit_cluster`): compute, kernel
    launch, communication and activation-collective multipliers and the runtime workspace, fitted on those
    runs only.
 3. The refitted profile is written as `local-cpu` (profiles/devices and profiles/clusters), the profile
@@ -40,9 +40,9 @@ def main() -> None:
 
     from costmodel.profiles import PROFILES_DIR, cluster_from_dict, load_cluster
     from executor.runs_log import read_runs
-    from executor.validation import ValidationConfig, compare_runs, run_validation
-    from executor.validation_refit import refit_cluster
-    from executor.validation_suite import build_case
+    from executor.validation.validate import ValidationConfig, compare_runs, run_validation
+    from executor.validation.refit import refit_cluster
+    from executor.validation.suite import build_case
     from tracer.files import write_atomic
 
     log = os.path.join(tempfile.gettempdir(), "soap-calibration-runs.jsonl")

@@ -9,8 +9,8 @@ Measures afresh (the same sweeps as `soap calibrate`, about a minute) and writes
 from __future__ import annotations
 
 from benchmarks.report import update_section
-from costmodel.calibrate import CalibrationConfig, calibrate
-from costmodel.calibrate_predict import summarize
+from costmodel.calibration.calibrate import CalibrationConfig, calibrate
+from costmodel.calibration.predict import summarize
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
 
 
 def step_fields(device: dict) -> str:
-    """The device fields about a rank inside a training step (`costmodel.calibrate_node`; measured whole,
+    """The device fields about a rank inside a training step (`costmodel.calibration.node`; measured whole,
     nothing held out)."""
     opt = device.get("optimizer_factors", {}).get("factors", {})
     conc = device.get("concurrency_efficiency", {}).get("points", [])
@@ -61,7 +61,7 @@ def step_fields(device: dict) -> str:
     call = device.get("collective_call_overhead_us", {}).get("value")
     if call is not None:
         parts.append(f"`collective_call_overhead_us`: {call:g}")
-    return ("Step fields (`costmodel/calibrate_node.py`, measured whole): " + "; ".join(parts) + ".") if parts else ""
+    return ("Step fields (`costmodel/calibration/node.py`, measured whole): " + "; ".join(parts) + ".") if parts else ""
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 A GPU is lent rarely; its two minutes of microbenchmarks are worth keeping. The saved file is the
 `Measurements` record as JSON (kernels only; collectives need several devices), and `--refit` runs the same
-`costmodel.calibrate.fit` that `soap calibrate` runs, so fitting changes can be checked against a real
+`costmodel.calibration.calibrate.fit` that `soap calibrate` runs, so fitting changes can be checked against a real
 H100 sweep on a CPU-only machine.
 """
 
@@ -16,9 +16,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from costmodel.calibrate import CalibrationConfig, Measurements, Point, fit, measure
-from costmodel.calibrate_predict import summarize
-from costmodel.microbench import KernelCase, KernelSample
+from costmodel.calibration.calibrate import CalibrationConfig, Measurements, Point, fit, measure
+from costmodel.calibration.predict import summarize
+from costmodel.calibration.microbench import KernelCase, KernelSample
 
 
 def save(meas: Measurements, path: Path) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 
 from benchmarks.report import update_section
-from costmodel.calibrate_predict import predict_comm
-from costmodel.microbench_comm import COMM_KINDS, CommCase, CommSample, CommTimingConfig, run_collectives
+from costmodel.calibration.predict import predict_comm
+from costmodel.calibration.microbench_comm import COMM_KINDS, CommCase, CommSample, CommTimingConfig, run_collectives
 from costmodel.profiles import load_cluster
 
 SIZES = [6144 * 4**k for k in range(7)]  # 6 KiB ... 24 MiB
@@ -40,7 +40,7 @@ def main() -> None:
     overall = statistics.median(r[3] for r in rows)
     summary.append(f"| **all** | {len(rows)} | **{overall:.1f}** |")
     body = (
-        "gloo over 127.0.0.1, one torch thread per rank, median call (see `costmodel/microbench_comm.py`), "
+        "gloo over 127.0.0.1, one torch thread per rank, median call (see `costmodel/calibration/microbench_comm.py`), "
         "against `collective_time` with `profiles/clusters/local-cpu.json`, whose `collective_factors` (per "
         "collective and group size, fitted by `soap calibrate` on its own message sizes) `collective_time` "
         "applies. Target: median ≤ 25%.\n\n"

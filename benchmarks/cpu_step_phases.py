@@ -10,7 +10,7 @@ calls the executor makes:
 - pair: the same on two independent processes at once (no communication): the cost of sharing the
   node (memory bandwidth, caches);
 - plan: the plan itself on 2 gloo ranks (its communication and hooks included).
-The simulator's figures come from its cost tables (`costmodel.simulator_pricing.price_step`): the sum
+The simulator's figures come from its cost tables (`costmodel.simulator.pricing.price_step`): the sum
 of the chunks' forward and backward (recompute included) compute, the optimizer step and the exposed
 communication of its breakdown (`simulated_phases`). With --write the table goes to section
 `cpu_step_phases` of docs/benchmarks.md.
@@ -46,7 +46,7 @@ DEFAULT_CASES = ("gpt2 ddp", "llama fsdp zero3", "llama tp", "bert zero2")
 
 def simulated_phases(built) -> dict[str, float]:
     """The simulator's step split into forward, backward, optimizer and exposed communication (seconds)."""
-    from costmodel.simulator_pricing import price_step
+    from costmodel.simulator.pricing import price_step
     from planner.plan import stage_bounds
 
     plan = built.plan
@@ -75,7 +75,7 @@ def _cluster():
 
 
 def _graph(built):
-    from executor.validation_refit import trace_plan_model
+    from executor.validation.refit import trace_plan_model
 
     key = (built.case.family, built.case.seq_len)
     if key not in _GRAPHS:
@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write section cpu_step_phases of docs/benchmarks.md")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from executor.validation_suite import build_case, suite_cases
+    from executor.validation.suite import build_case, suite_cases
 
     cases = {c.name: c for c in suite_cases()}
     graphs: dict = {}

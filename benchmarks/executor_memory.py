@@ -159,8 +159,8 @@ def predicted(plan: Any) -> list[dict[str, float]]:
 
     import tracer
     from costmodel.memory import FSDP_MASTER_BYTES, buffer_bytes, model_state_bytes
-    from costmodel.simulator_pricing import stage_param_set
-    from costmodel.simulator_stages import layer_sequence
+    from costmodel.simulator.pricing import stage_param_set
+    from costmodel.simulator.stages import layer_sequence
     from costmodel.strategy import runs_on_fsdp2
     from planner.plan import stage_bounds
 
@@ -269,8 +269,8 @@ def nemotron_table() -> str:
 
     import tracer
     from costmodel.memory import model_state_bytes
-    from costmodel.simulator_pricing import stage_param_set
-    from costmodel.simulator_stages import balanced_bounds, layer_sequence
+    from costmodel.simulator.pricing import stage_param_set
+    from costmodel.simulator.stages import balanced_bounds, layer_sequence
 
     fields = dict(NEMOTRON)
     graph = tracer.trace(AutoConfig.for_model(fields.pop("model_type"), **fields), batch=1, seq_len=4096)

@@ -24,8 +24,8 @@ REFIT = "refit"  # h100-x1-measured refitted from the other half of the runs (so
 def rows() -> list[dict]:
     from costmodel.profiles import cluster_from_dict, load_cluster
     from executor.runs_log import read_runs
-    from executor.validation import predicted_memory_bytes
-    from executor.validation_refit import refit_cluster, simulate_on, trace_plan_model
+    from executor.validation.validate import predicted_memory_bytes
+    from executor.validation.refit import refit_cluster, simulate_on, trace_plan_model
     from planner.plan import plan_from_dict
 
     records, seen = [], set()

@@ -26,10 +26,10 @@ def measure(out: Path, steps: int, *, device: str = "cuda", cluster_name: str = 
     from benchmarks.report import machine_description
     from costmodel.profiles import cluster_from_dict, load_cluster
     from executor.runs_log import read_runs
-    from executor.validation import ValidationConfig, compare_runs, run_validation
-    from executor.validation_plot import scatter_png
-    from executor.validation_refit import refit_cluster
-    from executor.validation_suite import build_case
+    from executor.validation.validate import ValidationConfig, compare_runs, run_validation
+    from executor.validation.plot import scatter_png
+    from executor.validation.refit import refit_cluster
+    from executor.validation.suite import build_case
 
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"

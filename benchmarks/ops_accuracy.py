@@ -2,7 +2,7 @@
 
 Tiny GPT-2 and Llama configs are traced (`tracer.trace`); every distinct matmul, attention, norm,
 softmax and elementwise op with floating-point inputs is run as its ATen kernel at the traced shapes
-(random inputs, one torch thread, like a local-cpu rank) and timed with `costmodel.microbench.time_kernel`.
+(random inputs, one torch thread, like a local-cpu rank) and timed with `costmodel.calibration.microbench.time_kernel`.
 The prediction is `costmodel.opcost.op_time` on the traced OpNode itself (forward time).
 
     flock -x /tmp/soap-cpu.lock python -m benchmarks.ops_accuracy
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import update_section
-from costmodel.microbench import TimingConfig, time_kernel
+from costmodel.calibration.microbench import TimingConfig, time_kernel
 from costmodel.opcost import kernel_class, op_time
 from costmodel.profiles import load_device
 from tracer.ir import OpGraph, OpKind, OpNode

@@ -2,10 +2,10 @@
 
     flock -x /tmp/soap-cpu.lock python -m benchmarks.published_runs [--dry-run]
 
-1. Every corpus row is planned as published (`executor.run_records`): the torchtitan rows (torch-native,
+1. Every corpus row is planned as published (`executor.validation.run_records`): the torchtitan rows (torch-native,
    the stack soap's executor runs) on `grand-teton-h100` (their 96 GB, 500 W H100s), the NeMo rows
    (Transformer Engine) on `dgx-h100`.
-2. `soap calibrate --from-runs`'s fit (`executor.validation_external.refit_external`) on all of them:
+2. `soap calibrate --from-runs`'s fit (`executor.validation.external.refit_external`) on all of them:
    multipliers per kernel class and precision, compile, kernel launch, link level and activation
    collectives, and a factor per stack for the NeMo rows.
 3. For every row: published tokens/s per GPU against soap before the fit (the datasheet profiles), in-sample
@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.report import update_section
-    from executor.validation_external import load_records, mape, refit_external, write_fitted
+    from executor.validation.external import load_records, mape, refit_external, write_fitted
 
     start = time.perf_counter()
     records = load_records([f"{CORPUS / name}:{cluster}" for name, cluster in FILES], cluster=None)
@@ -82,7 +82,7 @@ def main() -> None:
         f"`benchmarks/published_runs.py`: the {len(records)} rows of `../shared/published-runs/` (torchtitan's Llama 3.1 8B "
         "runs, torch-native, on `grand-teton-h100`: H100 96 GB at 500 W; NVIDIA's NeMo Llama 3.1 8B and Nemotron-4 15B runs, "
         "Transformer Engine, on `dgx-h100`), each planned as published and simulated; then `soap calibrate --from-runs`'s "
-        "fit on all of them (`executor.validation_external`). Leave-one-out: the row's tokens/s predicted by a fit "
+        "fit on all of them (`executor.validation.external`). Leave-one-out: the row's tokens/s predicted by a fit "
         f"without it, re-simulated on the refitted profile. Planning, fitting and {sum(len(v) for v in refit.leave_out.values())} "
         f"held-out predictions took {elapsed:.0f} s.",
         "",

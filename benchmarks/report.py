@@ -21,7 +21,7 @@ HEADER = "# Benchmarks\n\nEvery figure here was written by a script in `benchmar
 
 def machine_description() -> str:
     """One line naming the machine the numbers were measured on."""
-    from costmodel.calibrate import machine_name
+    from costmodel.calibration.calibrate import machine_name
 
     cpu = machine_name("cpu")
     try:

@@ -8,7 +8,7 @@
    (`benchmarks/calibrate_from_runs.py`), so every suite plan is held out from it; the same plans are
    also predicted on `local-cpu-kernels` (the microbenchmarks alone), to show what the refit changed.
 2. Calibration from runs, two-fold: the runs of one half of the suite refit the profile
-   (`executor.validation_refit.refit_cluster`: compute / launch / communication multipliers and the
+   (`executor.validation.refit.refit_cluster`: compute / launch / communication multipliers and the
    runtime workspace), which then predicts the other half, and vice versa. Every plan's "after"
    prediction comes from a profile fitted without it; docs/validation-refit.png.
 3. Memory error per plan kind (data-parallel flavour, TP, PP, single device; checkpointing and
@@ -44,10 +44,10 @@ def main() -> None:
     from benchmarks.report import update_section
     from costmodel.profiles import cluster_from_dict, load_cluster
     from executor.runs_log import read_runs
-    from executor.validation import ValidationConfig, compare_runs, run_validation
-    from executor.validation_plot import scatter_png
-    from executor.validation_refit import refit_cluster
-    from executor.validation_suite import build_case
+    from executor.validation.validate import ValidationConfig, compare_runs, run_validation
+    from executor.validation.plot import scatter_png
+    from executor.validation.refit import refit_cluster
+    from executor.validation.suite import build_case
 
     log = os.path.join(tempfile.gettempdir(), "soap-validate-suite-runs.jsonl")
     Path(log).unlink(missing_ok=True)
@@ -168,7 +168,7 @@ def plan_kinds(report) -> dict[str, list[int]]:
 
 
 def _mape(rows, idx: list[int]) -> float:
-    from executor.validation_metrics import mape
+    from executor.validation.metrics import mape
 
     return mape([rows[i].predicted_memory_bytes for i in idx], [rows[i].measured_memory_bytes for i in idx])
 

@@ -441,7 +441,7 @@ def reserve_bytes(device: DeviceProfile, allocated: float) -> float:
 def rank_breakdown(*, weights: float, grads: float, optimizer: float, activations: float, buffers: float,
                    host: float, workspace: float, reserve_fraction: float | None) -> MemoryBreakdown:
     """One rank's memory at its peak: the one place the estimator (`planner.memory_estimate`) and the
-    simulator (`costmodel.simulator_result`) assemble it. `workspace` is `workspace_bytes(device)`; with a
+    simulator (`costmodel.simulator.result`) assemble it. `workspace` is `workspace_bytes(device)`; with a
     fitted allocator reserve (`reserve_fraction`, the device's `allocator_reserve_fraction`) it also holds
     what the caching allocator reserves beyond the tensors (`reserve_bytes`), so the total is the reserved
     peak; without one the total is the allocated peak."""

@@ -1,6 +1,6 @@
 """Activation peak of each pipeline rank, read off the schedule's action order.
 
-One rule for the estimator (`planner.estimate`) and the simulator (`costmodel.simulator_result`): a
+One rule for the estimator (`planner.estimate`) and the simulator (`costmodel.simulator.result`): a
 rank runs its compute actions one after the other in the schedule's order (`costmodel.schedule`), so
 which micro-batches hold activations at any moment follows from that order alone, not from timing.
 

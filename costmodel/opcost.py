@@ -32,7 +32,7 @@ included, is multiplied by the device's `compile_factors[class/pass]` at the sam
 
     t_compiled = c[class/pass](x) * t_kernel
 
-The factor is a measured ratio of whole chains, compiled over eager (`costmodel.microbench_compile`):
+The factor is a measured ratio of whole chains, compiled over eager (`costmodel.calibration.microbench_compile`):
 Inductor fuses an elementwise op into its neighbours, so the memory passes and the launches it saves are
 both inside the ratio, charged to the op's class; matmul and attention keep their library kernels. A
 profile without a factor for a class (every GPU profile today: no published per-class numbers) prices

@@ -17,7 +17,7 @@ predict, as data (`FactorCurve`, positive factors against a size axis): a device
 out, which means a factor of 1.
 
 A third, `compile_factors` (key `class/pass`, pass `fwd` or `bwd`, the same classes), is torch.compile's
-time over eager's per kernel class, measured by `costmodel.microbench_compile` and read by
+time over eager's per kernel class, measured by `costmodel.calibration.microbench_compile` and read by
 `costmodel.opcost` when a strategy compiles. Absent (every GPU profile: no published per-class figure
 to put there) compile is priced as no change, so the search never picks it for nothing.
 
@@ -27,8 +27,8 @@ for machines whose ranks share more than a GPU's ranks do (a CPU whose cores are
 read by `costmodel.optimizer_step`), `concurrency_efficiency` (the share of its alone speed a rank's
 kernels keep while N ranks of the node compute at once, read by the simulator's pricer),
 `communication_overlap` (the fraction of a collective's time the rank's compute can run beside it, read
-by `costmodel.simulator_step`), `activation_collective_factor` (TP/SP/CP/EP collectives in a step against
-their microbenchmark, read by `costmodel.simulator_pricing`) and `collective_call_overhead_us` (host time a training framework spends
+by `costmodel.simulator.step`), `activation_collective_factor` (TP/SP/CP/EP collectives in a step against
+their microbenchmark, read by `costmodel.simulator.pricing`) and `collective_call_overhead_us` (host time a training framework spends
 per collective it issues, read by the simulator's pricer). Absent, they are neutral (factor 1,
 efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
 slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON

@@ -22,8 +22,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from costmodel.simulator_engine import STREAMS
-from costmodel.simulator_result import GIB, SimResult, TimelineEvent
+from costmodel.simulator.engine import STREAMS
+from costmodel.simulator.result import GIB, SimResult, TimelineEvent
 from tracer.files import write_atomic
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)\b")

@@ -38,7 +38,7 @@ from costmodel.placement import (
     edge_collectives, split_collectives,
 )
 from costmodel.profiles import ClusterSpec
-from costmodel.simulator_pricing import activation_shape, mesh_groups
+from costmodel.simulator.pricing import activation_shape, mesh_groups
 from costmodel.strategy import Strategy
 from planner.intra_op import BlockSplitCache, assignment_cost
 from planner.plan import BlockPlacement, OpPlacement

@@ -32,9 +32,9 @@ Step time:
                    ZeRO 2: forward) minus the compute they prefetch behind; where gradients sync every
                    micro-batch (ZeRO 3, FSDP2 without a pipeline) the syncs join them on the same dp
                    stream: m x max(0, gathers + syncs - compute), and dp_exposed is 0
-                   (`costmodel.simulator_pricing.data_parallel_traffic` and its arithmetic);
+                   (`costmodel.simulator.pricing.data_parallel_traffic` and its arithmetic);
     optimizer      device state read and written once at memory bandwidth; with offload the
-                   simulator's host traffic (`costmodel.simulator_pricing.offload_host_bytes`).
+                   simulator's host traffic (`costmodel.simulator.pricing.offload_host_bytes`).
 Memory: the simulator's model, term by term, from per-unit tables (`planner.memory_estimate`), over
 the same stages (`Estimator.stage_bounds`, which `planner.pricing.Pricer` simulates): equal to the
 simulated peak, so pruning by it never drops a plan the simulator would accept.
@@ -54,7 +54,7 @@ from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import is_expert
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
-from costmodel.simulator_pricing import SELECTIVE_KEEPS, data_parallel_traffic, offload_host_bytes
+from costmodel.simulator.pricing import SELECTIVE_KEEPS, data_parallel_traffic, offload_host_bytes
 from costmodel.strategy import ParallelDims, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
@@ -130,7 +130,7 @@ class Estimator:
     ) -> tuple[float, float, float, float]:
         """(forward, backward, attention-core forward, selective recompute) seconds of one instance of
         unit u; the selective recompute is the forward of the ops whose saved tensors selective
-        checkpointing drops, as the simulator prices it (`costmodel.simulator_pricing.SELECTIVE_KEEPS`)."""
+        checkpointing drops, as the simulator prices it (`costmodel.simulator.pricing.SELECTIVE_KEEPS`)."""
         dense, experts = {"parameter": tp, "attribute": cp}, {"parameter": ep, "attribute": cp}
         fwd = bwd = attn = selective = 0.0
         for op in self._costed_ops[u]:
@@ -296,7 +296,7 @@ class Estimator:
     def _dp_comm_uncached(self, d: ParallelDims, zero: int, precision: str, offload: bool, m: int,
                           tables_key: tuple) -> tuple[float, float]:
         """(gradient sync, parameter gather) seconds exposed per step, by the simulator's rule
-        (`costmodel.simulator_pricing.data_parallel_traffic` and its module docstring's ZeRO/FSDP
+        (`costmodel.simulator.pricing.data_parallel_traffic` and its module docstring's ZeRO/FSDP
         arithmetic): each unit instance gathers its parameters and reduces its fp32 gradients in calls of
         its own, on one dp stream that overlaps compute. Memoized on what it reads: the mesh, the ZeRO
         stage, precision, offload and micro-batch count, and the worst rank's tables (`_rank_tables`)."""

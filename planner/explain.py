@@ -60,7 +60,7 @@ def explain(
                         f"{model} at {t.precision} does not fit in {limit} per GPU without it")
         lines.append(f"TP={d.tp} {where} {reason}; it rides the intra-node link ({link_ratio:.0f}x the inter-node bandwidth).")
     if d.pp > 1:
-        # the pipeline dimension is outermost: its ranks sit dp*cp*tp apart (costmodel.simulator_pricing.mesh_groups)
+        # the pipeline dimension is outermost: its ranks sit dp*cp*tp apart (costmodel.simulator.pricing.mesh_groups)
         spans = group_ranks_per_node(d.pp, d.dp * d.cp * d.tp, gpn) < d.pp
         where = "across nodes" if spans else "inside nodes"
         reason = versus(lambda c: c.mesh.dims.pp == 1, f"no plan without pipelining fits in {limit} per GPU")

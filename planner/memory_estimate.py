@@ -12,7 +12,7 @@ term is computed by the same functions the simulator calls, over the same stages
     weights, grads,   `costmodel.memory.model_state_bytes` per stage, summed over the rank's stages
     optimizer, host
     buffers           `costmodel.memory.buffer_bytes` over the rank's parameters
-    activations       per unit instance `costmodel.simulator_pricing.placed_activations` (each op at its
+    activations       per unit instance `costmodel.simulator.pricing.placed_activations` (each op at its
                       Megatron placement, the recompute policy's kept bytes and window); per stage kept =
                       the sum, backward peak = max over its layers of (prefix of kept + window); per rank
                       `costmodel.memory_schedule.activation_peaks` over the schedule's compute order
@@ -36,7 +36,7 @@ from costmodel.memory_schedule import activation_peaks, stage_activations
 from costmodel.placement import block_placements
 from costmodel.profiles import DeviceProfile
 from costmodel.schedule import stage_to_rank, step_shape
-from costmodel.simulator_pricing import activation_shape, placed_activations
+from costmodel.simulator.pricing import activation_shape, placed_activations
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.units import Unit, layer_units
 from tracer.ir import OpGraph

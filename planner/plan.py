@@ -37,7 +37,7 @@ from tracer.files import write_atomic
 
 if TYPE_CHECKING:
     from costmodel.profiles import ClusterSpec
-    from costmodel.simulator_result import SimResult
+    from costmodel.simulator.result import SimResult
     from tracer.ir import OpGraph
 
 SCHEMA_VERSION = 1
@@ -153,7 +153,7 @@ class StageRecord(_Strict):
     modules: tuple[str, ...]
     """Module FQNs in the stage, e.g. `model.embed_tokens`, `model.layers.0` ... `lm_head`."""
     layers: tuple[int, int] | None = None
-    """[first, end) positions in the layer sequence (costmodel.simulator_stages.layer_sequence)."""
+    """[first, end) positions in the layer sequence (costmodel.simulator.stages.layer_sequence)."""
 
 
 class Plan(_Strict):
@@ -374,7 +374,7 @@ def _relative_op_name(name: str, block_id: str | None) -> str:
 
 def stage_records_for(graph: OpGraph, strategy: Strategy, bounds: Sequence[int] | None) -> tuple[StageRecord, ...]:
     from costmodel.schedule import build_schedule
-    from costmodel.simulator_stages import balanced_bounds, layer_sequence, stage_modules
+    from costmodel.simulator.stages import balanced_bounds, layer_sequence, stage_modules
 
     d, t = strategy.dims, strategy.train
     if d.pp == 1:
@@ -393,7 +393,7 @@ def stage_bounds(plan: Plan, graph: OpGraph) -> tuple[int, ...] | None:
     """The plan's stage bounds over `graph`'s layer sequence (from `layers`, else from module names)."""
     if not plan.stages:
         return None
-    from costmodel.simulator_stages import layer_sequence
+    from costmodel.simulator.stages import layer_sequence
 
     layers = layer_sequence(graph)
     if all(s.layers is not None for s in plan.stages):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from costmodel.profiles import cluster_to_dict
-from costmodel.simulator_stages import layer_sequence, stage_modules
+from costmodel.simulator.stages import layer_sequence, stage_modules
 from costmodel.strategy import MESH_DIM_NAMES
 from planner.plan import (
     SCHEMA_VERSION,

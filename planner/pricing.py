@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from costmodel.placement import tp_plan
 from costmodel.simulator import simulate
-from costmodel.simulator_pricing import ProfilePricer, node_ranks
+from costmodel.simulator.pricing import ProfilePricer, node_ranks
 from planner.api import PlanRequest
 from planner.baselines import baseline_families, baseline_mesh
 from planner.block_splits import block_placements, chosen_op_splits
@@ -113,7 +113,7 @@ class Pricer:
         return priced
 
     def prices(self, candidate: Candidate) -> CachedPrices:
-        """The simulator's default pricer for the candidate (`costmodel.simulator_pricing.price_step`'s), memoized."""
+        """The simulator's default pricer for the candidate (`costmodel.simulator.pricing.price_step`'s), memoized."""
         cluster, strategy = self.request.cluster, candidate.strategy
         t = strategy.train
         key = (t.precision, node_ranks(strategy, cluster), t.compile)

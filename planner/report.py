@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from costmodel.profiles import DeviceProfile
-    from costmodel.simulator_result import RankMemory
+    from costmodel.simulator.result import RankMemory
 
 GIB = 2**30
 

@@ -90,7 +90,7 @@ def model_units(graph: OpGraph) -> tuple[Unit, ...]:
 
 def layer_units(units: tuple[Unit, ...]) -> tuple[int, ...]:
     """The unit index of every layer of the sequence a pipeline partition cuts (each block instance is
-    a layer; so is each run of non-block ops): `costmodel.simulator_stages.layer_sequence`'s order."""
+    a layer; so is each run of non-block ops): `costmodel.simulator.stages.layer_sequence`'s order."""
     return tuple(i for i, unit in enumerate(units) for _ in range(unit.repeat))
 
 

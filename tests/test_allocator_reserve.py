@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from costmodel.calibrate_runs import fit_allocator_reserve
+from costmodel.calibration.runs import fit_allocator_reserve
 from costmodel.memory import reserve_bytes
 from costmodel.profiles import GIB, device_to_dict, load_cluster, load_device
 from costmodel.profiles_json import MAX_ALLOCATOR_RESERVE, device_from_json
 from executor.runs_log import append_run, read_runs
-from executor.validation_refit import allocator_reserve_entry
-from executor.validation_run import Measurement
+from executor.validation.refit import allocator_reserve_entry
+from executor.validation.run import Measurement
 from tracer.errors import SoapError
 
 
@@ -74,8 +74,8 @@ def test_reserve_entry_fits_the_runs_that_report_both_peaks_and_names_them():
 
 
 def test_refit_from_runs_writes_the_reserve_into_the_device_profile(tmp_path):
-    from executor.validation_refit import refit_profile
-    from executor.validation_suite import build_case, suite_cases
+    from executor.validation.refit import refit_profile
+    from executor.validation.suite import build_case, suite_cases
 
     cluster = load_cluster("local-cpu")
     case = next(c for c in suite_cases() if c.name == "gpt2 ddp")

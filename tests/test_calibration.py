@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from costmodel.calibrate import CalibrationResult, Measurements, Point, fit, write_profiles
-from costmodel.calibrate_cluster import ring_terms
-from costmodel.calibrate_fit import alpha_beta, efficiency_points, held_out, refine_knots
-from costmodel.calibrate_predict import predict_kernel
-from costmodel.microbench import KernelCase, KernelSample, TimingConfig, build_kernel, time_kernel
-from costmodel.microbench_comm import CommCase, CommSample
+from costmodel.calibration.calibrate import CalibrationResult, Measurements, Point, fit, write_profiles
+from costmodel.calibration.cluster import ring_terms
+from costmodel.calibration.fit import alpha_beta, efficiency_points, held_out, refine_knots
+from costmodel.calibration.predict import predict_kernel
+from costmodel.calibration.microbench import KernelCase, KernelSample, TimingConfig, build_kernel, time_kernel
+from costmodel.calibration.microbench_comm import CommCase, CommSample
 from costmodel.profiles import EfficiencyCurve, load_cluster
 from soap.cli import main
 
@@ -88,7 +88,7 @@ def _synthetic_measurements() -> Measurements:
 
 @pytest.fixture(scope="module")
 def synthetic_fit() -> CalibrationResult:
-    from costmodel.calibrate import CalibrationConfig
+    from costmodel.calibration.calibrate import CalibrationConfig
 
     return fit(_synthetic_measurements(), CalibrationConfig())
 
@@ -162,8 +162,8 @@ def test_bad_calibrate_arguments_are_one_line_errors(argv, capsys):
 
 
 def test_each_case_keeps_its_fastest_round_and_nproc_1_writes_a_device_only_profile(monkeypatch, tmp_path):
-    import costmodel.calibrate as calibrate
-    from costmodel.calibrate import CalibrationConfig, measure
+    import costmodel.calibration.calibrate as calibrate
+    from costmodel.calibration.calibrate import CalibrationConfig, measure
     from costmodel.profiles import load_device
 
     calls, order = {}, {}
@@ -176,7 +176,7 @@ def test_each_case_keeps_its_fastest_round_and_nproc_1_writes_a_device_only_prof
         return KernelSample(case, base * (3.0 if slow else 1.0))
 
     def fake_optimizer(device, *, precision, quick):  # a real step would be ~1000x the fake kernels' pass
-        from costmodel.calibrate_node import OptimizerSample
+        from costmodel.calibration.node import OptimizerSample
         from costmodel.optimizer_step import optimizer_step_bytes
 
         return [OptimizerSample("adamw", precision, n, 3e-6 * (1 + optimizer_step_bytes(
@@ -211,7 +211,7 @@ def test_quick_cuda_calibration_writes_a_device_profile_with_tensor_core_rates(t
 def test_a_kernel_class_slower_than_the_curves_is_fitted_as_a_factor_and_predicted_held_out():
     import dataclasses
 
-    from costmodel.calibrate import CalibrationConfig
+    from costmodel.calibration.calibrate import CalibrationConfig
 
     meas = _synthetic_measurements()
     mem_curve = EfficiencyCurve(((1e3, 0.1), (1e9, 1.0)))
@@ -229,8 +229,8 @@ def test_a_kernel_class_slower_than_the_curves_is_fitted_as_a_factor_and_predict
 
 
 def test_tanh_and_dropout_are_measured_as_their_own_kernel_classes():
-    from costmodel.calibrate_device import factor_key
-    from costmodel.calibrate_suite import kernel_sweeps
+    from costmodel.calibration.device import factor_key
+    from costmodel.calibration.suite import kernel_sweeps
 
     keys = {factor_key(c) for s in kernel_sweeps("cpu", quick=False) for c in s.cases if c.precision_key == "fp32"}
     assert {"tanh/fp32", "dropout/fp32", "transcendental/fp32"} <= keys
@@ -256,7 +256,7 @@ def test_a_fitted_tanh_factor_loads_and_prices_tanh_but_not_silu(synthetic_fit, 
 
 
 def test_full_collective_sweep_holds_out_sizes_between_fitted_ones_and_measures_send_recv_on_one_pair():
-    from costmodel.calibrate_suite import comm_sizes, comm_sweeps
+    from costmodel.calibration.suite import comm_sizes, comm_sweeps
 
     sizes = comm_sizes(quick=False)
     assert not held_out(len(sizes) - 1) and not held_out(0)  # never extrapolated
@@ -267,7 +267,7 @@ def test_full_collective_sweep_holds_out_sizes_between_fitted_ones_and_measures_
 
 
 def test_recalibrating_keeps_the_runtime_workspace_fitted_from_runs(synthetic_fit, tmp_path, monkeypatch):
-    import costmodel.calibrate as calibrate
+    import costmodel.calibration.calibrate as calibrate
     from costmodel.profiles_json import device_from_json
 
     device_path, cluster_path = tmp_path / "device.json", tmp_path / "cluster.json"

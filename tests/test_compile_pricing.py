@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from costmodel.microbench_compile import NOISE_BAND, CompileSample, class_factors, compile_factors_json
+from costmodel.calibration.microbench_compile import NOISE_BAND, CompileSample, class_factors, compile_factors_json
 from costmodel.opcost import op_time
 from costmodel.profiles import FactorCurve, cluster_from_dict, cluster_to_dict, load_cluster, load_device
 from costmodel.profiles_json import device_from_json, device_to_dict

@@ -122,7 +122,7 @@ def test_offload_keeps_master_weights_gradients_and_optimizer_state_on_the_host(
 
 
 def test_offload_traffic_syncs_every_microbatch_without_a_pipeline_and_once_per_run_with_one():
-    from costmodel.simulator_pricing import offload_host_bytes
+    from costmodel.simulator.pricing import offload_host_bytes
 
     cpu_step = 2 * 4 + 4 + 2 * 8  # fp32 shard read and written, fp32 gradient read, two moments read and written
     accum = TrainingConfig(global_batch=8, seq_len=T, num_microbatches=8, grad_accum=8, offload_optimizer=True)

@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from costmodel.memory import MEMORY_TERMS, MemoryBreakdown
-from costmodel.simulator_result import RankMemory
+from costmodel.simulator.result import RankMemory
 from planner.api import make_request, plan_report
 from planner.feasibility import pin_changes
 from planner.report import memory_table, render_summary, report_json

@@ -11,7 +11,7 @@ from costmodel.memory_activations import block_saved
 from costmodel.opcost import backward_kernels, has_backward
 from costmodel.profiles import load_cluster, load_device
 from costmodel.simulator import simulate
-from costmodel.simulator_pricing import price_step
+from costmodel.simulator.pricing import price_step
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 from planner.estimate import Estimator
 from planner.space import MeshChoice
@@ -100,7 +100,7 @@ def test_gpt3_175b_selective_beats_full_on_64_a100s(tmp_path):
 def test_zero3_at_512_gpus_is_at_least_its_nic_arithmetic_and_the_estimate_agrees():
     """Per micro-batch each GPU gathers all parameters twice (forward; backward with its recompute) at 2
     bytes and reduce-scatters fp32 gradients; a node imports/exports (N-1)/N of it through its g NICs
-    (see costmodel.simulator_pricing's ZeRO/FSDP arithmetic)."""
+    (see costmodel.simulator.pricing's ZeRO/FSDP arithmetic)."""
     import tracer
 
     graph = tracer.trace("llama-3-8b", seq_len=2048)

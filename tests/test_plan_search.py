@@ -166,7 +166,7 @@ def test_megatron_splits_named_as_op_splits_simulate_like_the_default_placement(
     import tracer
     from costmodel.placement import block_placements
     from costmodel.simulator import simulate
-    from costmodel.simulator_pricing import activation_shape
+    from costmodel.simulator.pricing import activation_shape
 
     graph = tracer.trace(models["medium-llama"], batch=1, seq_len=1024)
     strategy = Strategy(dims=ParallelDims(tp=4, dp_shard=2), train=TrainingConfig(
@@ -185,7 +185,7 @@ def test_searched_op_splits_cost_no_more_than_megatron_and_the_plan_never_simula
     import tracer
     from costmodel.placement import block_placements
     from costmodel.simulator import simulate
-    from costmodel.simulator_pricing import activation_shape
+    from costmodel.simulator.pricing import activation_shape
     from planner.block_splits import block_tables
     from planner.intra_op import assignment_cost
 

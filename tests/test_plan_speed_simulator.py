@@ -22,9 +22,9 @@ import pytest
 from costmodel.profiles import load_cluster
 from costmodel.schedule import B, F, I, SEND_B, SEND_F, W, build_schedule
 from costmodel.simulator import simulate, simulate_costs
-from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
-from costmodel.simulator_engine import COMM_CATEGORIES, CRITICAL_STREAMS, Deadlock
-from costmodel.simulator_pricing import price_step
+from costmodel.simulator.costs import ChunkCost, StageCost, StepCosts
+from costmodel.simulator.engine import COMM_CATEGORIES, CRITICAL_STREAMS, Deadlock
+from costmodel.simulator.pricing import price_step
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,7 +47,7 @@ class _Task:
 
 
 class _Reference:
-    """The task-graph builder before issue 17 (costmodel/simulator_step.py's `_Builder`)."""
+    """The task-graph builder before issue 17 (costmodel/simulator/step.py's `_Builder`)."""
 
     def __init__(self, costs: StepCosts) -> None:
         self.costs, self.sched = costs, costs.schedule

@@ -11,14 +11,14 @@ import json
 
 import pytest
 
-from costmodel.calibrate_node import NodeMeasurements, OptimizerSample, node_fields
+from costmodel.calibration.node import NodeMeasurements, OptimizerSample, node_fields
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_bytes, optimizer_step_time
 from costmodel.profiles import EfficiencyCurve, FactorCurve, list_devices, load_cluster, load_device
 from costmodel.profiles_json import device_from_json, device_to_dict
 from costmodel.schedule import build_schedule
 from costmodel.simulator import simulate, simulate_costs
-from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
-from costmodel.simulator_pricing import ProfilePricer
+from costmodel.simulator.costs import ChunkCost, StageCost, StepCosts
+from costmodel.simulator.pricing import ProfilePricer
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 from tracer.errors import SoapError
 
@@ -140,7 +140,7 @@ def test_collectives_without_overlap_take_turns_with_compute():
 
 
 def test_communication_overlap_of_the_device_sets_the_host_share():
-    from costmodel.simulator_pricing import price_step
+    from costmodel.simulator.pricing import price_step
     import tracer
     from transformers import AutoConfig
 
@@ -181,7 +181,7 @@ def test_an_overhead_bound_optimizer_step_saturates_at_the_loaders_bound_instead
 
 def test_every_collective_the_step_issues_pays_the_framework_overhead_and_free_links_drop_it():
     from costmodel.collectives import CommGroup, collective_time
-    from executor.validation_refit import free_links
+    from executor.validation.refit import free_links
 
     cluster = load_cluster("dgx-h100")
     slow_host = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, collective_call_overhead_s=1e-3))

@@ -140,9 +140,9 @@ def _calibrate_cmd(tmp: Path, out: str, monkeypatch) -> list[str]:
 
 
 def _validate_cmd(tmp: Path, out: str, monkeypatch) -> list[str]:
-    import executor.validation
+    import executor.validation.validate
 
-    monkeypatch.setattr(executor.validation, "run_validation", _stop)
+    monkeypatch.setattr(executor.validation.validate, "run_validation", _stop)
     return ["validate", "--quick", "--png", out]
 
 

@@ -1,4 +1,4 @@
-"""Run records from outside soap (`executor.run_records`) and the fit on them (`executor.validation_external`):
+"""Run records from outside soap (`executor.validation.run_records`) and the fit on them (`executor.validation.external`):
 the schema and its errors, the fit recovering multipliers it planted, fitted profiles inside the loader's
 bounds and naming their runs, and `soap calibrate --from-runs` on a file of outside records."""
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from executor.run_records import RunRecord, read_records
-from executor.validation_external import (
+from executor.validation.run_records import RunRecord, read_records
+from executor.validation.external import (
     Fit,
     Prepared,
     apply_fit,
@@ -133,8 +133,8 @@ def test_a_fit_on_runs_simulated_with_known_terms_finds_them():
     """Measured steps made by the simulator on a profile whose matmuls take 2x and launches 0.5x: the fit on
     the unchanged profile finds both, and predicts the runs within 2% after re-simulation."""
     from costmodel.profiles import cluster_from_dict, cluster_to_dict
-    from executor.validation_external import predict
-    from executor.validation_refit import simulate_on
+    from executor.validation.external import predict
+    from executor.validation.refit import simulate_on
 
     planted = Fit(multipliers={"matmul/bf16": 2.0, "kernel-launch": 0.5},
                   runs={"matmul/bf16": ("planted",), "kernel-launch": ("planted",)})

@@ -73,7 +73,7 @@ def test_tiny_decoder_is_prologue_block_epilogue():
 def test_layer_names_are_real_module_paths_for_a_second_layer_type():
     import dataclasses
 
-    from costmodel.simulator_stages import layer_sequence
+    from costmodel.simulator.stages import layer_sequence
 
     graph = tiny_decoder(layers=3)
     renamed = tuple(

@@ -4,7 +4,7 @@ import pytest
 
 from costmodel.schedule import build_schedule
 from costmodel.simulator import simulate_costs
-from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
+from costmodel.simulator.costs import ChunkCost, StageCost, StepCosts
 
 
 def _uniform(name, pp, m, v=1, tf=1.0, tb=2.0, **chunk_extra):

@@ -14,7 +14,7 @@ from costmodel.placement import (
 from costmodel.profiles import load_cluster
 from costmodel.schedule import build_schedule
 from costmodel.simulator import simulate, simulate_costs
-from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
+from costmodel.simulator.costs import ChunkCost, StageCost, StepCosts
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
 from tracer.errors import SoapError
 
@@ -276,7 +276,7 @@ def test_breakdown_is_non_negative_and_sums_to_the_step(chunks, send, schedule):
 
 
 def test_op_costs_explain_where_the_time_goes():
-    from costmodel.simulator_explain import op_costs
+    from costmodel.simulator.explain import op_costs
 
     rows = op_costs(GRAPH, _strategy(tp=2, sequence_parallel=True), CLUSTER)
     by_name = {r.op.split(".")[-1]: r for r in rows}
@@ -339,7 +339,7 @@ def test_q_k_v_read_the_norm_output_not_each_other():
 def test_ddp_pays_per_bucket_not_per_block_while_fsdp_pays_per_unit():
     """DDP all-reduces a tiny model's gradients (under 1 MiB) in its one first bucket, so its fixed call cost
     does not grow with the number of blocks; FSDP issues one reduce-scatter per unit."""
-    from costmodel.simulator_pricing import ProfilePricer, mesh_groups, price_step
+    from costmodel.simulator.pricing import ProfilePricer, mesh_groups, price_step
 
     cluster = load_cluster("local-cpu-kernels")
     ddp = Strategy(dims=ParallelDims(dp_replicate=2), train=TrainingConfig(global_batch=2, seq_len=64))
@@ -371,7 +371,7 @@ def test_fsdp_with_accumulation_syncs_and_gathers_every_microbatch(zero, gathers
         names = [e.name for e in simulate(GRAPH, s, cluster).events if e.rank == 0 and e.stream == "dp-comm"]
         return sum(n.startswith("grad sync") for n in names), sum(n.startswith("all-gather ") for n in names)
 
-    from costmodel.simulator_pricing import price_step
+    from costmodel.simulator.pricing import price_step
 
     plain = Strategy(dims=ParallelDims(dp_shard=2), train=TrainingConfig(global_batch=2, seq_len=64, zero=zero))
     units = sum(c.grad_sync_s > 0 for c in price_step(GRAPH, plain, cluster)[0].stages[0].chunks)

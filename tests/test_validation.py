@@ -10,8 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from costmodel.calibrate_runs import Multipliers, StepParts, fit_multipliers
-from executor.validation_metrics import Comparison, kendall_tau, mape, summarize
+from costmodel.calibration.runs import Multipliers, StepParts, fit_multipliers
+from executor.validation.metrics import Comparison, kendall_tau, mape, summarize
 
 
 def test_kendall_tau_counts_concordant_and_discordant_pairs():
@@ -62,10 +62,10 @@ def test_refit_keeps_an_unexercised_term_at_one():
 def test_activation_collective_factor_scales_only_tp_collectives_and_applies_exactly():
     """The refit's fourth term: a profile with activation collectives 3x slower predicts a TP plan slower by
     exactly its activation part, leaves a DDP plan alone, and survives the JSON round trip."""
-    from costmodel.calibrate_runs import apply_multipliers
+    from costmodel.calibration.runs import apply_multipliers
     from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
-    from executor.validation_refit import step_parts
-    from executor.validation_suite import build_case, suite_cases
+    from executor.validation.refit import step_parts
+    from executor.validation.suite import build_case, suite_cases
 
     cluster = load_cluster("local-cpu-kernels")
     refit = cluster_from_dict(apply_multipliers(cluster_to_dict(cluster), Multipliers(activation_communication=3.0),
@@ -109,7 +109,7 @@ def test_runs_log_appends_whole_lines_from_concurrent_writers(tmp_path, monkeypa
 def simulated():
     """Three suite plans (DDP, ZeRO-3, ZeRO-2) built on the shipped local-cpu profile."""
     from costmodel.profiles import load_cluster
-    from executor.validation_suite import build_case, suite_cases
+    from executor.validation.suite import build_case, suite_cases
 
     cluster = load_cluster("local-cpu")
     graphs: dict = {}
@@ -119,8 +119,8 @@ def simulated():
 
 def _recorded(built):
     """Measurements as the right profile predicts them (a machine the profile describes exactly)."""
-    from executor.validation import predicted_memory_bytes
-    from executor.validation_run import Measurement
+    from executor.validation.validate import predicted_memory_bytes
+    from executor.validation.run import Measurement
 
     return [Measurement(step_time_s=b.result.step_time_s, step_times_s=(b.result.step_time_s,) * 3,
                         peak_memory_bytes=predicted_memory_bytes(b.result, b.workspace_bytes), memory_source="recorded",
@@ -128,8 +128,8 @@ def _recorded(built):
 
 
 def test_harness_reports_a_large_error_for_a_profile_with_halved_bandwidth(simulated):
-    from executor.validation import compare_runs
-    from executor.validation_suite import build_case
+    from executor.validation.validate import compare_runs
+    from executor.validation.suite import build_case
 
     cluster, graphs, built = simulated
     measured = _recorded(built)
@@ -151,8 +151,8 @@ def test_harness_reports_a_large_error_for_a_profile_with_halved_bandwidth(simul
 
 
 def test_harness_reports_a_large_error_for_a_profile_with_halved_compute(simulated):
-    from executor.validation import compare_runs
-    from executor.validation_suite import build_case
+    from executor.validation.validate import compare_runs
+    from executor.validation.suite import build_case
 
     cluster, graphs, built = simulated
     device = cluster.device
@@ -166,7 +166,7 @@ def test_harness_reports_a_large_error_for_a_profile_with_halved_compute(simulat
 def test_calibrate_from_runs_writes_a_profile_that_predicts_the_logged_runs(simulated, tmp_path, capsys):
     from costmodel.profiles import load_cluster
     from executor.runs_log import append_run
-    from executor.validation_suite import build_case
+    from executor.validation.suite import build_case
     from soap.cli import main
 
     cluster, graphs, built = simulated
@@ -185,10 +185,10 @@ def test_calibrate_from_runs_writes_a_profile_that_predicts_the_logged_runs(simu
 def test_refit_from_runs_learns_the_runtime_workspace_from_measured_peaks(simulated, tmp_path):
     from costmodel.profiles import load_cluster
     from executor.runs_log import append_run
-    from executor.validation import compare_runs, predicted_memory_bytes
-    from executor.validation_refit import refit_profile
-    from executor.validation_run import Measurement
-    from executor.validation_suite import build_case
+    from executor.validation.validate import compare_runs, predicted_memory_bytes
+    from executor.validation.refit import refit_profile
+    from executor.validation.run import Measurement
+    from executor.validation.suite import build_case
 
     cluster, graphs, built = simulated
     log = tmp_path / "runs.jsonl"
@@ -226,8 +226,8 @@ def test_validate_on_cuda_without_a_gpu_is_a_clear_error(capsys):
 @pytest.mark.slow
 def test_one_real_run_is_measured_logged_and_compared(tmp_path):
     from executor.runs_log import read_runs
-    from executor.validation import ValidationConfig, run_validation
-    from executor.validation_suite import suite_cases
+    from executor.validation.validate import ValidationConfig, run_validation
+    from executor.validation.suite import suite_cases
 
     case = next(c for c in suite_cases() if c.name == "llama tp")
     case = replace(case, seq_len=64, train={"micro_batch": 1})
@@ -248,7 +248,7 @@ def test_validate_quick_on_cuda_with_nccl(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    from executor.validation import ValidationConfig, run_validation
+    from executor.validation.validate import ValidationConfig, run_validation
 
     report = run_validation(ValidationConfig(device="cuda", quick=True, steps=3, runs_log=str(tmp_path / "r.jsonl"),
                                              cluster="local-cpu"))
@@ -257,7 +257,7 @@ def test_validate_quick_on_cuda_with_nccl(tmp_path):
 
 
 def test_single_device_suite_covers_checkpointing_accumulation_and_micro_batches():
-    from executor.validation_suite import single_device_cases
+    from executor.validation.suite import single_device_cases
 
     for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
         cases = single_device_cases(device)
@@ -294,7 +294,7 @@ def test_validate_refuses_three_ranks(capsys):
 
 def test_calibration_plans_share_no_model_or_plan_with_the_suite():
     """A profile refitted on the calibration plans' runs is judged on the suite as on unseen plans."""
-    from executor.validation_suite import calibration_cases, case_strategy, hf_config, suite_cases
+    from executor.validation.suite import calibration_cases, case_strategy, hf_config, suite_cases
 
     calib, suite = calibration_cases(), suite_cases()
     assert len(calib) >= 10
@@ -319,8 +319,8 @@ def test_calibration_suite_runs_at_two_ranks_only(capsys):
 def test_the_suite_has_a_real_2d_mesh_run_on_its_own_ranks(monkeypatch):
     """The 2-D plan (FSDP x TP) needs 4 ranks: it runs in a spawn of its own, after its own warm-up run, and
     its result lands in its row."""
-    import executor.validation as validation
-    from executor.validation import ValidationConfig, case_world, default_cases, execute_by_world
+    import executor.validation.validate as validation
+    from executor.validation.validate import ValidationConfig, case_world, default_cases, execute_by_world
 
     cases = default_cases(ValidationConfig())
     two_d = [c for c in cases if sum(v > 1 for v in c.dims.values()) >= 2]

@@ -10,7 +10,7 @@
     soap calibrate --from-runs titan.json:grand-teton-h100 nemo.json:dgx-h100 --cluster dgx-h100
 
 Outside run records (a published benchmark table, a cluster's own logs) are JSON Lines, or one JSON object
-with `rows`; their schema is `executor.run_records` (docs/calibration.md). They are planned as published on
+with `rows`; their schema is `executor.validation.run_records` (docs/calibration.md). They are planned as published on
 their cluster profile (FILE:CLUSTER, the record's `cluster`, else --cluster); the fit writes --cluster's
 profile refitted (as NAME, default CLUSTER-fitted) and prints in-sample and leave-one-out errors.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from costmodel.calibrate import CalibrationConfig, calibrate, check_config, planned_points, write_profiles
-from costmodel.calibrate_predict import summarize
+from costmodel.calibration.calibrate import CalibrationConfig, calibrate, check_config, planned_points, write_profiles
+from costmodel.calibration.predict import summarize
 from tracer.files import check_writable
 
 
@@ -103,7 +103,7 @@ def _outside_records(specs: list[str]) -> bool:
     """Whether --from-runs names outside run records rather than soap's own runs log (whose records hold
     their plan)."""
     from executor.runs_log import read_runs
-    from executor.validation_external import split_path
+    from executor.validation.external import split_path
 
     if len(specs) != 1 or split_path(specs[0])[1] is not None:
         return bool(specs)
@@ -120,7 +120,7 @@ def _outside_records(specs: list[str]) -> bool:
 
 
 def _from_outside(args: argparse.Namespace) -> int:
-    from executor.validation_external import load_records, mape, refit_external, write_fitted
+    from executor.validation.external import load_records, mape, refit_external, write_fitted
 
     records = load_records(args.from_runs, cluster=args.cluster)
     console = Console(stderr=True)
@@ -156,7 +156,7 @@ def _from_outside(args: argparse.Namespace) -> int:
 
 
 def _from_runs(args: argparse.Namespace) -> int:
-    from executor.validation_refit import refit_profile
+    from executor.validation.refit import refit_profile
 
     if _outside_records(args.from_runs):
         return _from_outside(args)

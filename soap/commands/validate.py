@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from rich.console import Console
 
-    from executor.validation import ValidationConfig, check_config, run_validation
+    from executor.validation.validate import ValidationConfig, check_config, run_validation
     from tracer.files import check_writable
 
     config = ValidationConfig(device=args.device, nproc=args.nproc, steps=args.steps, quick=args.quick,
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_validation(config, log=lambda message: console.print(message, style="dim"))
     console.print(render_table(report))
     if args.png:
-        from executor.validation_plot import scatter_png
+        from executor.validation.plot import scatter_png
 
         scatter_png(report.rows, report.summary, args.png, title=f"soap validate on {config.cluster}")
         console.print(f"wrote {args.png}")

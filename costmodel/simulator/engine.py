@@ -19,18 +19,18 @@ shorter (more bandwidth, faster compute, fewer bytes) never delays another, and 
 monotone in every cost, which the planner's ranking relies on. (A first-ready-first-served link is
 not: hypothesis found a case where shrinking every collective reordered a link and slowed the step.)
 Compute never contends with communication here (NCCL's SM use is folded into its bandwidth numbers); where a
-profile says collectives need the compute resources, `costmodel.simulator_step` puts their host share
+profile says collectives need the compute resources, `costmodel.simulator.step` puts their host share
 on the compute stream as tasks of its own.
 
 Evaluation (`RankLanes.compute_task`, `comm_task`; `compute_chain` for one action's chunks). Every edge
 points to a task issued before it: its stream and link predecessors by definition, its dependencies
 because a rank issues its actions in the schedule's order (a local input comes from an earlier action) or
-waits for another rank's pipeline transfer, which `costmodel.simulator_step` issues first (it switches
+waits for another rank's pipeline transfer, which `costmodel.simulator.step` issues first (it switches
 ranks where an action's transfer is not issued yet, as `costmodel.schedule.dry_run` does, and raises
 `Deadlock` where no rank can go on). So each task is timed the moment it is issued, from ends already
 known: no task graph, no queue, O(1) per edge. A finished task is a `Done` (end, start, category, rank), all that a later task or the breakdown reads.
 
-Time breakdown of the rank (reported by `costmodel.simulator_result`), accumulated as its compute-stream
+Time breakdown of the rank (reported by `costmodel.simulator.result`), accumulated as its compute-stream
 tasks are issued: a gap before a compute-stream task is blamed on its binding dependency (the first of
 its latest-ending dependencies): none, or one that ended before the gap closed -> other; a pipeline
 transfer -> exposed communication for the part of the gap the transfer covers, bubble for the rest; a
@@ -65,7 +65,7 @@ class RankLanes:
     `records` (None unless asked for: a search reads only the step time, breakdown and peaks) keeps every
     task of positive duration for the timeline, in issue order, as (stream, name, category, start, end,
     flow, peer), `name` a string or a template and its arguments (names are only read when the timeline
-    is drawn), or as one record of a chain of them (`costmodel.simulator_step`'s chains, expanded when
+    is drawn), or as one record of a chain of them (`costmodel.simulator.step`'s chains, expanded when
     read)."""
 
     __slots__ = ("rank", "links", "lane_end", "critical_end", "last_comm", "records", "compute", "optimizer",
@@ -108,7 +108,7 @@ class RankLanes:
                 self.bubble += gap
         if category == "optimizer":
             self.optimizer += duration
-        elif category in COMM_CATEGORIES:  # a collective's host share (`costmodel.simulator_step`)
+        elif category in COMM_CATEGORIES:  # a collective's host share (`costmodel.simulator.step`)
             self.exposed += duration
         else:
             self.compute += duration

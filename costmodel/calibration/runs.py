@@ -9,7 +9,7 @@ Model. The simulated step time of run i splits (approximately linearly) into fou
 - M_i: exposed gradient, parameter and pipeline communication (collective and transfer time on the
   critical path),
 - A_i: exposed activation collectives (TP / SP / CP / EP: synchronous, one per region).
-The parts are measured on the simulator itself (`executor.validation_refit.step_parts`: the step with
+The parts are measured on the simulator itself (`executor.validation.refit.step_parts`: the step with
 the overhead zeroed, with the activation collectives made free, and with all communication made free).
 A measured step m_i is modelled as
 

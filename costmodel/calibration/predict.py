@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.calibrate_fit import abs_pct_errors
+from costmodel.calibration.fit import abs_pct_errors
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.microbench import KernelCase
-from costmodel.microbench_comm import CommCase
+from costmodel.calibration.microbench import KernelCase
+from costmodel.calibration.microbench_comm import CommCase
 from costmodel.opcost import op_time
 from costmodel.profiles import ClusterSpec, DeviceProfile
 

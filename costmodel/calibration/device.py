@@ -12,13 +12,13 @@ From the fit set (held-out points excluded):
 - `kernel_overhead_us`: the time of a 12-byte add;
 - `host_link_gbps`: a pinned host-to-device copy on a GPU; the memory bandwidth on a CPU, whose host
   memory is its device memory.
-Knots start from `calibrate_fit.efficiency_points` and are refined with `calibrate_fit.refine_knots`.
+Knots start from `fit.efficiency_points` and are refined with `fit.refine_knots`.
 
 Kernels the roofline cannot express on a device (on a CPU: transcendental activations, norms and
 softmax are bound by vector arithmetic the tracer does not count as FLOPs; bf16 elementwise kernels by
 conversions; small bf16 matmuls by a fixed cost) get a factor curve per kernel class and precision
 (`kernel_factors`, key `class/precision` with `opcost.kernel_class`, e.g. `softmax/bf16`), fitted on the
-fit set through `op_time` (`calibrate_fit.fit_factor_curve`) for every class except the two that shape the
+fit set through `op_time` (`fit.fit_factor_curve`) for every class except the two that shape the
 curves (matmul and arithmetic at the reference precision). `op_time` reads them.
 """
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from costmodel.calibrate_fit import efficiency_points, fit_factor_curve, mean_abs_log_error, refine_knots
-from costmodel.calibrate_predict import predict_kernel
-from costmodel.microbench import KernelSample
+from costmodel.calibration.fit import efficiency_points, fit_factor_curve, mean_abs_log_error, refine_knots
+from costmodel.calibration.predict import predict_kernel
+from costmodel.calibration.microbench import KernelSample
 from costmodel.opcost import MATMUL_LIKE, kernel_class
 from costmodel.profiles import GIB, DeviceProfile, EfficiencyCurve, FactorCurve, cluster_from_dict
 

@@ -38,7 +38,7 @@ every instance and every stage (`_UnitPricer.chunk`):
       t_dp >= (N-1)/N x p x (2w + 4) / (g x B)                      (zero 3; zero 2: w + 4)
   (the inter-node phase of `collectives.hierarchical_time`; a flat ring moves the same bus bytes at
   min(intra, g x B) per rank), plus each collective's latency steps and per-call overhead. The three
-  share the group's one NCCL stream (`dp-comm`) in FSDP2's issue order (`costmodel.simulator_step`)
+  share the group's one NCCL stream (`dp-comm`) in FSDP2's issue order (`costmodel.simulator.step`)
   and overlap compute, so m micro-batches take at least m x max(compute, sum over units of t_dp). At
   micro-batch 1 over hundreds of nodes the step is communication-bound: llama-3-8b (8.0e9 parameters)
   on 512 H100s (g = 8, B = 50 GB/s, N = 64) moves 8.0e9 x 8 x 63/64 / 400e9 = 0.158 s per micro-batch
@@ -93,9 +93,9 @@ from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import step_schedule
-from costmodel.simulator_costs import ChunkCost, StageCost, StepCosts
-from costmodel.simulator_result import StepFacts
-from costmodel.simulator_stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
+from costmodel.simulator.costs import ChunkCost, StageCost, StepCosts
+from costmodel.simulator.result import StepFacts
+from costmodel.simulator.stages import Layer, as_bounds, balanced_bounds, layer_sequence, validate_bounds
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode

@@ -29,7 +29,7 @@ data_parallel_shard_degree) stands for dp with ZeRO-3 when `dp` and `zero` are a
 
 `soap`'s own predictions are for its executor, the torch-native stack; a record of another stack
 (`nemo-te`: Transformer Engine's fused kernels) is fitted with a stack factor of its own
-(`executor.validation_external`).
+(`executor.validation.external`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from executor.validation_metrics import Comparison, Summary
+from executor.validation.metrics import Comparison, Summary
 
 
 def scatter_png(rows: Sequence[Comparison], summary: Summary, path: str | Path, *, title: str = "") -> Path:

@@ -6,19 +6,19 @@ Time breakdown of one rank (it sums to the step time):
 - exposed_comm: idle compute-stream time whose cause is communication of this rank — a gap before
   a compute task whose latest-finishing dependency is a collective, and the part of a gap covered by
   the pipeline transfer it waits for — plus the host shares of collectives that run on the compute
-  stream (`costmodel.simulator_step`);
+  stream (`costmodel.simulator.step`);
 - bubble: idle time waiting for another stage's compute (the part of a gap before the awaited
   transfer started), and idle time at the end of the step after the rank's last work;
 - other: idle time with no dependency to blame (0 in the current model).
 The result's `breakdown` is that of the critical rank: the one with the most compute plus optimizer
 time (the bottleneck stage), lowest rank on ties. It is accumulated while the step is simulated
-(`costmodel.simulator_engine.RankLanes`, which states the gap rule).
+(`costmodel.simulator.engine.RankLanes`, which states the gap rule).
 
 Memory of a rank over time: constant weights, gradients, optimizer state, buffers and overhead, plus
-activations and gathered parameters that follow the step's memory events (`costmodel.simulator_step`);
+activations and gathered parameters that follow the step's memory events (`costmodel.simulator.step`);
 its peak and the breakdown at the peak are reported per pipeline rank. The timeline and the timeline
 events are made when first read, by running the step again with its records
-(`costmodel.simulator_step.run_step(costs, record=True)`, the same times): the search simulates dozens of
+(`costmodel.simulator.step.run_step(costs, record=True)`, the same times): the search simulates dozens of
 candidates and draws one.
 """
 
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 
 from costmodel.memory import MemoryBreakdown, rank_breakdown
 from costmodel.memory_schedule import rank_activation_peaks, stage_activations
-from costmodel.simulator_costs import StepCosts
-from costmodel.simulator_step import StepRun, memory_changes, run_step
+from costmodel.simulator.costs import StepCosts
+from costmodel.simulator.step import StepRun, memory_changes, run_step
 
 GIB = 2**30
 
@@ -81,7 +81,7 @@ class TimelineEvent(NamedTuple):
 
 
 def _name(spec) -> str:
-    """A task's name from its template and arguments (`costmodel.simulator_step`), or the name itself."""
+    """A task's name from its template and arguments (`costmodel.simulator.step`), or the name itself."""
     if isinstance(spec, str):
         return spec
     return spec[0].format(*(_name(a) if isinstance(a, tuple) else a for a in spec[1:]))

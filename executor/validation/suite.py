@@ -214,7 +214,7 @@ class BuiltCase:
     plan: Any
     """planner.plan.Plan, with the simulation's metrics under `predicted`."""
     result: Any
-    """costmodel.simulator_result.SimResult."""
+    """costmodel.simulator.result.SimResult."""
     workspace_bytes: int = 0
     """The cluster's device runtime workspace (`DeviceProfile.runtime_workspace_bytes`)."""
 

@@ -281,7 +281,7 @@ def _framework_overhead(dev: str, timed) -> float:
 def measure_overlap(device: str, threads: int) -> tuple[float, float]:
     """`communication_overlap` and the per-call framework overhead (seconds) from 2 ranks (see the module
     docstring)."""
-    from costmodel.microbench_comm import _free_port
+    from costmodel.calibration.microbench_comm import _free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()

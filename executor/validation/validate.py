@@ -2,19 +2,19 @@
 
 Steps (`run_validation`):
 1. the cluster profile (`local-cpu` by default; `soap calibrate` runs first if it is missing);
-2. every suite case (`executor.validation_suite`) traced, simulated and turned into a Plan: the
+2. every suite case (`executor.validation.suite`) traced, simulated and turned into a Plan: the
    parallel suite at 2 or 4 ranks, or the single-device suite at `--nproc 1`; with `--suite
    calibration` the calibration plans instead (other models, for `soap calibrate --from-runs`);
-3. all plans executed on `nproc` spawned ranks (`executor.validation_run`: gloo on CPU, NCCL on CUDA),
+3. all plans executed on `nproc` spawned ranks (`executor.validation.run`: gloo on CPU, NCCL on CUDA),
    after one unmeasured warm-up run of the first plan (it pays one-time costs: lazy imports, gloo
    pairs, allocator arenas); the 2-D plan runs on its own 4 ranks the same way;
 4. each run appended to the runs log (`executor.runs_log`, with its plan, for `soap calibrate --from-runs`);
-5. predicted against measured (`executor.validation_metrics`): per-plan errors, step-time and memory
+5. predicted against measured (`executor.validation.metrics`): per-plan errors, step-time and memory
    MAPE, Kendall's tau of the step-time ranking.
 
 Memory is compared like with like: the simulator's peak without its per-process context overhead, plus
 the device profile's runtime workspace (allocations beyond the counted tensors), against the measured
-peak growth during the plan (see `executor.validation_run`).
+peak growth during the plan (see `executor.validation.run`).
 
 `compare_runs(built, measurements)` is the comparison alone: tests feed it recorded measurements and
 plans simulated on a deliberately wrong profile, without executing anything.
@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from executor.validation_metrics import Comparison, Summary, summarize
-from executor.validation_run import Measurement, execute_plans
-from executor.validation_suite import (BuiltCase, SuiteCase, build_case, calibration_cases, quick_cases,
+from executor.validation.metrics import Comparison, Summary, summarize
+from executor.validation.run import Measurement, execute_plans
+from executor.validation.suite import (BuiltCase, SuiteCase, build_case, calibration_cases, quick_cases,
                                        quick_single_device_cases, single_device_cases, suite_cases, two_d_cases)
 from tracer.errors import SoapError
 
@@ -105,7 +105,7 @@ def load_or_calibrate(cluster: str, device: str, nproc: int, log: Callable[[str]
 
     local = f"local-{device}"
     if cluster == local and not (PROFILES_DIR / "clusters" / f"{local}.json").is_file():
-        from costmodel.calibrate import CalibrationConfig, calibrate, write_profiles
+        from costmodel.calibration.calibrate import CalibrationConfig, calibrate, write_profiles
 
         log(f"no {local} profile yet: running soap calibrate (a few minutes)")
         write_profiles(calibrate(CalibrationConfig(device=device, nproc=4 if device == "cpu" else nproc,

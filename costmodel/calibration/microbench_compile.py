@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from costmodel.microbench import DROPOUT_P, KernelCase, TimingConfig, time_kernel
+from costmodel.calibration.microbench import DROPOUT_P, KernelCase, TimingConfig, time_kernel
 from costmodel.opcost import MATMUL_LIKE, backward_kernels
 from costmodel.profiles_json import MAX_COMPILE_FACTOR, MIN_COMPILE_FACTOR
 
@@ -225,7 +225,7 @@ def compile_factors_json(samples: Sequence[CompileSample], *, source: str, low: 
     return {
         "source": source,
         "notes": {
-            "method": "costmodel.microbench_compile: each class in its Hugging Face chain, eager against "
+            "method": "costmodel.calibration.microbench_compile: each class in its Hugging Face chain, eager against "
                       "torch.compile(fullgraph=True, dynamic=False), forward and backward, fastest of the rounds; "
                       f"factor = compiled / eager chain time; a class/pass is kept only where every size is more than "
                       f"{NOISE_BAND:.0%} from 1 on the same side, else left out (= 1)",

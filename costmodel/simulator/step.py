@@ -37,7 +37,7 @@ is `costmodel.memory_schedule.rank_activation_peaks`, the estimator's rule, and 
 Buffers (FSDP's gathered units among them) are a constant per rank (`costmodel.memory.buffer_bytes`).
 
 Order of evaluation (`run_step`): each rank's tasks are timed as they are issued
-(`costmodel.simulator_engine.RankLanes`), the rank's actions in schedule order; where an action's input is
+(`costmodel.simulator.engine.RankLanes`), the rank's actions in schedule order; where an action's input is
 a transfer the sending rank has not issued yet, the rank waits and the next rank goes on (as `dry_run`
 runs a schedule), so every dependency is timed before the task that reads it. Without host shares (GPU
 profiles) an action is one chain (`RankLanes.compute_chain`: its chunks' computes, collectives, gathers
@@ -52,8 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.schedule import B, F, I, SEND_B, SEND_F, W
-from costmodel.simulator_costs import StepCosts
-from costmodel.simulator_engine import Deadlock, Done, RankLanes
+from costmodel.simulator.costs import StepCosts
+from costmodel.simulator.engine import Deadlock, Done, RankLanes
 
 _FORWARD, _BACKWARD, _XFER_FORWARD, _XFER_BACKWARD = range(4)
 """Kinds of the keys other tasks wait on: (kind, stage, micro-batch) -> the action's (or transfer's) last task."""

@@ -1,14 +1,14 @@
 """Simulate one training step: `simulate(graph, strategy, cluster) -> SimResult`.
 
 Pipeline (each step a module):
-1. `costmodel.simulator_pricing.price_step`: OpGraph + Strategy + ClusterSpec -> `StepCosts`, the
+1. `costmodel.simulator.pricing.price_step`: OpGraph + Strategy + ClusterSpec -> `StepCosts`, the
    per-micro-batch cost of every chunk (block instance) of every stage on one representative rank,
    from `costmodel.placement` (which split each op gets and the collectives it implies),
    `costmodel.opcost.op_time`, `costmodel.collectives.collective_time` and `costmodel.memory`.
-2. `costmodel.simulator_step.run_step`: StepCosts + the pipeline schedule (`costmodel.schedule`)
+2. `costmodel.simulator.step.run_step`: StepCosts + the pipeline schedule (`costmodel.schedule`)
    -> every task of each pipeline rank's streams (compute, tp-comm, dp-comm, pp-p2p), timed as it is
-   issued by `costmodel.simulator_engine.RankLanes` (discrete-event simulation with link contention).
-3. `costmodel.simulator_result.analyse`: step time, breakdown, memory over time, timeline.
+   issued by `costmodel.simulator.engine.RankLanes` (discrete-event simulation with link contention).
+3. `costmodel.simulator.result.analyse`: step time, breakdown, memory over time, timeline.
 
 Symmetry: all DP, TP and CP ranks of a pipeline stage do the same work, so one representative per
 pipeline rank is simulated; a 16,384-GPU plan with pp=16 simulates 16 ranks.
@@ -22,9 +22,9 @@ import gc
 from collections.abc import Sequence
 
 from costmodel.profiles import ClusterSpec
-from costmodel.simulator_costs import StepCosts
-from costmodel.simulator_result import SimResult, StepFacts, analyse
-from costmodel.simulator_step import run_step
+from costmodel.simulator.costs import StepCosts
+from costmodel.simulator.result import SimResult, StepFacts, analyse
+from costmodel.simulator.step import run_step
 from costmodel.strategy import Strategy
 from tracer.ir import OpGraph
 
@@ -52,12 +52,12 @@ def simulate(
 ) -> SimResult:
     """Simulate one optimizer step of `strategy` for the model `graph` on `cluster`.
 
-    `stages`: pipeline stages over the layer sequence (see `costmodel.simulator_stages`), as bounds
+    `stages`: pipeline stages over the layer sequence (see `costmodel.simulator.stages`), as bounds
     `(0, b1, ..., L)` or as per-stage `(first, end)` ranges, pp * virtual_stages of them; default: a
     balanced split.
     `pricer`: the cost functions (default `ProfilePricer(cluster, strategy)`); tests inject fakes.
     """
-    from costmodel.simulator_pricing import price_step
+    from costmodel.simulator.pricing import price_step
 
     costs, facts = price_step(graph, strategy, cluster, stage_bounds=stages, pricer=pricer)
     return simulate_costs(costs, facts)

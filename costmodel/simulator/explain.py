@@ -1,7 +1,7 @@
 """What each op costs under a strategy: the table behind "why is this plan this fast".
 
 `op_costs(graph, strategy, cluster)` prices every op of the graph the way the simulator does
-(`costmodel.simulator_pricing`): its split (`costmodel.placement`), its forward and backward time on
+(`costmodel.simulator.pricing`): its split (`costmodel.placement`), its forward and backward time on
 the local shard for one micro-batch, and the time of the collectives its split implies. Rows are per
 traced op; `count` says how many times it runs per micro-batch in the full model (a block's instance
 count), so `count * (fwd_s + bwd_s + comm_s)` summed over rows is one micro-batch's serial work
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from costmodel.opcost import activation_itemsize
 from costmodel.placement import ActivationShape, block_placements
 from costmodel.profiles import ClusterSpec
-from costmodel.simulator_pricing import Pricer, ProfilePricer, mesh_groups, node_ranks
+from costmodel.simulator.pricing import Pricer, ProfilePricer, mesh_groups, node_ranks
 from costmodel.strategy import Strategy
 from tracer.ir import OpGraph
 

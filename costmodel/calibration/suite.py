@@ -1,7 +1,7 @@
 """What `soap calibrate` measures: kernel sweeps and collective sweeps, full or quick.
 
 Each sweep is a list of cases along one axis (a kernel at growing shapes, a collective at growing
-message sizes). Held-out validation splits every sweep by position (`calibrate_fit.held_out`), so
+message sizes). Held-out validation splits every sweep by position (`fit.held_out`), so
 held-out points lie between fitted ones and test interpolation, never extrapolation.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from costmodel.microbench import MEMORY_BOUND_OPS, KernelCase
-from costmodel.microbench_comm import COMM_KINDS, CommCase
+from costmodel.calibration.microbench import MEMORY_BOUND_OPS, KernelCase
+from costmodel.calibration.microbench_comm import COMM_KINDS, CommCase
 
 OVERHEAD_CASE = KernelCase("add", (1, 1), "float32")
 """A kernel that moves 12 bytes: its time is the per-kernel overhead."""

@@ -1,13 +1,13 @@
 """`soap calibrate`: measure this machine, fit a device and a cluster profile, validate on held-out points.
 
 Pipeline (`calibrate`):
-1. `measure`: run every kernel sweep (`calibrate_suite.kernel_sweeps`) in this process, with
+1. `measure`: run every kernel sweep (`suite.kernel_sweeps`) in this process, with
    `threads` torch threads (on CPU one rank is one core by default), and every collective sweep
-   (`calibrate_suite.comm_sweeps`) in spawned process groups of 2, 4, ... ranks.
-2. Split each sweep: every third point is held out (`calibrate_fit.held_out`); the rest is the fit set.
-3. `calibrate_device.fit_device` / `calibrate_cluster.fit_cluster` turn the fit set into profile JSON:
+   (`suite.comm_sweeps`) in spawned process groups of 2, 4, ... ranks.
+2. Split each sweep: every third point is held out (`fit.held_out`); the rest is the fit set.
+3. `device.fit_device` / `cluster.fit_cluster` turn the fit set into profile JSON:
    closed-form estimates refined through the cost model's own functions.
-3b. `calibrate_node`: how a rank behaves inside a training step rather than alone — the optimizer step
+3b. `node`: how a rank behaves inside a training step rather than alone — the optimizer step
    against its one-pass estimate, kernels while every rank of the node computes, collectives beside
    compute and a framework's host time per collective — become the device's `optimizer_factors`,
    `concurrency_efficiency`, `communication_overlap` and `collective_call_overhead_us` (the last three
@@ -33,16 +33,16 @@ from pathlib import Path
 
 import torch
 
-from costmodel.calibrate_cluster import closed_form_link, cluster_json, refine_link
-from costmodel.calibrate_device import closed_form_device, family_key, refine_device
-from costmodel.calibrate_fit import held_out
-from costmodel.calibrate_node import (OPTIMIZER_QUICK_ELEMENTS, OPTIMIZER_SWEEP_ELEMENTS, NodeMeasurements,
+from costmodel.calibration.cluster import closed_form_link, cluster_json, refine_link
+from costmodel.calibration.device import closed_form_device, family_key, refine_device
+from costmodel.calibration.fit import held_out
+from costmodel.calibration.node import (OPTIMIZER_QUICK_ELEMENTS, OPTIMIZER_SWEEP_ELEMENTS, NodeMeasurements,
                                       measure_concurrency, measure_optimizer, measure_overlap, node_fields)
-from costmodel.calibrate_predict import PointError, predict_comm, predict_kernel
-from costmodel.calibrate_suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
-from costmodel.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
-from costmodel.microbench_compile import CompileSample, compile_cases, compile_factors_json, measure_compile
-from costmodel.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
+from costmodel.calibration.predict import PointError, predict_comm, predict_kernel
+from costmodel.calibration.suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
+from costmodel.calibration.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
+from costmodel.calibration.microbench_compile import CompileSample, compile_cases, compile_factors_json, measure_compile
+from costmodel.calibration.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
 from costmodel.profiles import PROFILES_DIR, ClusterSpec, cluster_from_dict
 from tracer.errors import SoapError
 from tracer.files import write_atomic
@@ -65,7 +65,7 @@ class CalibrationConfig:
     rounds: int = 2
     """Passes over every sweep; each case keeps its fastest pass."""
     compile: bool = True
-    """Time torch.compile against eager per kernel class (`costmodel.microbench_compile`); never under
+    """Time torch.compile against eager per kernel class (`costmodel.calibration.microbench_compile`); never under
     `quick`."""
     reference_precision: str = "fp32"
     """The precision the device trains in, whose kernels shape the efficiency curves (`soap calibrate`
@@ -101,9 +101,9 @@ class Measurements:
     host_bandwidth: float | None = None
     """Bytes/s of a pinned host-to-device copy (CUDA only)."""
     node: NodeMeasurements = NodeMeasurements()
-    """The optimizer step, concurrency and overlap measurements (`costmodel.calibrate_node`)."""
+    """The optimizer step, concurrency and overlap measurements (`costmodel.calibration.node`)."""
     compile: tuple[CompileSample, ...] = ()
-    """Eager against torch.compile per kernel class (`costmodel.microbench_compile`); empty: not measured."""
+    """Eager against torch.compile per kernel class (`costmodel.calibration.microbench_compile`); empty: not measured."""
 
     @property
     def source(self) -> str:

@@ -1,8 +1,8 @@
 """The simulator's cost tables: what one micro-batch costs on one representative rank of each stage.
 
-The simulator works in two phases. Pricing (`costmodel.simulator_pricing`) turns an OpGraph, a
+The simulator works in two phases. Pricing (`costmodel.simulator.pricing`) turns an OpGraph, a
 Strategy and a ClusterSpec into a `StepCosts`: plain numbers per stage and per chunk (one block
-instance, or a run of non-block ops). Simulation (`costmodel.simulator_step`) turns a `StepCosts`
+instance, or a run of non-block ops). Simulation (`costmodel.simulator.step`) turns a `StepCosts`
 and the pipeline schedule into timed tasks. Tests build `StepCosts` by hand to check the
 simulation against textbook formulas; the planner can build them once per candidate and re-simulate.
 

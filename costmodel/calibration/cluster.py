@@ -4,16 +4,16 @@ Ring accounting (nccl-tests): for a group of n ranks and a message of `nbytes`,
     all_reduce:                          steps 2(n−1), bus bytes 2(n−1)/n · nbytes
     all_gather, reduce_scatter, all_to_all: steps n−1,  bus bytes (n−1)/n · nbytes
     send_recv:                           steps 1,      bus bytes nbytes
-`calibrate_fit.alpha_beta` fits t = steps·alpha + bus_bytes/beta over every fit point; the
+`fit.alpha_beta` fits t = steps·alpha + bus_bytes/beta over every fit point; the
 per-message-size efficiency e(nbytes) = bus_bytes / (beta · (t − steps·alpha)) is binned by size, and
 `bandwidth_gbps` is beta raised to the fastest point so that e ≤ 1. The knots and the latency are then
-refined through `costmodel.collectives.collective_time` on the fit set (`calibrate_fit.refine_knots`).
+refined through `costmodel.collectives.collective_time` on the fit set (`fit.refine_knots`).
 
 A local machine has one link level: `inter_node` carries the same figures as `intra_node`, noted as
 such. What the shared curve cannot express (gloo's algorithms differ per collective and per group size
 on an oversubscribed CPU) is fitted as data: a factor curve against message bytes per collective and
 group size (`collective_factors`, key `kind/n`, n the group `collective_time` sees: 2 for send/recv),
-on the fit set through `collective_time` (`calibrate_fit.fit_factor_curve`), which reads it.
+on the fit set through `collective_time` (`fit.fit_factor_curve`), which reads it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from costmodel.calibrate_fit import alpha_beta, efficiency_points, fit_factor_curve, mean_abs_log_error, refine_knots
-from costmodel.calibrate_predict import comm_group, predict_comm
-from costmodel.microbench_comm import CommSample
+from costmodel.calibration.fit import alpha_beta, efficiency_points, fit_factor_curve, mean_abs_log_error, refine_knots
+from costmodel.calibration.predict import comm_group, predict_comm
+from costmodel.calibration.microbench_comm import CommSample
 from costmodel.profiles import ClusterSpec, EfficiencyCurve, FactorCurve, cluster_from_dict
 
 

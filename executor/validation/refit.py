@@ -1,4 +1,4 @@
-"""The simulator's step split into the terms `costmodel.calibrate_runs` refits, for a plan that ran.
+"""The simulator's step split into the terms `costmodel.calibration.runs` refits, for a plan that ran.
 
     K = T - T(kernel overhead 0)
     A = T - T(activation collectives free: `activation_collective_factor` 0)
@@ -11,7 +11,7 @@ split follows overlap and the pipeline schedule the way the simulator does.
 Memory: the device's runtime workspace (`runtime_workspace_mib`) is refitted as the median, over the
 runs whose peak memory was measured comparably (peak growth during the plan, or CUDA's allocated
 peak), of measured minus predicted peak (context excluded, workspace not yet added), at least 0.
-The device's `allocator_reserve_fraction` is refitted (`costmodel.calibrate_runs.fit_allocator_reserve`)
+The device's `allocator_reserve_fraction` is refitted (`costmodel.calibration.runs.fit_allocator_reserve`)
 from the records that report both `peak_memory_allocated_gib` and `peak_memory_reserved_gib` (CUDA runs
 of `soap validate` and `soap execute`; they need no plan), its source naming the runs; without such
 records the profile's fraction is kept as it was.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from costmodel.calibrate_runs import Multipliers, StepParts
+from costmodel.calibration.runs import Multipliers, StepParts
 from costmodel.profiles import ClusterSpec
 from tracer.errors import SoapError
 
@@ -103,7 +103,7 @@ def refit_cluster(records: Sequence[dict[str, Any]], cluster: ClusterSpec,
                   graphs: dict[str, Any] | None = None) -> tuple[Multipliers, dict, list[StepParts]]:
     """Fit the multipliers and the runtime workspace on `records` (runs-log records with their plan) and
     refit `cluster` by them."""
-    from costmodel.calibrate_runs import apply_multipliers, fit_multipliers
+    from costmodel.calibration.runs import apply_multipliers, fit_multipliers
     from costmodel.profiles import cluster_to_dict
     from planner.plan import plan_from_dict
     from planner.regimes import regime_dtype
@@ -147,7 +147,7 @@ NAMED_RUNS = 6
 def allocator_reserve_entry(records: Sequence[dict[str, Any]]) -> dict | None:
     """The profile entry `{"value": f, "source": ...}` fitted from the records that report both allocator
     peaks, or None when none does."""
-    from costmodel.calibrate_runs import fit_allocator_reserve
+    from costmodel.calibration.runs import fit_allocator_reserve
 
     def positive(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
@@ -169,7 +169,7 @@ def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Ref
 
     from costmodel.profiles import PROFILES_DIR, load_cluster
     from executor.runs_log import read_runs
-    from executor.validation_metrics import mape
+    from executor.validation.metrics import mape
     from tracer.files import write_atomic
 
     cluster = load_cluster(cluster_name)

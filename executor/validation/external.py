@@ -1,4 +1,4 @@
-"""Calibrate a GPU profile from run records of outside runs (`executor.run_records`), and say how well it
+"""Calibrate a GPU profile from run records of outside runs (`executor.validation.run_records`), and say how well it
 predicts runs it was not fitted on.
 
 1. Each record is planned as published (`RunRecord.pins`; `planner.api.plan_report` with every stated
@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from costmodel.calibrate_runs import scale_entry
+from costmodel.calibration.runs import scale_entry
 from costmodel.profiles import PRECISION_KEYS, ClusterSpec, FactorCurve
-from executor.run_records import TORCH_NATIVE, RunRecord
+from executor.validation.run_records import TORCH_NATIVE, RunRecord
 from tracer.errors import SoapError
 
 MEMORY_BOUND_CLASSES = ("arithmetic", "transcendental", "softmax", "norm", "dropout", "tanh")
@@ -119,7 +119,7 @@ def _variants(cluster: ClusterSpec, factor: float) -> dict[str, ClusterSpec]:
 def step_terms(plan: Any, graph: Any, cluster: ClusterSpec) -> tuple[dict[str, float], float]:
     """The simulated step of `plan` split into `PART_NAMES`: each term's marginal share (module docstring),
     `other` what no term scales."""
-    from executor.validation_refit import simulate_on
+    from executor.validation.refit import simulate_on
 
     total = simulate_on(plan, graph, cluster).step_time_s
     p = plan.parallelism
@@ -141,7 +141,7 @@ def step_terms(plan: Any, graph: Any, cluster: ClusterSpec) -> tuple[dict[str, f
 def prepare(record: RunRecord, *, cluster: str | None = None, graphs: dict | None = None) -> Prepared:
     """Plan `record` as published on its cluster profile and split its simulated step."""
     from costmodel.profiles import load_cluster
-    from executor.validation_refit import trace_plan_model
+    from executor.validation.refit import trace_plan_model
     from planner.api import plan_report
 
     name = record.cluster or cluster
@@ -375,7 +375,7 @@ def fitted_cluster(prepared: Prepared, result: Fit, *, with_stack: bool = True) 
 
 def predict(prepared: Prepared, result: Fit | None, *, with_stack: bool = True) -> Prediction:
     """Re-simulate the run on its cluster refitted by `result` (None: the profile as it is)."""
-    from executor.validation_refit import simulate_on
+    from executor.validation.refit import simulate_on
 
     record = prepared.record
     cluster = prepared.cluster if result is None else fitted_cluster(prepared, result, with_stack=with_stack)
@@ -446,7 +446,7 @@ def split_path(spec: str) -> tuple[str, str | None]:
 
 
 def load_records(specs: Sequence[str], *, cluster: str | None) -> list[RunRecord]:
-    from executor.run_records import read_records
+    from executor.validation.run_records import read_records
 
     records: list[RunRecord] = []
     for spec in specs:
