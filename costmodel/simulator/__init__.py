@@ -14,6 +14,9 @@ Symmetry: all DP, TP and CP ranks of a pipeline stage do the same work, so one r
 pipeline rank is simulated; a 16,384-GPU plan with pp=16 simulates 16 ranks.
 
 Both entry points are pure (no I/O) and deterministic; `simulate_costs` takes hand-made cost tables.
+
+The package may import `tracer` and the rest of `costmodel` (never `costmodel.calibration`, which fits
+the profiles it reads); the planner and the executor's validation import it.
 """
 
 from __future__ import annotations
