@@ -109,12 +109,13 @@ def main() -> None:
         "reserve fitted: no row reports both peaks). Every row peaks in the loss's backward, after the blocks, so "
         "torch.compile's rule (`costmodel.memory_activations.compiled_keep`: a compiled block keeps what Inductor's "
         "partitioner saves) leaves these selective and full-recompute rows as eager. "
-        "The loss's working set is priced as soap's executor keeps it (measured on CPU, "
-        "`tests/test_memory.py`): 3.5 x the fp32 logits, the head's 16-bit logits held by the training loop; torchtitan "
-        "frees them before backward (3.0 x), so soap stays about 0.5 x the logits high here. Measured on CPU and not "
-        "priced: compiled selective checkpointing drops the saved matmul outputs no backward reads (each block's last "
-        "projection, [tokens, hidden] at 2 bytes: 4.0 GiB at 16k tokens over 32 layers), which soap's selective set "
-        "(matmul inputs) does not hold; compiled rows sit highest.",
+        "The loss's working set is what soap's executor keeps, as torchtitan does (`del pred`; measured on CPU, "
+        "`tests/test_memory.py`): 3.0 x the fp32 logits, the logits not held through backward. Selective "
+        "checkpointing is torchtitan's `selective_ac_option = 'op'`, the executor's policy and the rows' (each block "
+        "keeps its input, every other weight matmul's output and the SDPA output; measured against the policy on "
+        "CPU, `tests/test_selective_checkpointing.py`). Measured on CPU and not priced: compiled selective "
+        "checkpointing also drops a cached output no backward reads (each block's down projection, [tokens, hidden] "
+        "at 2 bytes: 4.0 GiB at 16k tokens over 32 layers).",
         "",
         *rows,
     ])

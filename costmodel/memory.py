@@ -375,6 +375,7 @@ def estimate_memory(
     split: Mapping[str, int] | None = None,
     in_flight_microbatches: int = 1,
     vocab_parallel: bool | None = None,
+    pipelined: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one rank that runs `ops` (default: all of `graph`) under `train`.
 
@@ -386,6 +387,7 @@ def estimate_memory(
     - `in_flight_microbatches`: micro-batches whose activations are live at once (1 without pipeline;
       a 1F1B stage s of p holds p - s).
     - `vocab_parallel`: whether tp also shards the token embedding and LM head (`stage_params`).
+    - `pipelined`: the run has pipeline stages, which hold the logits through backward.
     """
     if train.seq_len != graph.seq_len:
         raise SoapError(
@@ -416,6 +418,7 @@ def estimate_memory(
         block_counts=counts,
         recompute_per_block=dict(train.recompute_per_block),
         compiled=train.compile,
+        pipelined=pipelined,
     )
     return MemoryBreakdown(
         weights=state.weights,

@@ -20,13 +20,13 @@ Attention implementation (`attention_saved`), for ops of kind ATTENTION (the fus
 Recompute policies (`block_saved`), applied to ops inside repeated blocks (ops outside blocks, the
 embeddings, final norm, LM head and loss, are never checkpointed):
 - none: every op keeps its saved tensors.
-- selective: keep what matmuls, embeddings and losses save (their inputs) and what the attention core
-  saves except its logsumexp (q, k, v, out: the inputs and output of the recomputed region, and for
-  eager the s x s probabilities are dropped); drop what softmax, norms, element-wise, reduction and
-  copy ops save: backward recomputes those memory-bound ops (and the attention core) from the kept
-  tensors, one block at a time, so the dropped tensors of one block are live again during its
-  backward. It is an estimate: a real selective policy also keeps the few tensors the recomputation
-  starts from (the residual stream before a norm).
+- selective: op-level selective checkpointing as the executor runs it (torchtitan's "op" policy,
+  `selective_cached`): each block instance keeps its input and the outputs of every other weight matmul
+  (the 1st, 3rd, ... in the block: q and v, gate and down for a Llama layer) and of every SDPA core (its
+  output and fp32 logsumexp); backward recomputes everything else (norms, element-wise ops, the other
+  matmuls, an eager attention core) from those, one block at a time, so the rest of one block's none
+  set is live again during its backward. Measured on CPU against the executor's policy
+  (tests/test_selective_checkpointing.py): equal, tensor for tensor, on Llama, GPT-2 and BERT layers.
 - full: each block instance keeps only its input (the first input of its first op that has a sample
   dimension); backward recomputes one block at a time, so one block's "none" set, less the input it
   already holds, is live at once.
@@ -55,31 +55,9 @@ the MLP input, gate, up and their product. Eager keeps 2 x (10h + 2k + 4f) + 40 
 the block input and the o_proj output, the fp32 copies of both norm inputs (4h bytes each) and their
 bf16 normalized outputs, and also the SiLU output. `compiled_keep` on soap's trace of the same layer
 gives 7,584 bytes per token (-0.1%: the norm statistics); its eager none set is eager's 11,048 exactly.
-Compiled selective checkpointing (the executor's policy: every matmul and attention output must be
-saved) keeps eager's set less the saved outputs no backward reads (the block's last projection,
-2h bytes per token: measured the same test), a set soap's selective estimate (matmul inputs) does not
-hold, so selective's kept set is not lowered here.
-
-Loss working set (`loss_working_set`), counted with what the loss op saves (its log-probabilities):
-the training loop holds the logits the head produced (at the run's activation width: a 16-bit run's
-loss upcasts a copy, `cross_entropy(logits.float())`, which the log-softmax does not keep) from forward
-until backward, and the loss's backward creates the gradient of the log-probabilities and then that of
-the (fp32) logits while everything saved is still live: 2 x the loss's floating-point inputs plus the
-held logits at their local size. For a language model these are [tokens, vocab] tensors, the largest
-activations of the step. Measured on CPU: in fp32 (RSS per phase, single process) the backward's peak
-exceeds the end of forward by 2 x the logits bytes for gpt2, llama and bert alike (4 x the logits at
-the peak); with a bf16 head and the executor's fp32 loss (live storages tracked), the peak is 3.5 x the
-fp32 logits, 3.0 x where the loop frees its logits before backward (torchtitan's `del pred`). A pipeline holds the whole epilogue per micro-batch in flight, which
-over-counts the two gradients there (they exist for one micro-batch at a time). Under tensor
-parallelism without a pipeline the head's logits and the loss are vocab-parallel
-(`executor.tensor_parallel`): these tensors, whose vocabulary dimension has the parameter role, hold
-the rank's vocabulary shard, so a `split` of {"parameter": tp} divides them by tp as it should (the
-simulator passes each op's own split, `costmodel.placement`, which replicates them under a pipeline).
-
-Peak (`activation_bytes`; its terms from `activation_parts`): with none, the end of the forward pass,
-when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With recomputation,
-the same at the end of forward, or later, once the epilogue's backward has freed its tensors and one
-block is recomputed: prologue + kept + max(epilogue, largest block's none set - what it kept).
+Compiled selective checkpointing also drops a cached output no backward reads (the block's last
+projection, 2h bytes per token, when it is cached: measured the same test); not modelled, so selective's
+kept set is not lowered under compile.
 """
 
 from __future__ import annotations
@@ -93,7 +71,8 @@ from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_ro
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 ATTENTION_IMPLS = ("sdpa", "eager")
-SELECTIVE_KEEPS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS})
+SELECTIVE_MATMUL_PERIOD = 2
+"""Selective checkpointing caches one weight matmul output in this many (`selective_cached`)."""
 FUSIBLE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION, OpKind.COPY, OpKind.VIEW})
 """Op kinds Inductor fuses into pointwise and reduction kernels, recomputed rather than saved when compiled."""
 LOSS_GRADIENTS = 2
@@ -197,29 +176,46 @@ def block_saved(ops: Sequence[OpNode], policy: str, attention: str, cp: int = 1,
         if compiled:
             return tuple(t for kept in compiled_keep(ops, [op_saved(op, attention, cp) for op in ops]) for t in kept)
         return tuple(t for op in ops for t in op_saved(op, attention, cp))
-    if policy == "selective":
-        kept: list[TensorMeta] = []
-        for op in ops:
-            if op.kind in SELECTIVE_KEEPS:
-                kept.extend(op_saved(op, attention, cp))
-            elif op.kind is OpKind.ATTENTION and len(op.inputs) >= 2:
-                q = op.inputs[0]
-                kept.extend(t for t in _core_saved(op, cp) if not _is_logsumexp(t, q))
-        return tuple(kept)
     first = block_input(ops)
+    if policy == "selective":
+        kept = [] if first is None else [first]
+        for op, cached in zip(ops, selective_cached(ops, attention), strict=True):
+            if cached and op.kind is OpKind.ATTENTION:
+                q = op.inputs[0]
+                kept.extend((*op.outputs, *(t for t in _core_saved(op, cp) if _is_logsumexp(t, q))))
+            elif cached:
+                kept.extend(op.outputs)
+        return tuple(kept)
     return () if first is None else (first,)
 
 
-def loss_working_set(op: OpNode, *, low_precision: bool = False) -> tuple[TensorMeta, ...]:
+def selective_cached(ops: Sequence[OpNode], attention: str) -> tuple[bool, ...]:
+    """Per op of one block instance (in order), whether selective checkpointing caches its outputs: the
+    rule `executor.api.apply_recompute` runs (torchtitan's "op" policy): every other weight matmul,
+    counting from the first, and every SDPA attention core (its output and log-sum-exp); every other op,
+    the eager attention's matmuls and softmax included, is recomputed in backward from the block input
+    and the cached outputs. The memory models keep these outputs; the simulator and the estimator price
+    the forward of every op not cached as the recompute."""
+    cached, matmuls = [], 0
+    for op in ops:
+        if op.kind is OpKind.MATMUL and op.params:
+            matmuls += 1
+            cached.append(matmuls % SELECTIVE_MATMUL_PERIOD == 1)
+        else:
+            cached.append(op.kind is OpKind.ATTENTION and len(op.inputs) >= 2 and attention == "sdpa")
+    return tuple(cached)
+
+
+def loss_working_set(op: OpNode, *, low_precision: bool = False, pipelined: bool = False) -> tuple[TensorMeta, ...]:
     """The transient tensors around a loss op beyond what it saves (see the module docstring): the two
-    gradients at the loss input's width, and the logits the training loop holds, at 16 bits in a
-    `low_precision` run (the head's output, before the loss upcasts a copy)."""
+    gradients at the loss input's width and, in a `pipelined` run, the logits the stage holds, at 16 bits
+    in a `low_precision` run (the head's output, before the loss upcasts a copy)."""
     if op.kind is not OpKind.LOSS:
         return ()
     inputs = tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES)
     held = tuple(replace(t, dtype="bfloat16") if low_precision and t.dtype not in LOW_PRECISION_DTYPES else t
                  for t in inputs)
-    return inputs * LOSS_GRADIENTS + held
+    return inputs * LOSS_GRADIENTS + (held if pipelined else ())
 
 
 def traced_in_low_precision(ops: Sequence[OpNode]) -> bool:
@@ -282,9 +278,11 @@ def activation_parts(
     block_counts: Mapping[str, int] | None = None,
     recompute_per_block: Mapping[str, str] | None = None,
     compiled: bool = False,
+    pipelined: bool = False,
 ) -> ActivationParts:
     """The terms of `activation_bytes` (same arguments), for callers that schedule them themselves
-    (a pipeline keeps `blocks` per in-flight micro-batch but needs one `recompute_window`)."""
+    (a pipeline keeps `blocks` per in-flight micro-batch but needs one `recompute_window`). `pipelined`:
+    the run has pipeline stages, whose schedule holds the logits through backward (`loss_working_set`)."""
     if recompute not in RECOMPUTE_POLICIES:
         raise SoapError(f"unknown recompute policy {recompute!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
     if attention not in ATTENTION_IMPLS:
@@ -302,7 +300,8 @@ def activation_parts(
     seen_block = False
     for op in ops:
         if op.block_id is None:
-            saved = size(op_saved(op, attention, cp)) + size(loss_working_set(op, low_precision=low))
+            working = loss_working_set(op, low_precision=low, pipelined=pipelined)
+            saved = size(op_saved(op, attention, cp)) + size(working)
             if seen_block:
                 epilogue += saved
             else:
@@ -334,17 +333,18 @@ def activation_bytes(
     block_counts: Mapping[str, int] | None = None,
     recompute_per_block: Mapping[str, str] | None = None,
     compiled: bool = False,
+    pipelined: bool = False,
 ) -> int:
     """Peak bytes saved for backward by `ops` for one micro-batch (see the module docstring).
 
     `block_counts[block_id]` says how many instances of a block the representative ops stand for
     (default 1); `recompute_per_block` overrides `recompute` per block id; `compiled` is torch.compile on
-    every block.
+    every block; `pipelined`, a run with pipeline stages (`loss_working_set`).
     """
     return activation_parts(
         ops, micro_batch=micro_batch, batch_traced=batch_traced, recompute=recompute, attention=attention,
         split=split, precision=precision, block_counts=block_counts, recompute_per_block=recompute_per_block,
-        compiled=compiled,
+        compiled=compiled, pipelined=pipelined,
     ).peak
 
 
@@ -358,6 +358,7 @@ def chunk_activations(
     precision: str,
     block_input_bytes: float,
     compiled: bool = False,
+    pipelined: bool = False,
 ) -> tuple[int, int]:
     """(kept, recompute window) bytes of one chunk (a block instance, or a run of non-block ops) for one
     micro-batch, each op sized at its own local split (`costmodel.placement`): the one rule the
@@ -371,6 +372,7 @@ def chunk_activations(
     Under torch.compile (`compiled`, a block instance only) the none set is the partitioner's
     (`compiled_keep` over the whole chunk, since a fused op may keep a matmul output placed at another
     split), capped at the eager one: it is what none keeps and what the windows re-materialize.
+    `pipelined`: the run has pipeline stages (`loss_working_set`).
     """
     ops = tuple(placed)
 
@@ -385,7 +387,8 @@ def chunk_activations(
         total = 0.0
         for split, group in by_split([()] * len(ops)):
             parts = activation_parts([op for op, _ in group], micro_batch=micro_batch, batch_traced=batch_traced,
-                                     recompute=p, attention=attention, split=dict(split), precision=precision)
+                                     recompute=p, attention=attention, split=dict(split), precision=precision,
+                                     pipelined=pipelined)
             total += parts.prologue + parts.blocks + parts.epilogue
         return int(total)
 

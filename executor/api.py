@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from costmodel.memory_activations import SELECTIVE_MATMUL_PERIOD
 from costmodel.strategy import shards_vocabulary
 from executor import precision as precision_mod
 from executor.context_parallel import apply_cp
@@ -211,24 +211,46 @@ def _recompute_policy(plan: Plan) -> str:
 
 
 def apply_recompute(model: nn.Module, policy: str) -> None:
-    """Activation checkpointing per block: `full` recomputes each block, `selective` saves matmuls."""
+    """Activation checkpointing per block: `full` recomputes each block, `selective` caches what
+    `selective_policy` says."""
     if policy == "none":
         return
-    if not hasattr(model, "gradient_checkpointing_enable"):
+    if not hasattr(model, "activation_checkpointing_enable") and not hasattr(model, "gradient_checkpointing_enable"):
         raise SoapError(f"{type(model).__name__} does not support per-layer activation checkpointing")
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if policy == "selective":
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                torch.ops.aten._scaled_dot_product_efficient_attention.default,
-                torch.ops.aten._scaled_dot_product_flash_attention.default}
+        kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(selective_policy())
+    if hasattr(model, "activation_checkpointing_enable"):  # the old name warns and goes in transformers 6
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
-        def policy_fn(ctx: Any, op: Any, *args: Any, **kw: Any) -> CheckpointPolicy:
-            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy_fn)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+def selective_policy() -> Callable:
+    """A fresh policy for one checkpointed block (torchtitan's "op" selective checkpointing): cache the
+    output of every other weight matmul, counting from the first, and of every fused attention core;
+    recompute everything else in backward. Forward and recomputation count their matmuls apart, so both
+    make the same choices. `costmodel.memory_activations.selective_cached` prices this rule."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
+    attention = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+                 aten._scaled_dot_product_cudnn_attention.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu.default}
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in matmuls:
+            counts[ctx.is_recompute] += 1
+            save = counts[ctx.is_recompute] % SELECTIVE_MATMUL_PERIOD == 1
+        else:
+            save = op in attention
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def _mean_loss() -> Callable:

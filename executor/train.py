@@ -194,8 +194,10 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
                 with runtime.autocast():
                     inputs = forward_inputs(parallel.parts[0], ids[k * m:(k + 1) * m], labels[k * m:(k + 1) * m],
                                             positions)
-                    logits = model(**inputs, use_cache=False).logits
-                    loss = loss_fn(logits, labels[k * m:(k + 1) * m])
+                    # the logits are not bound to a name: nothing holds them through backward, which reads
+                    # only the loss's log-probabilities (torchtitan's `del pred`;
+                    # `costmodel.memory_activations.loss_working_set` prices it)
+                    loss = loss_fn(model(**inputs, use_cache=False).logits, labels[k * m:(k + 1) * m])
                 (runtime.scaler.scale(loss) if runtime.scaler else loss).backward()
     else:
         rows = p.micro_batch * (p.num_microbatches // p.grad_accum)

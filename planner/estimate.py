@@ -9,9 +9,9 @@ stages:
     t_r = sum_u c_u [fwd_u + bwd_u + recompute_u + tp_u + cp_u] + 2 p2p
     fwd_u, bwd_u   `costmodel.opcost.op_time` over the unit's ops at local shapes
                    (split: parameter=tp, attribute=cp) for micro-batch mb;
-    recompute_u    full: fwd_u again; selective: the forward of the ops selective checkpointing drops
-                   (all but matmuls, embeddings and losses: the attention core and the memory-bound
-                   ops), as the simulator prices it;
+    recompute_u    full: fwd_u again; selective: the forward of the ops selective checkpointing does
+                   not cache (every op but every other weight matmul and the SDPA cores:
+                   `costmodel.memory_activations.selective_cached`), as the simulator prices it;
     tp_u           2 x (TP regions) all-reduces of mb*s/cp*hidden activations in the tp group (3 x
                    under full recompute, whose forward runs them again);
     cp_u           per attention core, all-gather K,V forward and reduce-scatter dK,dV backward in the
@@ -50,11 +50,12 @@ import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import GRAD_BYTES, MemoryBreakdown, model_state_bytes
+from costmodel.memory_activations import selective_cached
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import is_expert
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
-from costmodel.simulator.pricing import SELECTIVE_KEEPS, data_parallel_traffic, offload_host_bytes
+from costmodel.simulator.pricing import data_parallel_traffic, offload_host_bytes
 from costmodel.strategy import ParallelDims, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
@@ -126,13 +127,15 @@ class Estimator:
 
     # --- cached per-unit costs ------------------------------------------------------------------
     def _unit_time_uncached(
-        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str
+        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, attention: str
     ) -> tuple[float, float, float, float]:
         """(forward, backward, attention-core forward, selective recompute) seconds of one instance of
-        unit u; the selective recompute is the forward of the ops whose saved tensors selective
-        checkpointing drops, as the simulator prices it (`costmodel.simulator.pricing.SELECTIVE_KEEPS`)."""
+        unit u; the selective recompute is the forward of the ops selective checkpointing does not cache,
+        as the simulator prices it (`costmodel.memory_activations.selective_cached`)."""
         dense, experts = {"parameter": tp, "attribute": cp}, {"parameter": ep, "attribute": cp}
         fwd = bwd = attn = selective = 0.0
+        ops = self.units[u].ops
+        cached = {id(op): kept for op, kept in zip(ops, selective_cached(ops, attention), strict=True)}
         for op in self._costed_ops[u]:
             cost = op_time(
                 op, device=self.cluster.device, precision=precision, micro_batch=mb,
@@ -142,7 +145,7 @@ class Estimator:
             bwd += cost.bwd_s
             if op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
                 attn += cost.fwd_s
-            if op.kind not in SELECTIVE_KEEPS:
+            if not cached[id(op)]:
                 selective += cost.fwd_s
         return fwd, bwd, attn, selective
 
@@ -162,7 +165,7 @@ class Estimator:
             return (0, len(layers))
         # one precision for every candidate, so that all share the partition: bf16 where the device has it
         precision = next(p for p in ("bf16", "fp16", "fp32") if p in self.cluster.device.peak_flops)
-        times = [sum(self.unit_time(i, 1, 1, 1, 1, precision)[:2]) for i in layers]
+        times = [sum(self.unit_time(i, 1, 1, 1, 1, precision, "sdpa")[:2]) for i in layers]
         zeros = [0.0] * len(layers)
         part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
         assert part is not None, "a partition without memory limits always exists when stages <= layers"
@@ -177,13 +180,13 @@ class Estimator:
         return ranks
 
     def _unit_costs_uncached(
-        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, recompute: str
+        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, recompute: str, attention: str
     ) -> tuple[float, float, float]:
         """(compute with recompute, critical path with TP/CP communication, backward) seconds of one
         instance of unit u for one micro-batch."""
         unit, gpn, seq = self.units[u], self.cluster.gpus_per_node, self.graph.seq_len
         act_b = ACTIVATION_BYTES[precision]
-        fwd, bwd, attn, selective = self.unit_time(u, tp, cp, ep, mb, precision)
+        fwd, bwd, attn, selective = self.unit_time(u, tp, cp, ep, mb, precision, attention)
         policy = "none" if unit.id.startswith("<") else recompute
         compute = fwd + bwd + (fwd if policy == "full" else selective if policy == "selective" else 0.0)
         regions = 1 if unit.id.startswith("<") else unit.tp_regions
@@ -225,7 +228,7 @@ class Estimator:
 
     def _per_instance_uncached(self, tp: int, cp: int, ep: int, mb: int, precision: str) -> float:
         """One micro-batch through every unit instance without recompute (`time_floor`, memoized)."""
-        return sum(unit.repeat * self.unit_costs(u, tp, cp, ep, mb, precision, "none")[1]
+        return sum(unit.repeat * self.unit_costs(u, tp, cp, ep, mb, precision, "none", "sdpa")[1]
                    for u, unit in enumerate(self.units))
 
     # --- the estimate ---------------------------------------------------------------------------
@@ -234,11 +237,12 @@ class Estimator:
         return tuple(t.recompute_for(None if unit.id.startswith("<") else unit.id) for unit in self.units)
 
     def _rank_tables_uncached(self, pp: int, v: int, schedule: str, tp: int, cp: int, ep: int, mb: int, precision: str,
-                              policies: tuple[str, ...]) -> _RankTables:
+                              policies: tuple[str, ...], attention: str) -> _RankTables:
         """The per-rank sums of one micro-batch's unit costs (memoized: they read none of the candidate's
         data-parallel, ZeRO, optimizer or offload choices, nor its micro-batch count)."""
         counts = self.rank_counts(pp, v, schedule)
-        costs = np.array([self.unit_costs(u, tp, cp, ep, mb, precision, policy) for u, policy in enumerate(policies)])
+        costs = np.array([self.unit_costs(u, tp, cp, ep, mb, precision, policy, attention)
+                          for u, policy in enumerate(policies)])
         compute_unit, per_unit, bwd_unit = costs.T
         # local parameters per unit instance, as `costmodel.memory.stage_params` shards them (time only)
         alone = self.memory_tables.params(tp, ep, shards_vocabulary(tp=tp, pp=pp))
@@ -258,7 +262,8 @@ class Estimator:
     def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
         d, t = mesh.dims, train
         policies = self._policies(t.recompute, t.recompute_per_block)
-        tables_key = (d.pp, t.virtual_stages, t.schedule, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policies)
+        tables_key = (d.pp, t.virtual_stages, t.schedule, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policies,
+                      t.attention)
         tables = self._rank_tables(*tables_key)
         bottleneck = tables.bottleneck
 

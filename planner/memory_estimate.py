@@ -96,9 +96,10 @@ class MemoryTables:
         offload choices, which the enumeration varies most. `compiled`: torch.compile, whose partitioner saves
         less (`costmodel.memory_activations.compiled_keep`)."""
         policies = dict(recompute_per_block)
-        # placements read the pipeline degree only through the vocabulary rule, so a unit's activations are
-        # one table entry for every pp that shards the vocabulary as pp = 1 does
-        unit_pp = 1 if shards_vocabulary(tp=tp, pp=1) == shards_vocabulary(tp=tp, pp=pp) else pp
+        # a unit's activations read the pipeline degree only through whether there is a pipeline (its stages
+        # hold the logits) and the vocabulary rule, so they are one table entry for every pp > 1 that shards
+        # the vocabulary as pp = 2 does
+        unit_pp = 2 if pp > 1 and shards_vocabulary(tp=tp, pp=2) == shards_vocabulary(tp=tp, pp=pp) else pp
         unit_acts = np.array([
             self.unit_activations(u, tp, cp, ep, unit_pp, sequence_parallel, mb,
                                   "none" if unit.id.startswith("<") else policies.get(unit.id, recompute),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from functools import lru_cache, partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,30 +130,32 @@ def test_the_partitioner_saves_what_compiled_keep_predicts_on_a_llama_layer():
 
 
 def test_compiled_selective_checkpointing_drops_only_the_saved_output_no_backward_reads():
-    """The executor's selective policy (`executor.api.apply_recompute`: every matmul and attention output
-    must be saved) under torch.compile: eagerly the policy caches every such output plus the block input;
-    compiled, the partitioner keeps them all but the last projection's output, which only the residual sum
-    reads (2h bytes per token)."""
+    """The executor's selective policy (`executor.api.selective_policy`: every other weight matmul's and
+    every attention core's output is cached) under torch.compile: eagerly the policy caches those outputs
+    plus the block input; compiled, the partitioner keeps them all but the last projection's output,
+    which only the residual sum reads (2h bytes per token)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    layer, x, cos, sin = _llama_layer()
-    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    from executor.api import selective_policy
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    layer, x, cos, sin = _llama_layer()
+
+    def context():
+        return create_selective_checkpoint_contexts(selective_policy())
 
     def block(x):
         return checkpoint(lambda t: _run(layer, dict(layer.named_parameters()), t, cos, sin), x, use_reentrant=False,
-                          context_fn=partial(create_selective_checkpoint_contexts, policy))
+                          context_fn=context)
 
     class CachedOutputs(TorchDispatchMode):
         nbytes = 0
+        policy = staticmethod(selective_policy())
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in save:
+            if self.policy(SimpleNamespace(is_recompute=False), func) is CheckpointPolicy.MUST_SAVE:
                 self.nbytes += sum(t.numel() * t.element_size() for t in (out if isinstance(out, tuple) else (out,))
                                    if isinstance(t, torch.Tensor))
             return out

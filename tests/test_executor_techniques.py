@@ -107,3 +107,23 @@ def test_scaled_losses_sum_to_the_global_mean_over_any_split():
         local_logits, local_labels = shard.local(logits), shard.local(labels)
         per_rank.append(sum(loss(local_logits[i:i + 1], local_labels[i:i + 1]) for i in range(2)))
     assert (sum(per_rank) / 2).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_without_a_pipeline_nothing_holds_the_logits_through_backward(monkeypatch, precision):
+    """The memory rule `costmodel.memory_activations.loss_working_set` counts no held logits without a
+    pipeline: the training loop must have dropped them by the time the loss's backward starts."""
+    import weakref
+
+    alive: list[bool] = []
+    call = ScaledTokenLoss.__call__
+
+    def watched(self, logits, labels):
+        held = weakref.ref(logits)
+        loss = call(self, logits, labels)
+        loss.register_hook(lambda grad: alive.append(held() is not None))
+        return loss
+
+    monkeypatch.setattr(ScaledTokenLoss, "__call__", watched)
+    train(make_plan("llama", micro_batch=2, num_microbatches=2, precision=precision), RunConfig(steps=1, progress=False))
+    assert alive == [False, False]

@@ -60,7 +60,7 @@ def toy_graph(count=3):
 
 IDS, XB, QB, LSEB, FFNB, LOGITS = B * T * 8, X.nbytes, Q.nbytes, LSE.nbytes, FFN.nbytes, B * T * 100 * 4
 BLOCK_NONE = (XB + LSEB) + XB + (4 * QB + LSEB) + XB + FFNB + FFNB
-LOSS_WORKING_SET = 3 * LOGITS  # logits held by the loop + gradients of the log-probabilities and of the logits (fp32)
+LOSS_WORKING_SET = 2 * LOGITS  # gradients of the log-probabilities and of the logits (fp32); no pipeline holds the logits
 EPILOGUE = XB + LOGITS + LOSS_WORKING_SET
 
 
@@ -176,8 +176,8 @@ def test_full_recompute_keeps_block_inputs_plus_one_recomputed_block():
     assert _acts("full", count=30) < _acts("none", count=30) / 5
 
 
-def test_selective_drops_memory_bound_saves_but_keeps_matmul_inputs_and_qkv():
-    kept = XB + XB + 4 * QB + FFNB  # qkv input, up input, sdpa q/k/v/out (no lse), down input
+def test_selective_keeps_the_block_input_every_other_matmul_output_and_the_attention_output():
+    kept = XB + XB + QB + LSEB + XB  # block input, qkv (1st matmul) output, sdpa out and lse, down (3rd) output
     assert _acts("selective") == IDS + 3 * kept + max(EPILOGUE, BLOCK_NONE - kept)
     assert _acts("full") < _acts("selective") < _acts("none")
 
@@ -244,7 +244,7 @@ def test_a_graph_traced_in_bf16_keeps_its_fp32_upcasts():
     traced_fp32 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa",
                                    precision="bf16")
     # the two fp32 statistics stay at 4 bytes, and so do the gradients of the loss's fp32 (upcast) logits in its
-    # working set; the logits the loop holds are the head's, at 16 bits in both
+    # working set (no logits held: no pipeline)
     assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + 2 * LOGITS // 2
 
 
@@ -283,9 +283,9 @@ def test_loss_backward_holds_logits_and_two_gradients_of_their_size_beside_the_s
     from costmodel.memory import activation_parts
 
     none = activation_parts(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa")
-    assert none.epilogue == XB + LOGITS + 3 * LOGITS
+    assert none.epilogue == XB + LOGITS + 2 * LOGITS
     half = activation_parts(toy_ops(), micro_batch=B // 2, batch_traced=B, recompute="none", attention="sdpa")
-    assert half.epilogue == (XB + 4 * LOGITS) // 2  # scales with the micro-batch like every activation
+    assert half.epilogue == (XB + 3 * LOGITS) // 2  # scales with the micro-batch like every activation
 
 
 def test_zero2_keeps_the_fp32_shard_beside_gathered_parameters_and_one_unit_of_gradients_in_flight():
@@ -388,31 +388,39 @@ class _LiveStorages:
         weakref.finalize(storage, lambda: setattr(self, "now", self.now - self.live.pop(key, 0)))
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("dtype, precision", [("float32", "fp32"), ("bfloat16", "bf16")])
-def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, precision):
-    """The executor's loss (`executor.data`: cross_entropy on the logits upcast to fp32, the logits held
-    by the loop through backward) peaks at what the loss saves plus `loss_working_set`: 4 x the fp32
-    logits in fp32, 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
+def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, precision, pipelined):
+    """The executor's loss (`executor.data.ScaledTokenLoss`: cross_entropy on the logits upcast to fp32)
+    peaks at what the loss saves plus `loss_working_set`: 3 x the fp32 logits when nothing holds the
+    logits through backward (the executor's loop without a pipeline); held, as a pipeline stage holds its
+    output, 4 x in fp32 and 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
     import torch
-    import torch.nn.functional as F
 
     from costmodel.memory_activations import activation_parts
+    from executor.data import ScaledTokenLoss
 
     tokens, hidden, vocab = 256, 32, 2048
     torch_dtype = getattr(torch, dtype)
-    h = torch.randn(tokens, hidden, dtype=torch_dtype, requires_grad=True)
+    h = torch.randn(1, tokens, hidden, dtype=torch_dtype, requires_grad=True)
     w = torch.randn(vocab, hidden, dtype=torch_dtype, requires_grad=True)
-    labels = torch.randint(0, vocab, (tokens,))
+    labels = torch.randint(0, vocab, (1, tokens))
+    loss_fn = ScaledTokenLoss()
     live = _LiveStorages()
     with live.mode:
-        logits = h @ w.t()
-        F.cross_entropy(logits.float(), labels).backward()
+        if pipelined:
+            logits = h @ w.t()
+            loss = loss_fn(logits, labels)
+        else:
+            loss = loss_fn(h @ w.t(), labels)
+        loss.backward()
     measured = live.peak - (h.numel() + w.numel()) * h.element_size()  # less the two parameter gradients
     fp32_logits = act(tokens, vocab, roles=(S, P))  # as a 16-bit trace records the loss: its input upcast
     head = op("head", OpKind.MATMUL, None, (act(tokens, hidden, roles=(S, A), dtype=dtype),),
               (act(tokens, vocab, roles=(S, P), dtype=dtype),), (), (ParamMeta("head.weight", (vocab, hidden), dtype),))
-    loss = op("loss", OpKind.LOSS, None, (fp32_logits,), (act(roles=()),), (fp32_logits,))
-    predicted = activation_parts([head, loss], micro_batch=1, batch_traced=1, recompute="none", attention="sdpa",
-                                 precision=precision).prologue
-    assert measured / fp32_logits.nbytes == pytest.approx({"fp32": 4.0, "bf16": 3.5}[precision], abs=0.02)
+    loss_op = op("loss", OpKind.LOSS, None, (fp32_logits,), (act(roles=()),), (fp32_logits,))
+    predicted = activation_parts([head, loss_op], micro_batch=1, batch_traced=1, recompute="none", attention="sdpa",
+                                 precision=precision, pipelined=pipelined).prologue
+    expected = {"fp32": 4.0, "bf16": 3.5}[precision] if pipelined else 3.0
+    assert measured / fp32_logits.nbytes == pytest.approx(expected, abs=0.02)
     assert predicted == pytest.approx(measured, rel=0.01)

@@ -97,7 +97,8 @@ def test_memoized_estimate_equals_a_fresh_estimators(tmp_path):
 
 
 def test_unit_activations_read_the_pipeline_degree_only_through_the_vocabulary_rule(tmp_path):
-    """The estimator keys a unit's activations on pp = 1 wherever pp shards the vocabulary as pp = 1 does."""
+    """The estimator keys a unit's activations on pp = 2 for every pipeline that shards the vocabulary as pp = 2
+    does: they read the degree only through that rule and whether there is a pipeline (which holds the logits)."""
     from costmodel.strategy import shards_vocabulary
     from planner.api import make_request
     from planner.memory_estimate import MemoryTables
@@ -113,10 +114,10 @@ def test_unit_activations_read_the_pipeline_degree_only_through_the_vocabulary_r
     for u in range(len(tables.units)):
         for tp, cp, sp, policy, compiled in [(1, 1, False, "none", False), (2, 1, True, "selective", True),
                                              (4, 2, False, "full", False), (1, 1, False, "none", True)]:
-            one = tables._unit_activations_uncached(u, tp, cp, 1, 1, sp, 2, policy, "bf16", "sdpa", compiled)
-            for pp in (2, 4):
-                if shards_vocabulary(tp=tp, pp=pp) == shards_vocabulary(tp=tp, pp=1):
-                    assert tables._unit_activations_uncached(u, tp, cp, 1, pp, sp, 2, policy, "bf16", "sdpa", compiled) == one
+            two = tables._unit_activations_uncached(u, tp, cp, 1, 2, sp, 2, policy, "bf16", "sdpa", compiled)
+            for pp in (4, 8):
+                if shards_vocabulary(tp=tp, pp=pp) == shards_vocabulary(tp=tp, pp=2):
+                    assert tables._unit_activations_uncached(u, tp, cp, 1, pp, sp, 2, policy, "bf16", "sdpa", compiled) == two
 
 
 def test_the_search_pricers_memoized_prices_simulate_as_the_default_pricer(tmp_path):

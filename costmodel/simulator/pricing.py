@@ -87,7 +87,7 @@ from costmodel.memory import (
     FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes,
     model_state_bytes, stage_params, workspace_bytes,
 )
-from costmodel.memory_activations import chunk_activations
+from costmodel.memory_activations import chunk_activations, selective_cached
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
@@ -100,7 +100,6 @@ from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_f
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode
 
-SELECTIVE_KEEPS = frozenset({OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS})
 
 
 class Pricer(Protocol):
@@ -293,10 +292,11 @@ class _UnitPricer:
         t = self.strategy.train
         placements = self._placements(layer)
         fwd = bwd_in = bwd_w = selective = 0.0
-        for p in placements:
+        cached = selective_cached([p.op for p in placements], t.attention)
+        for p, kept in zip(placements, cached, strict=True):
             f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)
             fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
-            if p.op.kind not in SELECTIVE_KEEPS:
+            if not kept:  # selective checkpointing recomputes it
                 selective += f
         fwd_comm, bwd_comm = self._comm(placements, "fwd"), self._comm(placements, "bwd")
         policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
@@ -344,7 +344,8 @@ def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, ba
     sp = t.sequence_parallel and d.tp > 1
     return chunk_activations(((p.op, p.split.local()) for p in placements), policy=policy, micro_batch=t.micro_batch,
                              batch_traced=batch_traced, attention=t.attention, precision=t.precision,
-                             block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1), compiled=t.compile)
+                             block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1), compiled=t.compile,
+                             pipelined=d.pp > 1)
 
 
 def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int, int]:
@@ -486,12 +487,15 @@ def _facts(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec) -> StepFact
     d, t = strategy.dims, strategy.train
     scale = t.global_batch / graph.batch
     recomputed = 0
+    blocks: dict[str, list[OpNode]] = {}
     for op in graph.ops:
-        if op.block_id is None:
-            continue
-        policy = t.recompute_for(op.block_id)
-        if policy == "full" or (policy == "selective" and op.kind not in SELECTIVE_KEEPS):
-            recomputed += op.fwd_flops * graph.multiplicity(op)
+        if op.block_id is not None:
+            blocks.setdefault(op.block_id, []).append(op)
+    for block_id, ops in blocks.items():
+        policy = t.recompute_for(block_id)
+        cached = selective_cached(ops, t.attention) if policy == "selective" else (False,) * len(ops)
+        if policy != "none":
+            recomputed += sum(op.fwd_flops * graph.multiplicity(op) for op, kept in zip(ops, cached) if not kept)
     model = (graph.fwd_flops + graph.bwd_flops) * scale
     return StepFacts(
         model_flops=model, hardware_flops=model + recomputed * scale, world_size=d.world_size,
