@@ -1,7 +1,8 @@
 """Predicted activation memory against torch's own count, and exact model-state bytes.
 
 Activations: for tiny Llama, GPT-2 and BERT configs, the peak bytes of tensors saved for backward,
-as `costmodel.memory.activation_bytes` predicts them from the traced graph, against a measurement on a
+as `costmodel.memory.activation_bytes` predicts them from the traced graph (less the loss's working set,
+gradients that are not saved tensors), against a measurement on a
 real CPU model: a `torch.autograd.graph.saved_tensors_hooks` pair that wraps every saved tensor, counts
 each storage once while any wrapper holds it, and records the peak over forward and backward
 (parameters excluded). With checkpointing, every block runs under reentrant `torch.utils.checkpoint`
@@ -23,6 +24,7 @@ Run: `flock -x /tmp/soap-cpu.lock python -m benchmarks.memory_accuracy`.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import os
 import sys
 
@@ -32,7 +34,10 @@ import torch  # noqa: E402
 
 import tracer  # noqa: E402
 from benchmarks.report import update_section  # noqa: E402
-from costmodel.memory import activation_bytes, model_state_bytes, stage_params  # noqa: E402
+from costmodel.memory import model_state_bytes, stage_params  # noqa: E402
+from costmodel.memory_activations import (  # noqa: E402
+    _Sizer, activation_parts, loss_working_set, traced_in_low_precision,
+)
 
 BATCH, SEQ, LAYERS = 2, 128, 4
 
@@ -119,12 +124,18 @@ def measured_saved_peak(config, *, attention: str, checkpoint: bool, dtype=torch
 
 
 def predicted_saved_peak(config, *, attention: str, checkpoint: bool, dtype=torch.float32) -> int:
+    """The activation peak less the loss's working set (`loss_working_set`: gradients, not saved tensors,
+    which the hooks do not see)."""
     graph = tracer.trace(config, batch=BATCH, seq_len=SEQ, dtype=dtype)
-    return activation_bytes(
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    size = _Sizer(micro_batch=BATCH, batch_traced=graph.batch, split=None, precision=precision,
+                  traced_low_precision=traced_in_low_precision(graph.ops))
+    working = sum(size(loss_working_set(op, low_precision=dtype == torch.bfloat16)) for op in graph.ops)
+    parts = activation_parts(
         graph.ops, micro_batch=BATCH, batch_traced=graph.batch, recompute="full" if checkpoint else "none",
-        attention=attention, block_counts={b.id: b.count for b in graph.blocks},
-        precision="bf16" if dtype == torch.bfloat16 else "fp32",
+        attention=attention, block_counts={b.id: b.count for b in graph.blocks}, precision=precision,
     )
+    return replace(parts, epilogue=parts.epilogue - working).peak
 
 
 def state_rows(config) -> list[tuple[str, int, int]]:
@@ -180,7 +191,7 @@ def main() -> int:
         f"Tiny configs ({LAYERS} layers, hidden 64, vocab 1000), batch {BATCH} x {SEQ} tokens, train mode "
         "with dropout off (on CPU, torch's dropout saves a float32 mask where CUDA saves a bool one, and CPU SDPA "
         "with dropout falls back to the math kernel, so a CPU run with dropout would not test the GPU model). Predicted: `costmodel.memory.activation_bytes` on the graph from "
-        "`tracer.trace`. Measured: peak bytes of distinct storages held by autograd's saved tensors over forward "
+        "`tracer.trace`, less the loss's working set (gradients, which are not saved tensors). Measured: peak bytes of distinct storages held by autograd's saved tensors over forward "
         "and backward (`saved_tensors_hooks`, parameters excluded; checkpointing via HF's reentrant "
         "`gradient_checkpointing_enable`). Eager rows predict eager attention from the SDPA trace. bfloat16 rows: "
         "the model's parameters in bf16 (FSDP mixed-precision style), predicted from a graph traced with bf16 "
