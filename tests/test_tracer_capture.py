@@ -48,6 +48,20 @@ def test_user_module_with_real_weights_is_left_untouched():
     assert model.head.weight.device.type == "cpu" and torch.equal(model.head.weight, before)
 
 
+def test_the_callers_config_is_left_untouched():
+    """from_config records the attention and experts implementations on the config it is given; a caller
+    who builds the model it trains from the same config (soap.plan, then soap.parallelize) must not get
+    the tracer's choices (batched_mm experts switched on between a forward and its selective recompute
+    broke the recompute)."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=96, num_local_experts=4, num_experts_per_tok=2)
+    before = dict(vars(config))
+    tracer.trace(config, task="causal-lm", batch=2, seq_len=16)
+    assert dict(vars(config)) == before
+
+
 def test_failing_every_front_end_lists_each_reason():
     class Broken(nn.Module):
         def forward(self, input_ids, labels=None):

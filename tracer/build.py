@@ -62,7 +62,9 @@ def build_model(spec: ModelSpec, *, device: Any = "meta", num_layers: int | None
         if not isinstance(module, torch.nn.Module):
             raise SoapError(f"the module factory {spec.name} returned a {type(module).__name__}, not an nn.Module")
         return _moved(module, device, dtype)
-    config = spec.config if num_layers is None else truncated_config(spec.config, num_layers)
+    # a copy: from_config records the attention and experts implementations (and dtype) on the config it is
+    # given, and the caller's config may build the model it trains (a MoE one would then run batched_mm)
+    config = copy.deepcopy(spec.config) if num_layers is None else truncated_config(spec.config, num_layers)
     kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "dtype": dtype or torch.float32}
     cls = auto_class_for(spec.task)
     if static_moe and _is_moe(config):
