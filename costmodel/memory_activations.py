@@ -26,7 +26,8 @@ embeddings, final norm, LM head and loss, are never checkpointed):
   output and fp32 logsumexp); backward recomputes everything else (norms, element-wise ops, the other
   matmuls, an eager attention core) from those, one block at a time, so the rest of one block's none
   set is live again during its backward. Measured on CPU against the executor's policy
-  (tests/test_selective_checkpointing.py): equal, tensor for tensor, on Llama, GPT-2 and BERT layers.
+  (tests/test_selective_checkpointing.py): equal, byte for byte, on Llama, GPT-2, BERT, Mixtral and
+  Qwen2-MoE layers (MoE experts as transformers runs them by default, one grouped_mm per projection).
 - full: each block instance keeps only its input (the first input of its first op that has a sample
   dimension); backward recomputes one block at a time, so one block's "none" set, less the input it
   already holds, is live at once.

@@ -236,7 +236,8 @@ def selective_policy() -> Callable:
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    matmuls = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
+    # weight matmuls: linear layers (mm, addmm; fp8's _scaled_mm) and MoE experts (grouped_mm, transformers' default)
+    matmuls = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default, aten._grouped_mm.default}
     attention = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
                  aten._scaled_dot_product_cudnn_attention.default,
                  aten._scaled_dot_product_flash_attention_for_cpu.default}

@@ -49,10 +49,17 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _family(name: str):
-    from transformers import BertConfig, GPT2Config, LlamaConfig
+    from transformers import BertConfig, GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
     if name == "llama":
         return LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **SMALL), "causal-lm"
+    if name == "mixtral":  # experts run as grouped_mm, transformers' default, which the executor trains with
+        return MixtralConfig(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                             router_jitter_noise=0.0, **SMALL), "causal-lm"
+    if name == "qwen2_moe":  # routed experts and a shared expert
+        return Qwen2MoeConfig(num_hidden_layers=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                              mlp_only_layers=[], **SMALL), "causal-lm"
     if name == "gpt2":
         return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
                           embd_pdrop=0.0, attn_pdrop=0.0), "causal-lm"
@@ -67,7 +74,7 @@ def _layer_call(name: str, config, dtype):
     torch.manual_seed(0)
     model = (AutoModelForCausalLM if name != "bert" else AutoModelForMaskedLM).from_config(config).to(dtype)
     x = torch.randn(BATCH, SEQ, 64, dtype=dtype, requires_grad=True)
-    if name == "llama":
+    if name in ("llama", "mixtral", "qwen2_moe"):
         layer = model.model.layers[0]
         rotary = model.model.rotary_emb(x, torch.arange(SEQ)[None].expand(BATCH, SEQ))
         return (lambda h: layer(h, position_embeddings=rotary, attention_mask=None)), x, (*layer.parameters(), *rotary)
@@ -80,7 +87,7 @@ def _first(out):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "mixtral", "qwen2_moe"])
 def test_selective_checkpointing_keeps_what_soap_prices(name, dtype):
     config, task = _family(name)
     torch_dtype = getattr(torch, dtype)
