@@ -81,6 +81,10 @@ def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
         "llama-ddp-fp16": ("llama", dict(dp_replicate=2, micro_batch=2, precision="fp16", optimizer="sgd",
                                          **UNTIED["llama"])),
         "llama-zero1-grad-accum": ("llama", dict(dp_shard=2, zero=1, micro_batch=1, num_microbatches=2)),
+        # selective checkpointing's matmul count under DTensor ops and inside pipeline stages
+        "llama-tp-sp-selective": ("llama", dict(tp=2, micro_batch=4, sequence_parallel=True, recompute="selective")),
+        "gpt2-pp-selective": ("gpt2", dict(pp=2, micro_batch=2, num_microbatches=2, recompute="selective",
+                                           **UNTIED["gpt2"])),
     }
     return cases
 
