@@ -56,9 +56,9 @@ the MLP input, gate, up and their product. Eager keeps 2 x (10h + 2k + 4f) + 40 
 the block input and the o_proj output, the fp32 copies of both norm inputs (4h bytes each) and their
 bf16 normalized outputs, and also the SiLU output. `compiled_keep` on soap's trace of the same layer
 gives 7,584 bytes per token (-0.1%: the norm statistics); its eager none set is eager's 11,048 exactly.
-Compiled selective checkpointing also drops a cached output no backward reads (the block's last
-projection, 2h bytes per token, when it is cached: measured the same test); not modelled, so selective's
-kept set is not lowered under compile.
+Compiled selective checkpointing also drops a cached output no backward reads: the block's last
+projection when it is cached and only the residual sum reads it (`compiled_selective_dropped`; 2h bytes
+per token on a Llama layer, measured the same test), which selective's compiled kept set leaves out.
 """
 
 from __future__ import annotations
@@ -190,6 +190,24 @@ def block_saved(ops: Sequence[OpNode], policy: str, attention: str, cp: int = 1,
     return () if first is None else (first,)
 
 
+def compiled_selective_dropped(ops: Sequence[OpNode], attention: str) -> tuple[TensorMeta, ...]:
+    """The cached outputs of one block instance that torch.compile's partitioner does not keep under
+    selective checkpointing: a cached weight matmul output whose only reader is the block's last op, an
+    element-wise op that saves nothing (the residual sum after a Llama layer's down projection: its
+    backward reads neither input, and nothing in backward recomputes it). Measured in
+    tests/test_compile_memory.py: exactly this tensor, 2h bytes per token at 16 bits."""
+    if not ops or ops[-1].kind is not OpKind.ELEMENTWISE or ops[-1].saved:
+        return ()
+    last = ops[-1]
+    dropped = []
+    for i, (op, cached) in enumerate(zip(ops[:-1], selective_cached(ops, attention)[:-1])):
+        if not (cached and op.kind is OpKind.MATMUL and op.params):
+            continue
+        dropped.extend(t for t in op.outputs
+                       if t in last.inputs and not any(t in later.inputs for later in ops[i + 1:-1]))
+    return tuple(dropped)
+
+
 def selective_cached(ops: Sequence[OpNode], attention: str) -> tuple[bool, ...]:
     """Per op of one block instance (in order), whether selective checkpointing caches its outputs: the
     rule `executor.api.apply_recompute` runs (torchtitan's "op" policy): every other weight matmul,
@@ -316,6 +334,8 @@ def activation_parts(
         if compiled:
             none = min(none, size(block_saved(block_ops, "none", attention, cp, compiled=True)))
         instance = none if policy == "none" else size(block_saved(block_ops, policy, attention, cp))
+        if compiled and policy == "selective":
+            instance -= size(compiled_selective_dropped(block_ops, attention))
         kept += counts.get(block_id, 1) * instance
         if policy != "none":
             window = max(window, none - instance)
@@ -372,8 +392,9 @@ def chunk_activations(
       backward runs.
     Under torch.compile (`compiled`, a block instance only) the none set is the partitioner's
     (`compiled_keep` over the whole chunk, since a fused op may keep a matmul output placed at another
-    split), capped at the eager one: it is what none keeps and what the windows re-materialize.
-    `pipelined`: the run has pipeline stages (`loss_working_set`).
+    split), capped at the eager one: it is what none keeps and what the windows re-materialize; selective
+    keeps its set less `compiled_selective_dropped`. `pipelined`: the run has pipeline stages
+    (`loss_working_set`).
     """
     ops = tuple(placed)
 
@@ -410,5 +431,13 @@ def chunk_activations(
         return int(block_input_bytes), none
     if policy == "selective":
         kept = saved("selective")
+        if compiled and ops and all(op.block_id is not None for op, _ in ops):
+            split_of = {id(op): split for op, split in ops}
+            producer = {id(t): op for op, _ in ops for t in op.outputs}
+            block = [op for op, _ in ops]
+            for t in compiled_selective_dropped(block, attention):
+                op = producer[id(t)]
+                kept -= int(_Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=dict(split_of[id(op)]),
+                                   precision=precision, traced_low_precision=traced_in_low_precision(block))([t]))
         return kept, none - kept
     return none, 0

@@ -13,7 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costmodel.memory_activations import _Sizer, activation_parts, block_saved, chunk_activations
+from costmodel.memory_activations import (
+    _Sizer, activation_parts, block_saved, chunk_activations, compiled_selective_dropped,
+)
 from planner.api import make_request
 from planner.estimate import Estimator
 from planner.pricing import Pricer
@@ -169,6 +171,11 @@ def test_compiled_selective_checkpointing_drops_only_the_saved_output_no_backwar
     compiled(x).sum().backward()
     tokens = BATCH * SEQ
     assert eager - partition.bytes == 2 * LAYER["hidden_size"] * tokens
+    # soap's sets: eager selective, and compiled, less the down projection's output
+    _, ops = traced_layer_ops()
+    size = _Sizer(micro_batch=BATCH, batch_traced=BATCH, split={}, precision=None)
+    assert size(block_saved(ops, "selective", "sdpa")) == eager
+    assert size(block_saved(ops, "selective", "sdpa")) - size(compiled_selective_dropped(ops, "sdpa")) == partition.bytes
 
 
 # --- estimator and simulator alike, compile on and off -----------------------------------------------
