@@ -113,9 +113,9 @@ def main() -> None:
         "`tests/test_memory.py`): 3.0 x the fp32 logits, the logits not held through backward. Selective "
         "checkpointing is torchtitan's `selective_ac_option = 'op'`, the executor's policy and the rows' (each block "
         "keeps its input, every other weight matmul's output and the SDPA output; measured against the policy on "
-        "CPU, `tests/test_selective_checkpointing.py`). Measured on CPU and not priced: compiled selective "
-        "checkpointing also drops a cached output no backward reads (each block's down projection, [tokens, hidden] "
-        "at 2 bytes: 4.0 GiB at 16k tokens over 32 layers).",
+        "CPU, `tests/test_selective_checkpointing.py`); under torch.compile less the cached output the partitioner "
+        "drops (each block's down projection, [tokens, hidden] at 2 bytes: 4.0 GiB at 16k tokens over 32 layers; "
+        "`compiled_selective_dropped`, measured in `tests/test_compile_memory.py`).",
         "",
         *rows,
     ])
