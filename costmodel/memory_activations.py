@@ -59,6 +59,27 @@ gives 7,584 bytes per token (-0.1%: the norm statistics); its eager none set is 
 Compiled selective checkpointing also drops a cached output no backward reads: the block's last
 projection when it is cached and only the residual sum reads it (`compiled_selective_dropped`; 2h bytes
 per token on a Llama layer, measured the same test), which selective's compiled kept set leaves out.
+
+Loss working set (`loss_working_set`), counted with what the loss op saves (its log-probabilities):
+the loss's backward creates the gradient of the log-probabilities and then that of the (fp32) logits
+while everything saved is still live: 2 x the loss's floating-point inputs. For a language model these
+are [tokens, vocab] tensors, the largest activations of the step. Without a pipeline the executor's
+loop does not hold the logits the head produced (torchtitan's `del pred`); a pipeline stage does (the
+schedule keeps each stage output until its backward), at the run's activation width: a 16-bit run's
+loss upcasts a copy, `cross_entropy(logits.float())`, which the log-softmax does not keep. Measured on
+CPU with live storages tracked (`tests/test_memory.py`): the peak is 3.0 x the fp32 logits with the
+logits freed, in fp32 and with a bf16 head alike; held, 4.0 x in fp32 and 3.5 x with a bf16 head. A
+pipeline holds the whole epilogue per micro-batch in flight, which over-counts the two gradients there
+(they exist for one micro-batch at a time). Under tensor parallelism without a pipeline the head's
+logits and the loss are vocab-parallel (`executor.tensor_parallel`): these tensors, whose vocabulary
+dimension has the parameter role, hold the rank's vocabulary shard, so a `split` of {"parameter": tp}
+divides them by tp as it should (the simulator passes each op's own split, `costmodel.placement`, which
+replicates them under a pipeline).
+
+Peak (`activation_bytes`; its terms from `activation_parts`): with none, the end of the forward pass,
+when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With recomputation,
+the same at the end of forward, or later, once the epilogue's backward has freed its tensors and one
+block is recomputed: prologue + kept + max(epilogue, largest block's none set - what it kept).
 """
 
 from __future__ import annotations
@@ -414,15 +435,18 @@ def chunk_activations(
             total += parts.prologue + parts.blocks + parts.epilogue
         return int(total)
 
-    def compiled_none() -> int:
-        eager = [op_saved(op, attention, int(split.get("attribute", 1))) for op, split in ops]
-        keep = compiled_keep([op for op, _ in ops], eager)
+    def sized(per_op: Sequence[tuple[TensorMeta, ...]]) -> int:
+        """Bytes of the tensors listed per op, each at its op's split."""
         total = 0.0
-        for split, group in by_split(keep):
+        for split, group in by_split(per_op):
             size = _Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=dict(split), precision=precision,
                           traced_low_precision=traced_in_low_precision([op for op, _ in group]))
             total += size(t for _, kept in group for t in kept)
         return int(total)
+
+    def compiled_none() -> int:
+        eager = [op_saved(op, attention, int(split.get("attribute", 1))) for op, split in ops]
+        return sized(compiled_keep([op for op, _ in ops], eager))
 
     none = saved("none")
     if compiled and ops and all(op.block_id is not None for op, _ in ops):
@@ -432,12 +456,7 @@ def chunk_activations(
     if policy == "selective":
         kept = saved("selective")
         if compiled and ops and all(op.block_id is not None for op, _ in ops):
-            split_of = {id(op): split for op, split in ops}
-            producer = {id(t): op for op, _ in ops for t in op.outputs}
-            block = [op for op, _ in ops]
-            for t in compiled_selective_dropped(block, attention):
-                op = producer[id(t)]
-                kept -= int(_Sizer(micro_batch=micro_batch, batch_traced=batch_traced, split=dict(split_of[id(op)]),
-                                   precision=precision, traced_low_precision=traced_in_low_precision(block))([t]))
+            dropped = {id(t) for t in compiled_selective_dropped([op for op, _ in ops], attention)}
+            kept -= sized([tuple(t for t in op.outputs if id(t) in dropped) for op, _ in ops])
         return kept, none - kept
     return none, 0
