@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from costmodel.memory_activations import SELECTIVE_MATMUL_PERIOD
+from costmodel.plan_rules import SPLIT_BACKWARD_SCHEDULES
 from costmodel.strategy import shards_vocabulary
 from executor import precision as precision_mod
 from executor.context_parallel import apply_cp
@@ -194,12 +195,28 @@ def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
     apply_recompute(part, _recompute_policy(plan))
     precision_mod.convert_fp8(part, plan)
     if p.compile:
-        for block in all_blocks(part):
-            block.compile()
+        compile_blocks(part, plan)
     if uses_fsdp(plan):
         apply_fsdp(part, plan, mesh)
     elif uses_ddp(plan):
         apply_expert_ddp(part, plan, mesh)
+
+
+def compile_blocks(part: nn.Module, plan: Plan) -> None:
+    """torch.compile each block in place. AOTAutograd donates the saved tensors a compiled backward
+    consumes (frees them as it goes), which it may only do when autograd runs that backward once; the
+    schedules that split the backward (`costmodel.plan_rules.SPLIT_BACKWARD_SCHEDULES`) run it twice, an
+    input pass with `retain_graph=True` and a weight pass later, and a donating backward refuses the
+    first ("compiled with non-empty donated buffers"). Under those schedules the blocks compile without
+    donation: the saved tensors then live until the weight pass, which is what the simulator prices for
+    the split backward anyway (they are held until W, compiled or not)."""
+    from torch._functorch import config as functorch_config
+
+    p = plan.parallelism
+    # read when a block first runs (compilation is lazy), so set per plan, before the step
+    functorch_config.donated_buffer = not (p.pp > 1 and p.schedule in SPLIT_BACKWARD_SCHEDULES)
+    for block in all_blocks(part):
+        block.compile()
 
 
 def _recompute_policy(plan: Plan) -> str:
