@@ -234,6 +234,14 @@ class ClusterSpec:
     offload plans are not checked against host memory."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Provenance of the cluster's own numbers (`host_memory_gib`)."""
+    nvlink_domain: int | None = None
+    """GPUs that share one NVLink fabric (72 on a GB200 NVL72 rack), when larger than a node; None: the
+    node is the domain. Groups inside a domain use `intra_node`, groups that leave it `inter_node`."""
+
+    @property
+    def domain_size(self) -> int:
+        """GPUs per NVLink domain: `nvlink_domain`, or the node."""
+        return self.nvlink_domain or self.gpus_per_node
 
 
 # ---------------------------------------------------------------------------------------------

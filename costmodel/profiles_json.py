@@ -313,7 +313,7 @@ def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
 def cluster_from_json(data: Any, origin: str, device_by_name: Callable[[str], DeviceProfile]) -> ClusterSpec:
     """A cluster document; a device given by name is resolved with `device_by_name`."""
     r = _Reader(origin)
-    r.obj(data, "<root>", _CLUSTER_REQUIRED, {"notes", "host_memory_gib"})
+    r.obj(data, "<root>", _CLUSTER_REQUIRED, {"notes", "host_memory_gib", "nvlink_domain"})
     _check_version(r, data)
     device_ref = data["device"]
     if isinstance(device_ref, dict):
@@ -339,7 +339,19 @@ def cluster_from_json(data: Any, origin: str, device_by_name: Callable[[str], De
         inter_node=_link_from_json(r, links["inter_node"], "links.inter_node"),
         host_memory_bytes=host_memory,
         sources=sources,
+        nvlink_domain=_nvlink_domain(r, data),
     )
+
+
+def _nvlink_domain(r: _Reader, data: dict) -> int | None:
+    """`nvlink_domain`: a multiple of `gpus_per_node` (whole nodes share the fabric), or absent."""
+    if "nvlink_domain" not in data:
+        return None
+    domain, node = r.integer(data, "nvlink_domain", ""), r.integer(data, "gpus_per_node", "")
+    if domain % node:
+        raise r.fail("nvlink_domain", f"must be a multiple of gpus_per_node={node} (whole nodes share "
+                                      f"an NVLink domain), got {domain}")
+    return None if domain == node else domain
 
 
 def _number(value: float, source: str | None) -> dict:
@@ -430,6 +442,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict:
         "gpus_per_node": cluster.gpus_per_node,
         "tp_across_nodes": cluster.tp_across_nodes,
     }
+    if cluster.nvlink_domain is not None:
+        out["nvlink_domain"] = cluster.nvlink_domain
     if cluster.host_memory_bytes is not None:
         out["host_memory_gib"] = _number(cluster.host_memory_bytes / GIB, cluster.sources.get("host_memory_gib"))
     out["links"] = {"intra_node": _link_dict(cluster.intra_node), "inter_node": _link_dict(cluster.inter_node)}
