@@ -1,11 +1,13 @@
-"""Benchmark and property test: every plan soap writes executes (issue 15).
+"""Benchmark and property test: every plan soap writes executes (issues 15 and 26).
 
-    python -m benchmarks.plans_execute [--cases 40] [--seed 0] [--compile]
+    python -m benchmarks.plans_execute [--cases 200] [--seed 0] [--no-compile]
 
 Draws random tiny models (llama, gpt2, bert, t5, mixtral: random widths, heads, KV heads, layers,
-vocabularies including odd ones, experts and top-k), a world of 1-4 ranks and random pins (any of
-tp, pp, dp, cp, zero, schedule, recompute, precision fp32/bf16, micro-batch, and whichever of ep,
-virtual_stages, offload and compile the planner's `PIN_NAMES` offers), all from one seed. For each:
+vocabularies including odd ones, experts and top-k), a world of 1-4 ranks, a node size (small "nodes"
+of 1 or 2 ranks make TP and other groups span nodes) and random pins from the whole product (several
+of tp, pp, dp, cp, ep whose product divides the world, schedule, virtual stages, zero, recompute,
+compile, offload, micro-batch, precision fp32/bf16; compile is drawn with the schedules that split the
+backward too), all from one seed; what is not pinned the planner searches. For each:
 1. `soap plan` (`planner.api.plan_report` on the `local-cpu` cluster): a plan, or a refusal, which must
    be a `SoapError` (the `error:` line), never another exception;
 2. the plan goes through plan.json (`Plan.to_json` -> `plan_from_dict`, the loader's rules) and the
@@ -62,6 +64,8 @@ class Case:
     """plan.json's content, once planned."""
     reference: dict[str, Any] | None = None
     """The same model's 1-rank fp32 plan (for fp32 plans)."""
+    gpus_per_node: int | None = None
+    """`--gpus-per-node` (None: the cluster's); below the world, groups span "nodes"."""
     outcome: str = ""
     """`refused: ...`, `ran`, `failed: ...` or `mismatch: ...`."""
     losses: list[float] = field(default_factory=list)
@@ -98,33 +102,39 @@ def random_config(rng: random.Random, family: str) -> dict[str, Any]:
     raise ValueError(family)
 
 
-FOCUS = ("pp", "tp", "cp", "zero", "dp", "ep", "virtual_stages", "schedule", "offload", "recompute")
+FOCUS = ("pp", "tp", "compile", "zero", "cp", "dp", "ep", "virtual_stages", "offload", "schedule", "recompute",
+         "micro_batch")
 """Case i pins FOCUS[i % len(FOCUS)] first (where the planner offers it and the model allows it), so
-that any ten consecutive cases pin every split once; the rest is drawn at random."""
+that any twelve consecutive cases pin every dimension once; the rest is drawn at random. In the first
+twelve, t5 (FAMILIES[3], data-parallel only) draws zero and offload."""
 DEGREES = ("tp", "pp", "dp", "cp", "ep")
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
-def _shape(config: dict[str, Any]) -> tuple[int, int, int]:
-    """(attention heads, layers, experts) of a tiny config."""
+def _shape(config: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(attention heads, KV heads, layers, experts) of a tiny config."""
     heads = config.get("num_attention_heads", config.get("n_head", config.get("num_heads", 1)))
     layers = config.get("num_hidden_layers", config.get("n_layer", config.get("num_layers", 1)))
-    return heads, layers, config.get("num_local_experts", 0)
+    return heads, config.get("num_key_value_heads", heads), layers, config.get("num_local_experts", 0)
 
 
 def random_pins(rng: random.Random, world: int, config: dict[str, Any], allowed: frozenset[str],
                 focus: str | None = None, seq_len: int = 16) -> dict[str, Any]:
-    """`focus` and up to two more pins a user might try on `world` ranks, at most one of them a parallel
-    degree (pins whose product cannot fit the world only test the refusal), each a value the model's
-    shape admits (tp divides the heads, pp at most the layers, ...) so that most cases yield a plan."""
-    heads, layers, experts = _shape(config)
+    """`focus` and up to three more pins a user might try on `world` ranks, drawn from the whole product
+    (parallel degrees whose product divides the world, schedule and virtual stages, ZeRO, recompute,
+    compile, offload, micro-batch, precision), each a value the model's shape admits (tp divides the
+    heads and meets the KV heads, pp at most the layers, ...) so that most cases yield a plan; what is
+    not pinned the planner searches."""
+    heads, kv_heads, layers, experts = _shape(config)
     divisors = [d for d in range(2, world + 1) if world % d == 0]
     degree_values = {
-        "tp": [d for d in divisors if heads % d == 0],
+        "tp": [d for d in divisors if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)],
         "pp": [d for d in divisors if d <= layers],
         "dp": divisors,
         "cp": [d for d in divisors if seq_len % (2 * d) == 0],
         "ep": [d for d in divisors if experts and experts % d == 0],
     }
+    encoder_decoder = config["model_type"] == "t5"
     options: dict[str, Any] = {
         "precision": lambda: rng.choice(("fp32", "fp32", "bf16")),
         "recompute": lambda: rng.choice(("none", "selective", "full")),
@@ -133,49 +143,75 @@ def random_pins(rng: random.Random, world: int, config: dict[str, Any], allowed:
         "offload": lambda: rng.random() < 0.5,
         "schedule": lambda: rng.choice(SCHEDULES),
     }
-    options |= {name: (lambda v=values: rng.choice(v)) for name, values in degree_values.items() if values}
+    if not encoder_decoder:  # compiled encoder-decoders are refused by rule (costmodel.plan_rules)
+        options["compile"] = lambda: True
+    if encoder_decoder:
+        # they run data-parallel only (costmodel.plan_rules.ENCODER_DECODER_SPLITS): drawing their tp, pp or
+        # cp would only test the refusal
+        degree_values |= {"tp": [], "pp": [], "cp": []}
+    options |= {name: values for name, values in degree_values.items() if values}
     if degree_values["pp"] and 2 * min(degree_values["pp"]) <= layers:
         options["virtual_stages"] = lambda: 2
     names = sorted(n for n in options if n in allowed)
-    first = [focus] if focus in names else []
-    rest = [n for n in names if n not in first and not (n in DEGREES and set(first) & set(DEGREES))]
-    chosen = list(first)
-    for name in rng.sample(rest, k=len(rest)):
-        if len(chosen) >= len(first) + rng.choice((0, 1, 1, 2)):
+    chosen = [focus] if focus in names else []
+    for name in rng.sample(names, k=len(names)):
+        if len(chosen) >= len(chosen[:1]) + rng.choice((0, 1, 1, 2, 3)):
             break
-        if name in DEGREES and set(chosen) & set(DEGREES):
-            continue
-        chosen.append(name)
-    pins = {name: options[name]() for name in chosen}
-    if "virtual_stages" in pins:
-        pins["pp"] = min(degree_values["pp"])  # virtual stages ask for a pipeline, of at least 2 layers a rank
-        pins = {k: v for k, v in pins.items() if k not in DEGREES or k == "pp"}
+        if name not in chosen:
+            chosen.append(name)
+    pins: dict[str, Any] = {}
+    used = 1  # product of the pinned degrees, which must divide the world
+    for name in chosen:
+        if name in DEGREES:
+            fitting = [v for v in options[name] if (world // used) % v == 0]
+            if fitting:
+                pins[name] = rng.choice(fitting)
+                used *= pins[name]
+        else:
+            pins[name] = options[name]()
+    if pins.get("compile") and "pp" in degree_values and degree_values["pp"] and rng.random() < 0.5:
+        # compiled blocks under a schedule that splits the backward (issue 26's crash)
+        pins["schedule"] = rng.choice(SPLIT_BACKWARD)
+    if ("virtual_stages" in pins or pins.get("schedule") in (*SPLIT_BACKWARD, "Interleaved1F1B", "LoopedBFS")) \
+            and "pp" not in pins and degree_values["pp"]:
+        fitting = [v for v in degree_values["pp"] if (world // used) % v == 0]
+        if fitting:
+            pins["pp"] = min(fitting)  # a schedule or virtual stages ask for a pipeline
+        else:
+            pins.pop("virtual_stages", None)  # the other degrees left no room for one
     pins.setdefault("precision", "fp32" if rng.random() < 0.7 else "bf16")
     if pins["precision"] == "fp32" and "optimizer" in allowed:
         pins["optimizer"] = "sgd"  # compared with one rank: SGD keeps a gradient's scale and its rounding (COMPARE_LR)
     return pins
 
 
-def sample_cases(seed: int, count: int, *, allow_compile: bool = False) -> list[Case]:
-    """`count` cases from `seed`: the families in turn, the FOCUS pins in turn, the rest at random."""
+def sample_cases(seed: int, count: int, *, allow_compile: bool = True) -> list[Case]:
+    """`count` cases from `seed`: the families in turn, the FOCUS pins in turn, the rest at random; a
+    multi-rank case also draws the node size (`--gpus-per-node` 1 or 2 makes small "nodes", so TP and
+    other groups span them)."""
     from planner.api import PIN_NAMES
 
     rng = random.Random(seed)
-    allowed = frozenset(PIN_NAMES)
+    allowed = frozenset(PIN_NAMES) - (set() if allow_compile else {"compile"})
     cases = []
     for i in range(count):
         focus = FOCUS[i % len(FOCUS)]
         family = "mixtral" if focus == "ep" else FAMILIES[i % len(FAMILIES)]  # experts to spread
+        if focus == "compile" and family == "t5":
+            family = "llama"
         world = rng.choice((2, 3, 4, 4) if focus not in ("zero", "offload", "recompute") else (1, 2, 3, 4))
         config = random_config(rng, family)
         seq = rng.choice((16, 32))
         pins = random_pins(rng, world, config, allowed, focus, seq)
-        if "compile" in allowed:
-            # compiling a tiny model on 2 CPU cores takes minutes: left out unless asked for
-            pins["compile"] = allow_compile and rng.random() < 0.3
+        if "compile" not in pins and (not allow_compile or rng.random() < 0.75):
+            # compile not drawn: mostly pinned off (compiling a plan takes ~10 s on 2 cores), else left to
+            # the search, which turns it on where the device's compile factors pay
+            pins["compile"] = False
+        node = rng.choice((None, None, 1, 2)) if world > 1 else None
         batch = world * rng.choice((2, 4))  # a batch the world divides: refusals then come from the pins
-        cases.append(Case(name=f"{i:02d}-{family}-w{world}-" + ",".join(f"{k}={v}" for k, v in sorted(pins.items())),
-                          family=family, config=config, world=world, pins=pins, global_batch=batch, seq_len=seq))
+        tag = ",".join(f"{k}={v}" for k, v in sorted(pins.items())) + (f",gpn={node}" if node else "")
+        cases.append(Case(name=f"{i:03d}-{family}-w{world}-{tag}", family=family, config=config, world=world,
+                          pins=pins, global_batch=batch, seq_len=seq, gpus_per_node=node))
     return cases
 
 
@@ -188,7 +224,8 @@ def plan_case(case: Case, workdir: Path) -> None:
     config.write_text(json.dumps(case.config))
     common = dict(cluster="local-cpu", global_batch=case.global_batch, seq_len=case.seq_len)
     try:
-        plan = plan_report(str(config), gpus=case.world, **common, **case.pins).plan
+        plan = plan_report(str(config), gpus=case.world, gpus_per_node=case.gpus_per_node, **common,
+                           **case.pins).plan
     except SoapError as exc:
         case.outcome = f"refused: {exc}"
         return
@@ -304,13 +341,13 @@ def summary(case: Case) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=int, default=40)
+    parser.add_argument("--cases", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="also draw the compile pin (slow on CPU)")
+    parser.add_argument("--no-compile", action="store_true", help="never draw the compile pin (faster on CPU)")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args()
     begin = time.perf_counter()
-    cases = run(sample_cases(args.seed, args.cases, allow_compile=args.compile))
+    cases = run(sample_cases(args.seed, args.cases, allow_compile=not args.no_compile))
     seconds = time.perf_counter() - begin
     rows = [f"| {c.family} | {c.world} | {', '.join(f'{k}={v}' for k, v in sorted(c.pins.items()))} | {summary(c)} | "
             f"{c.outcome.split(':')[0]} |" for c in cases]

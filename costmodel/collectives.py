@@ -181,10 +181,10 @@ def _check(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> 
         raise SoapError(f"collective size must be a non-negative number of bytes, got {nbytes}")
     if group.size < 1 or group.ranks_per_node < 1:
         raise SoapError(f"group size ({group.size}) and ranks per node ({group.ranks_per_node}) must be positive")
-    if group.ranks_per_node > min(group.size, cluster.gpus_per_node):
+    if group.ranks_per_node > min(group.size, cluster.domain_size):
         raise SoapError(
             f"{group.ranks_per_node} ranks per node exceeds the group size ({group.size}) or the "
-            f"{cluster.gpus_per_node} GPUs per node of {cluster.name}"
+            f"{cluster.domain_size} GPUs per NVLink domain of {cluster.name}"
         )
 
 

@@ -37,6 +37,15 @@ sharded unevenly (DTensor's Shard gives the first ranks one row more).
 Attention modules then get their head counts divided by tp (`num_heads`, `num_attention_heads`,
 `num_key_value_heads`, `all_head_size`, `embed_dim`, `split_size`), so HF's reshapes see local heads.
 
+More TP ranks than KV heads (GQA, tp a multiple of the KV heads: `costmodel.strategy.ParallelDims.
+check_model`), as Megatron runs it: the K and V projections are replicated over the TP ranks (`Replicate`
+DTensors), and TP rank r computes only KV head r // (tp / kv_heads), the one its query heads read
+(`replicate_kv_heads`), so each rank holds one local KV head and `num_key_value_groups` becomes its local
+query heads. Each rank's weight gradient holds its head's rows from its own query heads' attention, and
+the input gradient its head's share: both are partial sums, all-reduced over TP (`to_local` with
+`grad_placements=[Partial()]`), which gives exactly the unsplit model's gradients. The cost model prices
+the same: one KV head per rank (`costmodel.placement.ActivationShape.kv_bytes`).
+
 Sequence parallelism (Megatron-SP). Between TP regions the activations are sharded on the sequence
 (dim 1). The parent of each colwise group (the attention or MLP module) all-gathers its input to a
 replicated DTensor in a forward pre-hook (backward: reduce-scatter); the rowwise projections
@@ -112,8 +121,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], *, 
     _, blocks = find_block_list(model)
     for block in blocks:
         styles = _expand_styles(block, tp_plan)
+        replicated_kv = _replicated_kv_projections(block, styles, tp)
         parallelize_module(block, tp_mesh, {fqn: _style(kind, sequence_parallel) for fqn, kind in styles.items()
-                                            if kind != "replicate" and (kind in ("colwise", "rowwise") or sequence_parallel)})
+                                            if fqn not in replicated_kv
+                                            and kind != "replicate" and (kind in ("colwise", "rowwise") or sequence_parallel)})
+        for fqn, kv_heads in replicated_kv.items():
+            replicate_kv_heads(block.get_submodule(fqn), tp_mesh, kv_heads)
         for parent_fqn in {fqn.rpartition(".")[0] for fqn, kind in tp_plan.items() if kind == "colwise"}:
             parent = block.get_submodule(parent_fqn)
             _divide_heads(parent, tp)
@@ -219,13 +232,73 @@ def _style(kind: str, sequence_parallel: bool) -> Any:
     return SequenceParallel(use_local_output=True)
 
 
+def _kv_heads(attention: nn.Module) -> tuple[int, int] | None:
+    """(KV heads, query heads) of an HF GQA attention module, from its config; None for other modules."""
+    config = getattr(attention, "config", None)
+    kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+    if isinstance(kv, int) and isinstance(heads, int) and hasattr(attention, "num_key_value_groups"):
+        return kv, heads
+    return None
+
+
+def _replicated_kv_projections(block: nn.Module, styles: dict[str, str], tp: int) -> dict[str, int]:
+    """{fqn: KV heads} of the colwise K and V projections that tp > KV heads replicates (module docstring):
+    the colwise Linears of a GQA attention whose width is the KV heads' (`head_dim` x KV heads)."""
+    out: dict[str, int] = {}
+    for fqn, kind in styles.items():
+        parent_fqn = fqn.rpartition(".")[0]
+        module, parent = block.get_submodule(fqn), block.get_submodule(parent_fqn)
+        shape = _kv_heads(parent)
+        if kind != "colwise" or shape is None or not isinstance(module, nn.Linear) or tp <= shape[0]:
+            continue
+        kv, _ = shape
+        if tp % kv:
+            raise SoapError(f"tp={tp} is not a multiple of the {kv} KV heads; pick a tp that divides or is divided by {kv}")
+        if module.out_features == kv * parent.head_dim:
+            out[fqn] = kv
+    return out
+
+
+def replicate_kv_heads(linear: nn.Linear, tp_mesh: DeviceMesh, kv_heads: int) -> None:
+    """K or V projection for tp > KV heads (module docstring): weight (and bias) `Replicate` over `tp_mesh`;
+    the forward computes only this rank's KV head and leaves both gradients partial, all-reduced over TP."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Partial, distribute_tensor
+
+    tp = tp_mesh.size()
+    head_dim = linear.out_features // kv_heads
+    head = tp_mesh.get_local_rank() // (tp // kv_heads)
+    rows = slice(head * head_dim, (head + 1) * head_dim)
+    linear.weight = nn.Parameter(distribute_tensor(linear.weight, tp_mesh, [Replicate()], src_data_rank=0))
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(distribute_tensor(linear.bias, tp_mesh, [Replicate()], src_data_rank=0))
+
+    def local(t: Any) -> Any:
+        # FSDP2 swaps in its gathered parameter: still a DTensor over the TP mesh
+        if not isinstance(t, DTensor):
+            t = DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
+        return t.redistribute(tp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+    def forward(x: Any) -> Any:
+        bias = None if linear.bias is None else local(linear.bias)[rows]
+        return F.linear(local(x), local(linear.weight)[rows], bias)
+
+    linear.forward = forward
+
+
 def _divide_heads(module: nn.Module, tp: int) -> None:
+    shape = _kv_heads(module)
     for attr in LOCAL_HEAD_ATTRS:
         value = getattr(module, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
+            if attr == "num_key_value_heads" and shape and value < tp and tp % value == 0:
+                setattr(module, attr, 1)  # replicated KV heads: one per rank (module docstring)
+                continue
             if value % tp:
                 raise SoapError(f"tp={tp} does not divide {type(module).__name__}.{attr}={value}; pick a tp that divides it")
             setattr(module, attr, value // tp)
+    if shape and tp > shape[0]:
+        module.num_key_value_groups = shape[1] // tp  # local query heads over one local KV head
 
 
 def _replace_hidden(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:

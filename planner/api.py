@@ -115,6 +115,7 @@ def make_request(
         raise SoapError("a module without a config must be traced before planning; pass graph=tracer.trace(module)")
     space = SpaceRequest(
         gpus=gpus, gpus_per_node=cluster_spec.gpus_per_node, tp_across_nodes=cluster_spec.tp_across_nodes,
+        nvlink_domain=cluster_spec.nvlink_domain,
         dims=dims, seq_len=seq, global_batch=batch, precisions=tuple(cluster_spec.device.peak_flops),
         pins=Pins(**{k: _switch(k, v) for k, v in pins.items() if v is not None}),
     )

@@ -50,7 +50,7 @@ def block_tables(
     ops: tuple[OpNode, ...], graph: OpGraph, strategy: Strategy, cluster: ClusterSpec
 ) -> tuple[list[tuple[OpSplit, ...]], list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
     d, t = strategy.dims, strategy.train
-    groups = mesh_groups(strategy, cluster.gpus_per_node)
+    groups = mesh_groups(strategy, cluster.domain_size)
     shape = activation_shape(graph, strategy)
     scale = t.micro_batch / graph.batch
 

@@ -184,7 +184,7 @@ class Estimator:
     ) -> tuple[float, float, float]:
         """(compute with recompute, critical path with TP/CP communication, backward) seconds of one
         instance of unit u for one micro-batch."""
-        unit, gpn, seq = self.units[u], self.cluster.gpus_per_node, self.graph.seq_len
+        unit, gpn, seq = self.units[u], self.cluster.domain_size, self.graph.seq_len
         act_b = ACTIVATION_BYTES[precision]
         fwd, bwd, attn, selective = self.unit_time(u, tp, cp, ep, mb, precision, attention)
         policy = "none" if unit.id.startswith("<") else recompute
@@ -305,7 +305,7 @@ class Estimator:
         arithmetic): each unit instance gathers its parameters and reduces its fp32 gradients in calls of
         its own, on one dp stream that overlaps compute. Memoized on what it reads: the mesh, the ZeRO
         stage, precision, offload and micro-batch count, and the worst rank's tables (`_rank_tables`)."""
-        gpn = self.cluster.gpus_per_node
+        gpn = self.cluster.domain_size
         if d.sync_degree == 1:
             return 0.0, 0.0
         tables = self._rank_tables(*tables_key)

@@ -6,8 +6,9 @@ A strategy is a mesh and a training configuration (`costmodel.strategy.Strategy`
     global_batch = dp x micro_batch x num_microbatches.
 
 Mesh rules (`mesh_choices`):
-- tp divides the heads; tp and the KV heads divide one another; tp divides gpus_per_node (TP stays
-  inside a node) unless the cluster says `tp_across_nodes`;
+- tp divides the heads; tp and the KV heads divide one another; tp divides the NVLink domain (a node
+  unless the cluster declares `nvlink_domain`; TP stays inside it) unless the cluster says
+  `tp_across_nodes` or tp is pinned: a pinned tp may span nodes, priced on the inter-node link;
 - cp needs the sequence divisible by 2·cp (load-balanced causal chunks) and, unless pinned, at least
   MIN_CP_SHARD_TOKENS tokens per rank;
 - pp <= layers (stages need not hold equal layer counts: `planner.stages` balances them);
@@ -138,6 +139,7 @@ class SpaceRequest:
     gpus: int
     gpus_per_node: int
     tp_across_nodes: bool
+    """The search may choose TP groups that leave an NVLink domain (a pinned tp always may)."""
     dims: ModelDims
     seq_len: int
     global_batch: int
@@ -146,6 +148,12 @@ class SpaceRequest:
     pins: Pins = field(default_factory=Pins)
     schedules: tuple[tuple[str, int], ...] = SEARCHED_SCHEDULES
     """(schedule, virtual stages) pairs the simulator can price."""
+    nvlink_domain: int | None = None
+    """GPUs sharing one NVLink fabric when more than a node (`ClusterSpec.nvlink_domain`)."""
+
+    @property
+    def domain_size(self) -> int:
+        return self.nvlink_domain or self.gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -168,14 +176,28 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def _rule_violation(req: SpaceRequest, *, tp: int, pp: int, cp: int) -> str | None:
-    """Why (tp, pp, cp) breaks a model or cluster rule, or None. Wraps `costmodel.plan_rules.model_violation`."""
+    """Why (tp, pp, cp) breaks a model or cluster rule, or None. Wraps `costmodel.plan_rules.model_violation`.
+
+    The cluster rule keeps the search's TP groups inside one NVLink domain (a node unless the cluster
+    declares `nvlink_domain`): tp divides the domain, or the whole job fits in one. It binds the search
+    only: a pinned tp may span domains (priced on the inter-node link, `costmodel.simulator.pricing`),
+    and a cluster with `tp_across_nodes` lets the search try such groups too."""
     d = req.dims
-    if tp > req.gpus_per_node and not req.tp_across_nodes:
-        return f"tp={tp} would span nodes of {req.gpus_per_node} GPUs; this cluster keeps TP inside a node"
-    if tp > 1 and req.gpus_per_node % tp and not req.tp_across_nodes:
-        return f"tp={tp} does not divide the {req.gpus_per_node} GPUs of a node"
+    if tp != req.pins.tp and not req.tp_across_nodes:
+        reason = tp_domain_violation(tp, gpus=req.gpus, domain=req.domain_size)
+        if reason:
+            return reason
     return model_violation(tp=tp, pp=pp, cp=cp, num_layers=d.num_layers, heads=d.heads, kv_heads=d.kv_heads,
                            vocab=d.vocab, seq_len=req.seq_len, encoder_decoder=d.is_encoder_decoder)
+
+
+def tp_domain_violation(tp: int, *, gpus: int, domain: int) -> str | None:
+    """Why TP groups of `tp` consecutive ranks would leave an NVLink domain of `domain` GPUs, or None."""
+    if tp == 1 or gpus <= domain and gpus % tp == 0 or domain % tp == 0:
+        return None
+    if tp > domain:
+        return f"tp={tp} would span NVLink domains of {domain} GPUs; this cluster keeps TP inside one (pin --tp to try it)"
+    return f"tp={tp} does not divide the {domain} GPUs of an NVLink domain, so some TP groups would span two"
 
 
 def validate_pins(req: SpaceRequest) -> None:

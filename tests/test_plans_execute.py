@@ -1,28 +1,48 @@
-"""Every plan soap writes executes (issue 15): a CI-sized, fixed-seed sample of `benchmarks.plans_execute`.
+"""Every plan soap writes executes (issues 15 and 26): a CI-sized, fixed-seed sample of
+`benchmarks.plans_execute`, plus the layouts issue 26 found broken, all drawn through the planner.
 
-Random tiny llama, gpt2, bert, t5 and mixtral models on 1-4 gloo ranks with random pins go through
-`soap plan` -> plan.json -> the launcher's rule check -> 2 training steps. The planner may refuse pins
-no plan meets (with a `SoapError`, the `error:` line); every plan it writes must train, and fp32 plans
-must reproduce the same model's 1-rank plan's losses. `python -m benchmarks.plans_execute` runs a
-larger sample.
+Random tiny llama, gpt2, bert, t5 and mixtral models on 1-4 gloo ranks with random pins from the whole
+product (degrees, schedules, virtual stages, ZeRO, recompute, compile, offload, micro-batching, node
+size) go through `soap plan` -> plan.json -> the launcher's rule check -> 2 training steps. The planner
+may refuse pins no plan meets (with a `SoapError`, the `error:` line); every plan it writes must train,
+and fp32 plans must reproduce the same model's 1-rank plan's losses. `python -m benchmarks.plans_execute`
+runs a larger sample (200 cases, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.plans_execute import FAMILIES, FOCUS, run, sample_cases, summary
+from benchmarks.plans_execute import FAMILIES, FOCUS, Case, run, sample_cases, summary
 
 pytestmark = pytest.mark.slow
 
 SEED = 0
 CASES = len(FOCUS)
-"""One case per FOCUS pin: every family twice, every split pinned once."""
+"""One case per FOCUS pin: every family at least twice, every dimension pinned once."""
+
+ISSUE_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+"""The tiny Llama of issue 26 (hidden 64, 4 layers, 4 heads, 2 KV heads, vocabulary 256)."""
+SGD = dict(precision="fp32", optimizer="sgd")
+NAMED = {
+    # compiled blocks under the schedules that split the backward crashed ("donated buffers")
+    "zbv-compile": (4, dict(pp=2, dp=2, schedule="ZBVZeroBubble", compile=True, **SGD), None),
+    "tp-pp-interleaved-zb-compile": (4, dict(tp=2, pp=2, schedule="InterleavedZeroBubble", compile=True, **SGD), None),
+    # a pinned TP group larger than a node (nodes of 2), with more TP ranks than KV heads (replicated KV)
+    "tp4-across-nodes-of-2": (4, dict(tp=4, compile=False, **SGD), 2),
+}
 
 
 @pytest.fixture(scope="module")
 def cases():
-    return run(sample_cases(SEED, CASES))
+    named = [Case(name=f"issue26-{name}", family="llama", config=ISSUE_LLAMA, world=world, pins=pins,
+                  global_batch=8, seq_len=64, gpus_per_node=node) for name, (world, pins, node) in NAMED.items()]
+    return run(named + sample_cases(SEED, CASES))
+
+
+def _named(cases, name):
+    return next(c for c in cases if c.name == f"issue26-{name}")
 
 
 def test_every_written_plan_trains_and_fp32_plans_match_one_rank(cases):
@@ -30,14 +50,31 @@ def test_every_written_plan_trains_and_fp32_plans_match_one_rank(cases):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("name", NAMED)
+def test_issue_26_layouts_run_and_match_one_process(cases, name):
+    case = _named(cases, name)
+    assert case.outcome == "ran" and case.reference is not None, f"{summary(case)}: {case.outcome}"
+    p = case.plan["parallelism"]
+    for pin, value in case.pins.items():
+        if pin in p:
+            assert p[pin] == value, (pin, p[pin], value)
+
+
+def test_a_pinned_tp_group_spans_nodes(cases):
+    case = _named(cases, "tp4-across-nodes-of-2")
+    assert case.plan["cluster"]["gpus_per_node"] == 2 and case.plan["parallelism"]["tp"] == 4
+
+
 def test_the_sample_exercises_the_planner_and_the_executor(cases):
     """A sample where the planner refused everything, or ran one family only, would prove nothing."""
-    ran = [c for c in cases if c.outcome == "ran"]
-    assert len(ran) >= CASES // 2, [c.outcome for c in cases]
+    sample = [c for c in cases if not c.name.startswith("issue26-")]
+    ran = [c for c in sample if c.outcome == "ran"]
+    assert len(ran) >= CASES // 2, [c.outcome for c in sample]
     assert {c.family for c in ran} == set(FAMILIES)
     assert any(c.world > 1 and c.reference is not None for c in ran), "no multi-rank fp32 plan was compared"
     for degree in ("pp", "tp", "cp", "ep", "dp"):
         assert any(c.plan["parallelism"][degree] > 1 for c in ran), f"no plan with {degree} > 1 ran"
+    assert any(c.plan["parallelism"]["compile"] for c in ran), "no compiled plan ran"
 
 
 def test_refusals_name_what_to_change(cases):

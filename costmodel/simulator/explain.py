@@ -41,7 +41,7 @@ def op_costs(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, pricer
     t, dims = strategy.train, graph.dims
     pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster),
                                      compile=t.compile)
-    groups = mesh_groups(strategy, cluster.gpus_per_node)
+    groups = mesh_groups(strategy, cluster.domain_size)
     by_group = {"tp": groups.tp, "cp": groups.cp, "ep": groups.ep}
     shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden,
                             itemsize=activation_itemsize(t.precision), kv_heads=dims.kv_heads, head_dim=dims.head_dim,

@@ -71,7 +71,10 @@ Data parallelism runs over cp too, as the executor's mesh does: gradients are av
 (`ParallelDims.sync_degree`) and ZeRO/FSDP shards over dp_shard x cp (`ParallelDims.shard_degree`).
 Mesh groups follow torch DeviceMesh order (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a group
 of size n whose ranks are `stride` apart shares a node with min(n, gpus_per_node // stride) of its
-members; a stream's link is intra_node when its groups fit in one node.
+members; a stream's link is intra_node when its groups fit in one node. "Node" here is the NVLink
+domain (`ClusterSpec.domain_size`: the node, or the `nvlink_domain` of a rack such as GB200 NVL72), so
+a TP group that spans nodes of one domain stays on NVLink, and one that leaves it (a pinned tp16 on
+8-GPU nodes) runs on the inter-node link.
 """
 
 from __future__ import annotations
@@ -215,7 +218,7 @@ def price_step(
     d.check_model(num_layers=dims.num_layers, heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab, seq_len=t.seq_len)
     strategy.check_batch()
     pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster), compile=t.compile)
-    groups = mesh_groups(strategy, cluster.gpus_per_node)
+    groups = mesh_groups(strategy, cluster.domain_size)
     n_stages = d.pp * t.virtual_stages
     layers = layer_sequence(graph)
     bounds = as_bounds(stage_bounds) if stage_bounds is not None else balanced_bounds(layers, n_stages)
