@@ -129,6 +129,9 @@ class DeviceProfile:
     host_bandwidth: float
     """bytes/s between device and host memory (offload)."""
     description: str = ""
+    kind: str = "gpu"
+    """What runs a rank: "gpu" (a CUDA or ROCm device: torch's `cuda`) or "cpu" (a process on the host, as
+    `soap calibrate --device cpu` measures it). `soap execute` refuses a GPU plan on a host without one."""
     runtime_workspace_bytes: int = 0
     """Memory a training process allocates beyond the tensors the model counts (allocator, communication
     library and autograd workspaces), on top of `context_bytes`; optional (0: not measured)."""

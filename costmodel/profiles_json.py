@@ -168,6 +168,8 @@ MAX_ALLOCATOR_RESERVE = 1.0
 measurement problem (a leak, a cache never emptied), not a property of the device."""
 MAX_HOST_MEMORY_GIB = 2.0**30
 """Bound on `host_memory_gib` (an exbibyte per node): beyond it the value is in the wrong unit."""
+DEVICE_KINDS = ("gpu", "cpu")
+"""`kind` of a device profile (`DeviceProfile.kind`); absent means gpu."""
 _CLUSTER_REQUIRED = {"schema_version", "name", "description", "device", "gpus_per_node", "tp_across_nodes", "links"}
 _LINK_REQUIRED = {"bandwidth_gbps", "latency_us", "efficiency", "sharp"}
 
@@ -179,7 +181,7 @@ def _check_version(r: _Reader, data: dict) -> None:
 
 def device_from_json(data: Any, origin: str) -> DeviceProfile:
     r = _Reader(origin)
-    r.obj(data, "<root>", _DEVICE_REQUIRED, {"dtype_efficiency", "kernel_factors", "compile_factors",
+    r.obj(data, "<root>", _DEVICE_REQUIRED, {"kind", "dtype_efficiency", "kernel_factors", "compile_factors",
                                              "runtime_workspace_mib", "notes",
                                              "allocator_reserve_fraction", *_DEVICE_STEP_FIELDS})
     _check_version(r, data)
@@ -253,9 +255,13 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
                          f"must be in [0, {MAX_ALLOCATOR_RESERVE:g}] (reserved / allocated - 1), got {reserve}")
     matmul = r.curve(data["matmul_efficiency"], "matmul_efficiency")
     memory = r.curve(data["memory_efficiency"], "memory_efficiency")
+    kind = data.get("kind", "gpu")
+    if kind not in DEVICE_KINDS:
+        raise r.fail("kind", f"must be one of {', '.join(DEVICE_KINDS)}, got {kind!r}")
     return DeviceProfile(
         name=r.text(data, "name", ""),
         description=r.text(data, "description", ""),
+        kind=kind,
         peak_flops=peak_flops,
         memory_bytes=int(num("memory_gib") * GIB),
         memory_bandwidth=num("memory_bandwidth_gbps") * 1e9,
@@ -369,6 +375,7 @@ def device_to_dict(device: DeviceProfile) -> dict:
         "schema_version": SCHEMA_VERSION,
         "name": device.name,
         "description": device.description or device.name,
+        **({"kind": device.kind} if device.kind != "gpu" else {}),
         "memory_gib": _number(device.memory_bytes / GIB, src("memory_gib")),
         "peak_tflops": {
             k: _number(device.peak_flops[k] / 1e12, src(f"peak_tflops.{k}")) for k in PRECISION_KEYS if k in device.peak_flops

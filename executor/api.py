@@ -35,6 +35,7 @@ from executor.expert_parallel import (apply_ep, check_expert_parallel, gather_se
                                       tp_plan_outside_moe)
 from executor.mesh import MeshView, build_mesh
 from executor.model import materialize, normalize_for_tp
+from executor.preflight import check_world_size
 from executor.pipeline import (LossParallelSchedule, TiedAcrossStages, build_schedule, set_position_ids, split_stage,
                                stages_of_rank, tied_across_stages, vocab_parallel_loss)
 from executor.tensor_parallel import all_blocks, apply_tp, find_block_list
@@ -100,15 +101,6 @@ class ParallelModel:
             for param in part.parameters():
                 seen.setdefault(id(param), param)
         return list(seen.values())
-
-
-def check_world_size(plan: Plan, launched: int) -> None:
-    if launched != plan.world_size:
-        raise SoapError(
-            f"the plan needs {plan.world_size} ranks, launched {launched}; fix: launch with "
-            f"--nproc-per-node {plan.world_size} (or nnodes x nproc-per-node = {plan.world_size}), "
-            f"or re-plan with --gpus {launched}"
-        )
 
 
 def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, seed: int = 0,

@@ -1,7 +1,8 @@
 """Starting the ranks: torch's elastic launcher (what torchrun runs), or in-process under torchrun.
 
 `run_plan(plan, run, launch)` first checks the plan against `costmodel.plan_rules` (what torch would
-refuse fails here, as one `error:` line, before any worker starts); then:
+refuse fails here, as one `error:` line, before any worker starts) and against this host
+(`executor.preflight.check_host`: a GPU plan without a GPU, more ranks than the node, memory); then:
 - under an external torchrun (RANK, WORLD_SIZE and LOCAL_RANK set) this process is one rank: it joins
   the process group from the environment and trains;
 - otherwise it launches `nnodes x nproc_per_node` workers with `elastic_launch(LaunchConfig(...))`, with
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.plan_rules import check_pipeline
+from executor.preflight import check_host, check_world_size
 from planner.plan import Plan, plan_from_dict
 from tracer.errors import SoapError
 
@@ -71,6 +73,8 @@ class LaunchOptions:
     master_port: int = 29500
     debug: bool = False
     """Let torch's elastic logs (and their tracebacks) reach the terminal."""
+    allow_cpu: bool = False
+    """Run a GPU plan on CPU processes (gloo) when this host has no GPU: a smoke run (`executor.preflight`)."""
 
 
 def under_torchrun() -> bool:
@@ -98,12 +102,21 @@ def check_plan_rules(plan: Plan) -> None:
 
 def run_plan(plan: Plan, run: Any, launch: LaunchOptions) -> dict[str, Any] | None:
     """Train `plan` on all ranks; returns rank 0's result dict (None on other ranks and nodes)."""
-    from executor.api import check_world_size
+    nproc, min_nodes, max_nodes = preflight(plan, launch)
+    if under_torchrun():
+        return _worker(plan.to_json(), run)
+    return _elastic(plan, run, launch, nproc, min_nodes, max_nodes)
 
+
+def preflight(plan: Plan, launch: LaunchOptions) -> tuple[int, int, int]:
+    """Every check that needs no worker, as `error:` lines: the plan's rules, the launch flags and this host
+    (`executor.preflight`); returns (ranks on this node, min nodes, max nodes). `soap execute` runs it
+    before anything slow (tokenizing a dataset), `run_plan` again before it starts the ranks."""
     check_plan_rules(plan)
     if under_torchrun():
         check_world_size(plan, int(os.environ["WORLD_SIZE"]))
-        return _worker(plan.to_json(), run)
+        check_host(plan, nproc_per_node=None, nnodes=1, allow_cpu=launch.allow_cpu, under_torchrun=True)
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1, 1
     min_nodes, max_nodes = node_counts(launch.nnodes)
     if min_nodes != max_nodes and plan.world_size % min_nodes:
         raise SoapError(f"elastic --nnodes {launch.nnodes}: the plan's {plan.world_size} ranks are fixed; "
@@ -112,7 +125,8 @@ def run_plan(plan: Plan, run: Any, launch: LaunchOptions) -> dict[str, Any] | No
         raise SoapError(f"--nproc-per-node {launch.nproc_per_node}: need at least 1 worker per node")
     nproc = launch.nproc_per_node or max(1, plan.world_size // max_nodes)
     check_world_size(plan, nproc * max_nodes)
-    return _elastic(plan, run, launch, nproc, min_nodes, max_nodes)
+    check_host(plan, nproc_per_node=launch.nproc_per_node, nnodes=max_nodes, allow_cpu=launch.allow_cpu)
+    return nproc, min_nodes, max_nodes
 
 
 def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes: int,

@@ -52,6 +52,28 @@ def test_tp_may_span_nodes_only_when_the_cluster_allows_it():
     assert max(m.dims.tp for m in mesh_choices(_request(gpus=32))) == 8
 
 
+def test_a_pinned_tp_spans_nodes_the_search_would_not():
+    """`tp_across_nodes: false` keeps the search's TP inside a node; a pin is the user's to make (issue 26)."""
+    pinned = _request(gpus=16, pins=Pins(tp=16))
+    validate_pins(pinned)
+    assert {m.dims.tp for m in mesh_choices(pinned)} == {16}
+    assert max(m.dims.tp for m in mesh_choices(_request(gpus=16))) == 8
+
+
+LLAMA_70B = ModelDims(num_layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256)
+
+
+def test_an_nvlink_domain_larger_than_a_node_lets_the_search_span_its_nodes():
+    """GB200 NVL72: trays of 4 GPUs in one NVLink domain of 72; TP up to 64 stays on NVLink."""
+    nvl72 = _request(dims=LLAMA_70B, gpus=64, gpus_per_node=4, nvlink_domain=72, global_batch=128)
+    assert max(m.dims.tp for m in mesh_choices(nvl72)) == 64
+    assert max(m.dims.tp for m in mesh_choices(_request(dims=LLAMA_70B, gpus=64, gpus_per_node=4,
+                                                        global_batch=128))) == 4
+    # two domains: a TP group must not straddle them
+    two_racks = _request(dims=LLAMA_70B, gpus=144, gpus_per_node=4, nvlink_domain=72, global_batch=144)
+    assert {m.dims.tp for m in mesh_choices(two_racks)} <= {1, 2, 4, 8}
+
+
 def test_sharding_choices_cover_ddp_zero_and_hsdp():
     meshes = [m for m in mesh_choices(_request(gpus=16)) if m.dims.tp == 2 and m.dims.pp == 1 and m.dims.cp == 1]
     forms = {(m.zero, m.dims.dp_replicate, m.dims.dp_shard) for m in meshes}
@@ -75,7 +97,6 @@ def test_pins_fix_their_dimension():
     ("pins", "match"),
     [
         (Pins(tp=3), "does not divide --gpus 16"),
-        (Pins(tp=16), "span nodes"),
         (Pins(pp=4, dp=8), "multiply to 32"),
         (Pins(cp=16), "divisible by 2\\*cp=32"),
         (Pins(precision="fp8"), "no fp8 support"),

@@ -380,3 +380,17 @@ def test_fsdp_with_accumulation_syncs_and_gathers_every_microbatch(zero, gathers
     assert gathers == 4 * gathers_per_microbatch * units
     ddp_syncs, ddp_gathers = count(ParallelDims(dp_replicate=2))
     assert ddp_syncs == units and ddp_gathers == 0
+
+
+def test_a_tp_group_that_leaves_the_nvlink_domain_is_priced_on_the_inter_node_link():
+    """tp16 on 8-GPU nodes (issue 26: a pinned tp may span nodes) runs its TP collectives over the NICs;
+    declare an NVLink domain of 16 (GB200-style, `nvlink_domain`) and the same plan stays on NVLink."""
+    from costmodel.simulator.pricing import price_step
+
+    graph = tiny_decoder(heads=16, hidden=256, ffn=512)
+    strategy = _strategy(tp=16, mb=1)
+    spanning, _ = price_step(graph, strategy, CLUSTER)
+    one_domain = dataclasses.replace(CLUSTER, nvlink_domain=16)
+    inside, _ = price_step(graph, strategy, one_domain)
+    assert spanning.links["tp-comm"] == "inter_node" and inside.links["tp-comm"] == "intra_node"
+    assert simulate(graph, strategy, CLUSTER).step_time_s > simulate(graph, strategy, one_domain).step_time_s

@@ -278,6 +278,8 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
     )
     device_json = refine_device(device_json, fit_kernels, reference=config.reference_precision)
     device_json.update(node_fields(meas.node, device_json, meas.source))
+    if config.device == "cpu":
+        device_json["kind"] = "cpu"  # ranks are host processes: `soap execute` runs them without a GPU
     if meas.compile:
         device_json["compile_factors"] = compile_factors_json(meas.compile, source=meas.source)
     cluster: dict | None = None

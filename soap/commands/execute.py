@@ -60,12 +60,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=int, default=0)
     t.add_argument("--master-addr", default="127.0.0.1")
     t.add_argument("--master-port", type=int, default=29500)
+    t.add_argument("--allow-cpu", action="store_true",
+                   help="run a plan made for GPUs on CPU processes (gloo) when this host has no GPU: a slow smoke "
+                        "run; without it such a plan is refused before any worker starts")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.launch import LaunchOptions, run_plan
-    from executor.train import RunConfig
+    from executor.launch import LaunchOptions, preflight, run_plan
     from planner.plan import load_plan
     from tracer.files import write_atomic
     from tracer.files import check_writable, check_writable_dir
@@ -95,6 +97,13 @@ def run(args: argparse.Namespace) -> int:
         check_writable_dir(args.checkpoint_dir, what="--checkpoint-dir")
     if args.save_hf:
         check_writable_dir(args.save_hf, what="--save-hf")
+    launch = LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
+                           max_restarts=args.max_restarts, master_addr=args.master_addr,
+                           master_port=args.master_port, debug=getattr(args, "debug", False),
+                           allow_cpu=args.allow_cpu)
+    preflight(plan, launch)  # before anything slow: the plan against this host and the launch flags
+    from executor.train import RunConfig  # imports the executor (torch.distributed, dynamo): seconds
     data = args.data
     if args.dataset:
         from executor.data import prepare_dataset
@@ -103,10 +112,6 @@ def run(args: argparse.Namespace) -> int:
     config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=data, weights=args.weights,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, save_hf=args.save_hf, progress=True, timeout_s=args.timeout)
-    launch = LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
-                           rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
-                           max_restarts=args.max_restarts, master_addr=args.master_addr,
-                           master_port=args.master_port, debug=getattr(args, "debug", False))
     result = run_plan(plan, config, launch)
     if result is None:  # not global rank 0
         return 0
