@@ -29,7 +29,13 @@ for them.
 What soap's executor runs on top of torch's rules (`executed_pipeline_violation`, `compile_violation`):
 every schedule above (`NOT_EXECUTED` is empty), but ZeRO-3 not under the split-backward schedules
 (`SPLIT_BACKWARD_SCHEDULES`: FSDP keeps the blocks gathered there, which is ZeRO-2), and no compile of
-encoder-decoder models (their compiled blocks train differently).
+encoder-decoder models (their compiled blocks train differently). Compiled blocks do run under the
+split-backward schedules: their input backward retains the graph for the weight backward, which a
+compiled backward that donates its saved buffers refuses, so the executor compiles them without
+donation there (`executor.api.compile_blocks`); tests/test_plans_execute.py holds both zero-bubble
+schedules with compile to one process. TP groups may span nodes and may outnumber the KV heads (the
+executor replicates K and V over TP then, `executor.tensor_parallel.replicate_kv_heads`): neither is a
+rule here; keeping the search's TP inside an NVLink domain is the planner's choice (`planner.space`).
 
 Pipeline messages name the plan.json field (`parallelism.num_microbatches`, ...) and the fix; model
 messages name the degree (`tp=3 does not divide 4 attention heads; ...`), which the plan loader prefixes

@@ -50,15 +50,18 @@ def explain(
     def versus(keep: Callable[[Candidate], bool], fits_reason: str) -> str:
         return _versus(chosen_plan, priced, candidates, keep, fits_reason)
 
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_size  # GPUs sharing NVLink: the node, or a larger NVLink domain
     link_ratio = cluster.intra_node.bandwidth / cluster.inter_node.bandwidth
     limit = f"{memory_limit / GIB:.0f} GiB"
     lines: list[str] = []
     if d.tp > 1:
-        where = "inside nodes" if d.tp <= gpn else "across nodes"
+        inside = group_ranks_per_node(d.tp, 1, gpn) == d.tp
+        where = "inside nodes" if inside else "across nodes"
         reason = versus(lambda c: c.mesh.dims.tp == 1,
                         f"{model} at {t.precision} does not fit in {limit} per GPU without it")
-        lines.append(f"TP={d.tp} {where} {reason}; it rides the intra-node link ({link_ratio:.0f}x the inter-node bandwidth).")
+        link = (f"it rides the intra-node link ({link_ratio:.0f}x the inter-node bandwidth)" if inside else
+                f"its per-layer collectives cross the inter-node link ({link_ratio:.0f}x slower than the intra-node one)")
+        lines.append(f"TP={d.tp} {where} {reason}; {link}.")
     if d.pp > 1:
         # the pipeline dimension is outermost: its ranks sit dp*cp*tp apart (costmodel.simulator.pricing.mesh_groups)
         spans = group_ranks_per_node(d.pp, d.dp * d.cp * d.tp, gpn) < d.pp
