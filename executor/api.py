@@ -212,7 +212,8 @@ def compile_blocks(part: nn.Module, plan: Plan) -> None:
 
 
 def _recompute_policy(plan: Plan) -> str:
-    policies = {b.recompute for b in plan.blocks if b.id not in ("<prologue>", "<epilogue>")}
+    # segments outside the blocks (<prologue>, <epilogue>, an encoder-decoder's <between-k>) recompute nothing
+    policies = {b.recompute for b in plan.blocks if not b.id.startswith("<")}
     if len(policies) > 1:
         raise SoapError(f"blocks ask for different recompute policies {sorted(policies)}; the executor applies "
                         "one policy to the layer stack")

@@ -25,19 +25,25 @@ ISSUE_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, nu
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
 """The tiny Llama of issue 26 (hidden 64, 4 layers, 4 heads, 2 KV heads, vocabulary 256)."""
 SGD = dict(precision="fp32", optimizer="sgd")
+TINY_T5 = dict(model_type="t5", d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
+               vocab_size=96, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
 NAMED = {
     # compiled blocks under the schedules that split the backward crashed ("donated buffers")
-    "zbv-compile": (4, dict(pp=2, dp=2, schedule="ZBVZeroBubble", compile=True, **SGD), None),
-    "tp-pp-interleaved-zb-compile": (4, dict(tp=2, pp=2, schedule="InterleavedZeroBubble", compile=True, **SGD), None),
+    "zbv-compile": ("llama", ISSUE_LLAMA, 4, dict(pp=2, dp=2, schedule="ZBVZeroBubble", compile=True, **SGD), None),
+    "tp-pp-interleaved-zb-compile": ("llama", ISSUE_LLAMA, 4, dict(tp=2, pp=2, schedule="InterleavedZeroBubble",
+                                                                  compile=True, **SGD), None),
     # a pinned TP group larger than a node (nodes of 2), with more TP ranks than KV heads (replicated KV)
-    "tp4-across-nodes-of-2": (4, dict(tp=4, compile=False, **SGD), 2),
+    "tp4-across-nodes-of-2": ("llama", ISSUE_LLAMA, 4, dict(tp=4, compile=False, **SGD), 2),
+    # found by the 200-case benchmark: an encoder-decoder's <between> segment made recompute look mixed
+    "t5-full-recompute": ("t5", TINY_T5, 2, dict(recompute="full", compile=False, **SGD), None),
 }
 
 
 @pytest.fixture(scope="module")
 def cases():
-    named = [Case(name=f"issue26-{name}", family="llama", config=ISSUE_LLAMA, world=world, pins=pins,
-                  global_batch=8, seq_len=64, gpus_per_node=node) for name, (world, pins, node) in NAMED.items()]
+    named = [Case(name=f"issue26-{name}", family=family, config=config, world=world, pins=pins, global_batch=8,
+                  seq_len=64 if family == "llama" else 16, gpus_per_node=node)
+             for name, (family, config, world, pins, node) in NAMED.items()]
     return run(named + sample_cases(SEED, CASES))
 
 
