@@ -271,7 +271,7 @@ def compare(model: Any, *, clusters: Sequence[str], prices: Mapping[str, Price],
                                      best_per_gpu=best, knee=knee_at, knee_reached=reached))
     if not any(r.headline for r in results):
         errors = [p.error for r in results for p in r.points if p.error]
-        where = f"at {pinned} GPUs" if pinned else f"at any count up to --max-gpus {max_gpus}"
+        where = f"at {pinned} GPU{'s' if pinned != 1 else ''}" if pinned else f"at any count up to --max-gpus {max_gpus}"
         raise SoapError(f"{ref.name} fits on none of {', '.join(clusters)} {where}: {errors[-1] if errors else 'no plan'}")
     ranked = sorted(results, key=lambda r: (r.headline is None, r.cost_per_million,
                                             -(r.chosen.tokens_per_s if r.chosen else 0.0), clusters.index(r.name)))

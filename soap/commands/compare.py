@@ -48,12 +48,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from costmodel.profiles import load_cluster
     from planner.compare import compare, comparison_json
     from planner.compare_report import comparison_png, render_comparison
     from planner.prices import parse_price_flag, resolve_prices
     from tracer.files import check_writable
 
     clusters = [c.strip() for c in args.clusters.split(",") if c.strip()]
+    for name in clusters:  # an unknown name is reported as such, before any price is looked up
+        load_cluster(name)
     prices = resolve_prices(clusters, parse_price_flag(args.price), args.prices)
     if args.png:
         check_writable(args.png, what="--png")
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     comparison = compare(
         args.model, clusters=clusters, prices=prices, gpus=args.gpus, tokens=args.tokens, max_gpus=args.max_gpus,
-        progress=progress, task=args.task, global_batch=args.global_batch, seq_len=args.seq_len,
+        progress=progress if sys.stderr.isatty() else None, task=args.task, global_batch=args.global_batch, seq_len=args.seq_len,
         mem_limit_gib=args.mem_limit, trust_remote_code=args.trust_remote_code, **pins_of(args),
     )
     if args.png:
