@@ -32,7 +32,9 @@ multiples. From these it reports
   the smallest, the first n whose doubling gains less than `KNEE_GAIN` (X(2n)/X(n) < 1.6, i.e. under 80%
   scaling efficiency); beyond it each added GPU buys markedly less. If every doubling up to the cap
   gains at least that, the knee is the largest count searched and `knee_reached` is False.
-The headline count of a cluster under `--gpus auto` is its knee.
+The headline count of a cluster under `--gpus auto` is its knee. Under a pinned `--gpus N` nothing but N is
+searched (k clusters cost k searches, the one-trace promise), so the smallest count, the best count per GPU
+and the knee are left out (None); `--gpus auto` gives them.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def _duration(seconds: float) -> str:
 def _usd(value: float) -> str:
     if not math.isfinite(value):
         return "-"
-    return f"${value:,.0f}" if value >= 100 else f"${value:,.3f}" if value < 1 else f"${value:,.2f}"
+    return f"${value:,.0f}" if value >= 100 else f"${value:.3g}" if value < 1 else f"${value:,.2f}"
 
 
 def _counts(r: ClusterResult) -> str:
@@ -57,6 +57,8 @@ def render_comparison(comparison: Comparison) -> None:
                   caption="min / best per GPU / knee: the smallest count that fits, the count with the most tokens/s "
                   "per GPU, the last count before a doubling gains < 60% (+: not reached by the cap)" if auto else None,
                   caption_justify="left")
+    if not auto:
+        table.caption = "the smallest count that fits, the best count per GPU and the knee: --gpus auto"
     columns = ["#", "cluster", "GPUs", "plan", "step s", "tokens/s", "MFU", "GiB/GPU", "train time", "$/M tokens",
                "train cost"] + (["min / best / knee"] if auto else [])
     for col in columns:
