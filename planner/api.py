@@ -58,6 +58,11 @@ def default_global_batch(gpus: int, seq_len: int) -> int:
     return -(-samples // gpus) * gpus
 
 
+def request_seq_len(ref: ModelRef, *, seq_len: int | None, task: str | None) -> int | None:
+    """The planned sequence length: the pinned one, else the model's default (validated by `make_request`)."""
+    return seq_len if seq_len is not None else default_seq_len(ref.config, task or (ref.spec and ref.spec.task))
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """Everything a search depends on, after defaults are filled in."""
@@ -98,7 +103,7 @@ def make_request(
         raise SoapError(f"--gpus={gpus!r} must be a positive integer")
     ref = model_ref(model, task=task, trust_remote_code=trust_remote_code)
     cluster_spec = resolve_cluster(cluster, gpus_per_node)
-    seq = seq_len if seq_len is not None else default_seq_len(ref.config, task or (ref.spec and ref.spec.task))
+    seq = request_seq_len(ref, seq_len=seq_len, task=task)
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
         raise SoapError(f"--seq-len={seq!r} must be a positive integer")
     batch = global_batch if global_batch is not None else default_global_batch(gpus, seq)

@@ -18,7 +18,7 @@ import unicodedata
 
 from tracer.errors import SoapError
 
-COMMANDS = ("trace", "plan", "simulate", "execute", "calibrate", "profiles", "validate", "export", "export-hf")
+COMMANDS = ("trace", "plan", "compare", "simulate", "execute", "calibrate", "profiles", "validate", "export", "export-hf")
 
 
 def error_line(message: str) -> str:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-FAST_EXIT_COMMANDS = frozenset({"plan"})
+FAST_EXIT_COMMANDS = frozenset({"plan", "compare"})
 """Commands that leave by `os._exit` when they succeed: once a plan is printed and written, the
 interpreter's teardown (freeing every module and every object of the search, 0.2 to 0.7 s on a 2-core
 machine) does nothing the user needs. Not for commands that run workers or hold process groups."""

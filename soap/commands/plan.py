@@ -10,18 +10,14 @@ import threading
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "plan", help="search for the fastest plan that fits in memory",
-        description="Search the SOAP space (data, tensor, pipeline, context parallelism and the single-device "
-        "techniques) for the fastest plan that fits; pinned flags fix their dimension. Defaults: sequence "
-        "length = min(the model's maximum positions, 4096); global batch = about 4M tokens per step "
-        "(2^22 / seq samples), rounded up to a multiple of the GPU count.",
-    )
-    p.add_argument("model", metavar="MODEL", help="preset name, config.json path or directory, or Hub id")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    p.add_argument("--cluster", default="dgx-h100", help="cluster profile name or JSON file (default dgx-h100)")
-    p.add_argument("--gpus-per-node", type=int, help="override the cluster's GPUs per node")
+PIN_ARGS = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum", "recompute", "schedule", "precision",
+            "optimizer", "ep", "virtual_stages", "offload", "compile")
+"""The pinned flags' argparse destinations (`planner.api.PIN_NAMES`)."""
+
+
+def add_request_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that shape a plan request besides the model, the GPU count and the cluster: task, batch,
+    sequence length, the pins and the memory limit (shared by `soap plan` and `soap compare`)."""
     p.add_argument("--task", help="causal-lm, masked-lm, seq-cls or seq2seq-lm (default: from the config)")
     p.add_argument("--global-batch", type=int, help="samples (sequences) per optimizer step")
     p.add_argument("--seq-len", type=int, help="tokens per sample")
@@ -46,6 +42,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=f"pin {what} (--{name} alone: on); default: searched")
         p.add_argument(f"--no-{name}", dest=name, action="store_const", const="off", help=f"same as --{name} off")
     p.add_argument("--mem-limit", type=float, metavar="GIB", help="usable memory per GPU in GiB (default: the device's)")
+
+
+def pins_of(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in PIN_ARGS}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="search for the fastest plan that fits in memory",
+        description="Search the SOAP space (data, tensor, pipeline, context parallelism and the single-device "
+        "techniques) for the fastest plan that fits; pinned flags fix their dimension. Defaults: sequence "
+        "length = min(the model's maximum positions, 4096); global batch = about 4M tokens per step "
+        "(2^22 / seq samples), rounded up to a multiple of the GPU count.",
+    )
+    p.add_argument("model", metavar="MODEL", help="preset name, config.json path or directory, or Hub id")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--cluster", default="dgx-h100", help="cluster profile name or JSON file (default dgx-h100)")
+    p.add_argument("--gpus-per-node", type=int, help="override the cluster's GPUs per node")
+    add_request_arguments(p)
     p.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="spend this long refining the plan with simulator-guided MCMC")
     p.add_argument("--seed", type=int, default=0, help="seed of the MCMC refinement (default 0)")
@@ -113,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import render_summary, report_json
     from tracer.files import check_writable
 
-    pins = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum",
-                                          "recompute", "schedule", "precision", "optimizer", "ep",
-                                          "virtual_stages", "offload", "compile")}
+    pins = pins_of(args)
     if args.output:
         check_writable(args.output, what="-o")
     exports = None
