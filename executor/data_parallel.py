@@ -88,8 +88,10 @@ def apply_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> nn.Module:
     experts = expert_parameter_names(model)
     if experts:  # reduced over their own replicas by their FSDP (apply_expert_ddp)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
-    # the gradients are views of the reducer's buckets: one copy of them, not a .grad plus a bucket
-    return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False,
+    # the gradients are views of the reducer's buckets: one copy of them, not a .grad plus a bucket; the
+    # buffers (rotary tables, position ids) are the same on every rank, so no broadcast before each forward
+    # (torch 2.13's name for it: `broadcast_buffers` warns that it is deprecated)
+    return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), forward_sync_buffers=False,
                                    gradient_as_bucket_view=True)
 
 
