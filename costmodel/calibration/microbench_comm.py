@@ -213,3 +213,17 @@ def run_collectives(cases: list[CommCase], *, group_size: int, device: str, timi
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    check_workers(procs, f"the collective benchmark on {group_size} ranks")
+
+
+def check_workers(procs: list, what: str) -> None:
+    """Raise if a joined worker process failed, even after sending its results: a rank that aborts (a C++
+    `terminate`, a signal) is a crash of the calibration, not a measurement."""
+    import signal
+
+    for rank, p in enumerate(procs):
+        code = p.exitcode
+        if code:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                else f"exit code {code}"
+            raise RuntimeError(f"{what}: rank {rank} ended with {how}; nothing was written")
