@@ -33,6 +33,7 @@ because foreach kernels cannot mix tensors of different meshes.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -73,6 +74,11 @@ def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
     for block in all_blocks(model):
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    # A head Linear with a bias returns its [batch, seq, vocab] output as a view (BERT's decoder), and FSDP2
+    # then warns on every forward that an in-place op on it would skip an all-gather; soap's losses read the
+    # logits out of place, so the warning only hides real ones.
+    root = type(model).__name__
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({root}\) returned a view tensor")
 
 
 def apply_expert_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
