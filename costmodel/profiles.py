@@ -176,6 +176,12 @@ class DeviceProfile:
     """Provenance per JSON field path, e.g. `peak_tflops.bf16` -> "NVIDIA PB-11133"."""
 
     @property
+    def rank_noun(self) -> str:
+        """What one rank is, in messages: "CPU process" on a CPU profile (its name says cpu, as `soap calibrate
+        --device cpu`'s local-cpu does), else "GPU"."""
+        return "CPU process" if "cpu" in self.name.lower() else "GPU"
+
+    @property
     def predicts_reserved_memory(self) -> bool:
         """Whether predicted device memory is the allocator's reserved peak (a reserve is fitted) rather
         than its allocated peak."""
