@@ -130,7 +130,8 @@ def memory_table(memory: Sequence[RankMemory], limit_bytes: float, device: Devic
     and that total as a share of the limit; host memory is per GPU and outside the total."""
     from rich.table import Table
 
-    table = Table(title=f"Memory per {device.rank_noun} at its peak, GiB (limit {limit_bytes / GIB:.1f} GiB)", title_justify="left",
+    rank = getattr(device, "rank_noun", "GPU")
+    table = Table(title=f"Memory per {rank} at its peak, GiB (limit {limit_bytes / GIB:.1f} GiB)", title_justify="left",
                   caption=f"peak = {memory_kind(device)}; host = offloaded, not in the total",
                   caption_justify="left")
     for col in ("rank", "stages", *MEMORY_TERMS, "total", "of limit"):
