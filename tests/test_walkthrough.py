@@ -54,3 +54,20 @@ def test_every_walkthrough_command_runs(tmp_path):
     assert "synthetic" not in execute.stderr
     assert outputs[-1].stdout.startswith("the cat sat on the")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (work / "trained").iterdir()}
+
+
+def test_no_doc_or_help_installs_soap_from_the_registry():
+    """`pip install 'soap[data]'` fetches another project named soap; the extra comes from the checkout."""
+    from soap.cli import build_parser
+
+    texts = {p: p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]}
+    texts["soap execute --help"] = build_parser(["execute"]).commands["execute"].format_help()
+    texts["executor/data.py"] = (ROOT / "executor" / "data.py").read_text()
+    assert [name for name, text in texts.items() if re.search(r"install\s+['\"]?soap\[", text)] == []
+    assert "-e '.[data]'" in texts["soap execute --help"]
+
+
+def test_the_readme_says_a_plain_pytest_checks_torchtitan_exports_by_field_names_only():
+    readme = (ROOT / "README.md").read_text()
+    tests_section = readme[readme.index("Run the tests:"):readme.index("## What it does")]
+    assert "torchtitan" in tests_section and ".ci/run" in tests_section
