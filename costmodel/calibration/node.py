@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from costmodel.calibration.microbench_comm import check_workers
+from costmodel.calibration.microbench_comm import check_workers, stop_workers
 
 OPTIMIZER_TENSOR_ELEMENTS = 2**15
 """Elements per parameter tensor of the optimizer sweep (the validate suite's tiny models average 32-64K)."""
@@ -178,11 +178,8 @@ def _mix_time(processes: int, device: str, threads: int) -> float:
     try:
         times = [queue.get(timeout=120) for _ in procs]
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    check_workers(procs, f"the concurrency benchmark on {processes} processes")
+        killed = stop_workers(procs)
+    check_workers(procs, f"the concurrency benchmark on {processes} processes", killed=killed)
     return statistics.mean(times)
 
 
@@ -295,11 +292,8 @@ def measure_overlap(device: str, threads: int) -> tuple[float, float]:
     try:
         overlap, call = queue.get(timeout=300)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    check_workers(procs, "the overlap benchmark on 2 ranks")
+        killed = stop_workers(procs)
+    check_workers(procs, "the overlap benchmark on 2 ranks", killed=killed)
     return float(overlap), float(call)
 
 
