@@ -325,6 +325,7 @@ def abort_after_sending(rank, world, port, device, cases, timing, threads, queue
     os.abort()
 
 
+@pytest.mark.slow
 def test_calibrate_exits_non_zero_when_a_benchmark_rank_crashes(tmp_path, monkeypatch, capsys):
     import costmodel.calibration.calibrate as calibrate
     import costmodel.calibration.microbench_comm as comm
