@@ -1,11 +1,12 @@
 """Why this plan: one short sentence per technique the chosen plan uses, naming what decided it.
 
 A degree or technique the user pinned says so ("as pinned (--tp 8)"): the search never tried the plan
-without it, so no counterfactual exists. Every other sentence is a counterfactual: the fastest simulated plan *without* the technique (tp = 1,
-pp = 1, cp = 1, no sharding, no recompute, no compile), or failing that the best estimated candidate, either
-does not exist — nothing without it fits in memory — or is slower by a factor, which the sentence
-states (with whether the factor was simulated or estimated). Link facts from the cluster (intra- against inter-node bandwidth) explain
-where TP and PP sit. The last sentence names the largest part of the chosen plan's simulated step.
+without it, so no counterfactual exists. Every other sentence is a counterfactual: the fastest simulated
+plan *without* the technique (tp = 1, pp = 1, cp = 1, no sharding, no recompute, no compile), or failing
+that the best estimated candidate, either does not exist (nothing without it fits in memory) or is slower
+by a factor, which the sentence states (with whether the factor was simulated or estimated). Link facts
+from the cluster (intra- against inter-node bandwidth) explain where TP and PP sit. The last sentence names
+the largest part of the chosen plan's simulated step.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def explain(
             reason = "because the model state fits replicated, so no sharding traffic is needed"
         lines.append(f"DP={d.dp}, {form}, {reason}.")
     if t.recompute != "none":
-        reason = versus(lambda c: c.train.recompute == "none", f"activations do not fit in {limit} per {noun} otherwise",
+        reason = versus(lambda c: c.train.recompute == "none",
+                        f"activations do not fit in {limit} per {noun} otherwise",
                         pinned=pins.recompute and f"--recompute {pins.recompute}")
         lines.append(f"{t.recompute.capitalize()} activation recomputation {reason}.")
     if t.offload_optimizer:

@@ -164,7 +164,8 @@ def allocator_reserve_entry(records: Sequence[dict[str, Any]]) -> dict | None:
 
 
 def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Refit:
-    """Read the runs log, refit `cluster_name`'s profile and write it (to `output`, else the user's profile folder, `costmodel.profiles.user_profiles_dir`)."""
+    """Read the runs log, refit `cluster_name`'s profile and write it (to `output`, else the user's profile
+    folder, `costmodel.profiles.user_profiles_dir`)."""
     import json
 
     from costmodel.profiles import load_cluster, user_profile_paths

@@ -132,7 +132,8 @@ def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace
     device = plan_device(plan)
     console.print(f"[bold]{plan.model.name}[/] ({graph.params_total / 1e9:.2f} B params) on {plan.cluster.gpus} x "
                   f"{plan.cluster.name}: tp {p['tp']}, pp {p['pp']}, dp {p['dp']} (zero {p['zero']}), cp {p['cp']}, "
-                  f"{batching(p)}, recompute {p['recompute']}, {p['precision']}, offload {_on_off(p.get('offload_optimizer'))}, "
+                  f"{batching(p)}, recompute {p['recompute']}, {p['precision']}, "
+                  f"offload {_on_off(p.get('offload_optimizer'))}, "
                   f"compile {_on_off(p.get('compile'))}")
     table = Table(show_header=False, box=None)
     table.add_row("step time", f"{c['step_time_s'] * 1e3:.2f} ms")
