@@ -45,6 +45,12 @@ Memory beyond the device's own:
   runs by `soap calibrate --from-runs`; CUDA runs out of memory when the reserved bytes reach the device's.
   With it, soap predicts reserved memory (`costmodel.memory.reserve_bytes`); without it, allocated memory
   (`DeviceProfile.predicted_memory_kind` says which).
+
+Where profiles are found by name: the user's profile folder first (`user_profiles_dir`: what `soap
+calibrate` and `soap calibrate --from-runs` write, `$SOAP_PROFILES_DIR`, default
+`$XDG_CACHE_HOME/soap/profiles` or `~/.cache/soap/profiles`), then the shipped `profiles/` (`PROFILES_DIR`),
+which soap never writes. A profile measured on this machine therefore replaces a shipped one of the same name
+(local-cpu).
 """
 
 from __future__ import annotations
@@ -173,6 +179,12 @@ class DeviceProfile:
     """Provenance per JSON field path, e.g. `peak_tflops.bf16` -> "NVIDIA PB-11133"."""
 
     @property
+    def rank_noun(self) -> str:
+        """What one rank is, in messages: "CPU process" on a CPU profile (`kind` cpu, as `soap calibrate
+        --device cpu` writes it), else "GPU"."""
+        return "CPU process" if self.kind == "cpu" else "GPU"
+
+    @property
     def predicts_reserved_memory(self) -> bool:
         """Whether predicted device memory is the allocator's reserved peak (a reserve is fitted) rather
         than its allocated peak."""
@@ -263,17 +275,42 @@ def _is_file(path: Path) -> bool:
         return False
 
 
+def user_profiles_dir() -> Path:
+    """The user's profile folder (`devices/` and `clusters/` inside): `$SOAP_PROFILES_DIR`, else
+    `$XDG_CACHE_HOME/soap/profiles` (default `~/.cache/soap/profiles`)."""
+    import os
+
+    if os.environ.get("SOAP_PROFILES_DIR"):
+        return Path(os.environ["SOAP_PROFILES_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "soap" / "profiles"
+
+
+def user_profile_paths(device: str, cluster: str) -> tuple[Path, Path]:
+    """Where a profile written by soap goes: `devices/DEVICE.json` and `clusters/CLUSTER.json` in
+    `user_profiles_dir`."""
+    root = user_profiles_dir()
+    return root / "devices" / f"{device}.json", root / "clusters" / f"{cluster}.json"
+
+
+def _profile_path(kind: str, name: str) -> Path | None:
+    """The file of profile `name` (kind `devices` or `clusters`): the user's first, then the shipped one."""
+    for root in (user_profiles_dir(), PROFILES_DIR):
+        if _is_file(root / kind / f"{name}.json"):
+            return root / kind / f"{name}.json"
+    return None
+
+
 def _names(kind: str) -> list[str]:
-    return sorted(p.stem for p in (PROFILES_DIR / kind).glob("*.json"))
+    return sorted({p.stem for root in (PROFILES_DIR, user_profiles_dir()) for p in (root / kind).glob("*.json")})
 
 
 def list_devices() -> list[str]:
-    """Names of the shipped device profiles (local-cpu only once `soap calibrate` has written it)."""
+    """Names of the shipped device profiles and the user's (`user_profiles_dir`)."""
     return _names("devices")
 
 
 def list_clusters() -> list[str]:
-    """Names of the shipped cluster profiles (local-cpu only once `soap calibrate` has written it)."""
+    """Names of the shipped cluster profiles and the user's (`user_profiles_dir`)."""
     return _names("clusters")
 
 
@@ -304,9 +341,11 @@ def _read_cluster(path: Path, *, devices_beside: bool) -> ClusterSpec:
 
 
 def _device_by_name(name: str, origin: str, device_dir: Path | None) -> DeviceProfile:
-    for folder in (device_dir, PROFILES_DIR / "devices"):
-        if folder is not None and _is_file(folder / f"{name}.json"):
-            return _read_device(folder / f"{name}.json")
+    if device_dir is not None and _is_file(device_dir / f"{name}.json"):
+        return _read_device(device_dir / f"{name}.json")
+    path = _profile_path("devices", name)
+    if path is not None:
+        return _read_device(path)
     raise SoapError(f"profile {origin}: field device: {_missing('device', name)}")
 
 
@@ -314,8 +353,8 @@ def load_device(name_or_path: str) -> DeviceProfile:
     """A device profile by shipped name (`h100-sxm`) or JSON file path, validated."""
     if _looks_like_path(name_or_path):
         return _read_device(Path(name_or_path))
-    path = PROFILES_DIR / "devices" / f"{name_or_path}.json"
-    if not _is_file(path):
+    path = _profile_path("devices", name_or_path)
+    if path is None:
         raise _missing("device", name_or_path)
     return _read_device(path)
 
@@ -327,8 +366,8 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     devices; a file may also embed the device object inline (the plan.json form)."""
     if _looks_like_path(name_or_path):
         return _read_cluster(Path(name_or_path), devices_beside=True)
-    path = PROFILES_DIR / "clusters" / f"{name_or_path}.json"
-    if not _is_file(path):
+    path = _profile_path("clusters", name_or_path)
+    if path is None:
         raise _missing("cluster", name_or_path)
     return _read_cluster(path, devices_beside=False)
 
@@ -337,9 +376,9 @@ def check_profile(name_or_path: str) -> DeviceProfile | ClusterSpec:
     """Validate one profile: a JSON file (device or cluster, told apart by the `links` key) or a
     shipped name (clusters first, then devices)."""
     if not _looks_like_path(name_or_path):
-        if _is_file(PROFILES_DIR / "clusters" / f"{name_or_path}.json"):
+        if _profile_path("clusters", name_or_path):
             return load_cluster(name_or_path)
-        if _is_file(PROFILES_DIR / "devices" / f"{name_or_path}.json"):
+        if _profile_path("devices", name_or_path):
             return load_device(name_or_path)
         raise SoapError(
             f"no device or cluster profile named {name_or_path!r}; choose one of "

@@ -151,7 +151,7 @@ PACKING_VERSION = 1
 
 
 def prepare_dataset(dataset: str | Path, tokenizer: str | Path, seq_len: int, *,
-                    cache_dir: str | Path | None = None) -> Path:
+                    cache_dir: str | Path | None = None, vocab_size: int | None = None) -> Path:
     """The `.npy` token file of `dataset` (a `datasets` dataset saved to disk, or json/jsonl/parquet/text
     files: one file or a directory of them) tokenized with the local `tokenizer` and packed for `seq_len`.
 
@@ -161,7 +161,8 @@ def prepare_dataset(dataset: str | Path, tokenizer: str | Path, seq_len: int, *,
     window `t * global_batch + i`, until the file wraps around). The file is cached in `cache_dir` (default
     `$XDG_CACHE_HOME/soap/datasets`) as `tokens-KEY.npy`, KEY hashing the dataset's and the tokenizer's
     files (names, sizes, modification times), `seq_len` and `PACKING_VERSION`, with `tokens-KEY.json`
-    beside it saying what it holds; a second run with the same inputs reads the cache."""
+    beside it saying what it holds; a second run with the same inputs reads the cache. A tokenizer with more
+    tokens than the model's `vocab_size` is refused before any text is read."""
     import hashlib
     import json
     import os
@@ -175,6 +176,12 @@ def prepare_dataset(dataset: str | Path, tokenizer: str | Path, seq_len: int, *,
     if not tok_dir.is_dir():
         raise SoapError(f"--tokenizer {tok_dir}: not a directory; pass a local tokenizer saved with "
                         "`tokenizer.save_pretrained(DIR)`")
+    if vocab_size is not None:
+        size = len(_load_tokenizer(tok_dir))
+        if size > vocab_size:
+            raise SoapError(f"--tokenizer {tok_dir}: {size} tokens, more than the model's vocabulary of {vocab_size}; "
+                            "use the model's own tokenizer, or plan a config whose vocab_size is at least "
+                            f"{size}")
     key = hashlib.sha256(json.dumps([_fingerprint(source), _fingerprint(tok_dir), seq_len, PACKING_VERSION])
                          .encode()).hexdigest()[:20]
     cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -202,15 +209,9 @@ def _fingerprint(path: Path) -> list:
 
 def _tokenize(source: Path, tok_dir: Path, seq_len: int, cache_root: Path) -> tuple[np.ndarray, int, str]:
     """(packed ids, number of documents, text column) of `source` (see `prepare_dataset`)."""
-    from transformers import AutoTokenizer
-
     table = _load_table(source, cache_root)
     column = _text_column(table, source)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise SoapError(f"--tokenizer {tok_dir}: cannot load a tokenizer there ({reason})") from None
+    tok = _load_tokenizer(tok_dir)
     end = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
     pieces: list[np.ndarray] = []
     chunk = 1000
@@ -228,12 +229,23 @@ def _tokenize(source: Path, tok_dir: Path, seq_len: int, cache_root: Path) -> tu
     return stream.astype(dtype), len(table), column
 
 
+def _load_tokenizer(tok_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise SoapError(f"--tokenizer {tok_dir}: cannot load a tokenizer there ({reason})") from None
+
+
 def _load_table(source: Path, cache_root: Path):
     try:
         import datasets
     except ImportError:
-        raise SoapError("--dataset needs the `datasets` package: pip install 'soap[data]' "
-                        "(or pre-tokenize to a .npy and pass --data)") from None
+        raise SoapError("--dataset needs the `datasets` package: pip install -e '.[data]' in the soap checkout "
+                        "(`soap` on PyPI is another project), or pip install 'datasets>=3'; or pre-tokenize to "
+                        "a .npy and pass --data") from None
     datasets.disable_progress_bars()
     if source.is_dir() and ((source / "dataset_info.json").is_file() or (source / "dataset_dict.json").is_file()):
         loaded = datasets.load_from_disk(str(source))

@@ -33,6 +33,7 @@ because foreach kernels cannot mix tensors of different meshes.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -73,6 +74,11 @@ def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
     for block in all_blocks(model):
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    # A head Linear with a bias returns its [batch, seq, vocab] output as a view (BERT's decoder), and FSDP2
+    # then warns on every forward that an in-place op on it would skip an all-gather; soap's losses read the
+    # logits out of place, so the warning only hides real ones.
+    root = type(model).__name__
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({root}\) returned a view tensor")
 
 
 def apply_expert_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
@@ -88,8 +94,10 @@ def apply_ddp(model: nn.Module, plan: Plan, mesh: MeshView) -> nn.Module:
     experts = expert_parameter_names(model)
     if experts:  # reduced over their own replicas by their FSDP (apply_expert_ddp)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
-    # the gradients are views of the reducer's buckets: one copy of them, not a .grad plus a bucket
-    return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False,
+    # the gradients are views of the reducer's buckets: one copy of them, not a .grad plus a bucket; the
+    # buffers (rotary tables, position ids) are the same on every rank, so no broadcast before each forward
+    # (torch 2.13's name for it: `broadcast_buffers` warns that it is deprecated)
+    return DistributedDataParallel(model, process_group=mesh.dp_cp.get_group(), forward_sync_buffers=False,
                                    gradient_as_bucket_view=True)
 
 

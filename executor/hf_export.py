@@ -28,6 +28,7 @@ of the plan's normalized model (`executor.model.build_meta_model`):
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -186,7 +187,7 @@ def write_hf_directory(directory: str | Path, tensors: dict[str, torch.Tensor], 
     `plan`) into `directory`."""
     from safetensors.torch import save_file
 
-    from tracer.files import write_atomic
+    from tracer.files import permissions_for_new_file, write_atomic
 
     template, hf_model = _meta_models(plan)
     state = hf_state_dict(tensors, template, hf_model)
@@ -201,6 +202,7 @@ def write_hf_directory(directory: str | Path, tensors: dict[str, torch.Tensor], 
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     tmp = root / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, permissions_for_new_file(root / "model.safetensors"))  # save_file makes it owner-only
     tmp.replace(root / "model.safetensors")
     write_atomic(root / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n", what="--save-hf")
     return root

@@ -20,6 +20,7 @@ import contextlib
 import os
 import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,9 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
     losses: list[float] = []
     times: list[float] = []
     tokens = plan.global_batch * plan.seq_len
+    if config.progress and dist.get_rank() == 0 and not config.data:
+        print(f"data: synthetic token ids (seed {config.seed}); pass --data FILE or --dataset PATH --tokenizer DIR "
+              "to train on text", file=sys.stderr)
     with _progress(config.progress and dist.get_rank() == 0, config.steps, start, tokens) as advance:
         for step in range(start, config.steps):
             begin = _now(device)

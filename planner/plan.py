@@ -172,6 +172,22 @@ class Plan(_Strict):
     """The contract's metrics: step_time_s, tokens_per_s, mfu, peak_memory_gib, breakdown_s, ..."""
     launch: str = ""
 
+    def __str__(self) -> str:
+        """A few lines for `print(plan)`; `repr(plan)` stays the complete record."""
+        p, m = self.parallelism, self.predicted
+        degrees = ", ".join(f"{name} {getattr(p, name)}" for name in ("dp", "tp", "pp", "cp", "ep")
+                            if getattr(p, name) > 1) or "one rank"
+        batch = (f"{p.schedule}, {p.num_microbatches} micro-batches of {p.micro_batch}" if p.pp > 1
+                 else f"micro-batch {p.micro_batch}" + (f" x {p.grad_accum} accumulated" if p.grad_accum > 1 else ""))
+        lines = [f"Plan: {self.model.name} ({self.model.task}) on {self.cluster.gpus} x {self.cluster.name}",
+                 f"  {degrees}; zero {p.zero}; {batch}; recompute {p.recompute}; {p.precision}; {p.optimizer}"
+                 + ("; offload" if p.offload_optimizer else "") + ("; compile" if p.compile else ""),
+                 f"  global batch {self.global_batch} x {self.seq_len} tokens"]
+        if "step_time_s" in m:
+            lines.append(f"  predicted {m['step_time_s']:.4g} s/step, {m.get('tokens_per_s', 0):,.0f} tokens/s, "
+                         f"peak {m.get('peak_memory_gib', 0):.1f} GiB")
+        return "\n".join(lines)
+
     @model_validator(mode="before")
     @classmethod
     def _version_first(cls, data: Any) -> Any:

@@ -193,7 +193,7 @@ def _run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | 
     chosen = outcome.ranked[0]
     why = explain(
         chosen, outcome.priced, candidates, model=request.model_name, cluster=request.cluster,
-        memory_limit=request.memory_limit, breakdown=chosen.result.breakdown.as_dict(),
+        memory_limit=request.memory_limit, breakdown=chosen.result.breakdown.as_dict(), pins=request.space.pins,
     )
     strategy = chosen.candidate.strategy
     blocks = block_placements(units, graph, strategy)

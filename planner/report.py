@@ -108,9 +108,13 @@ def report_json(report: PlanReport) -> dict[str, Any]:
     return out
 
 
-def _host_memory(p: Priced) -> str:
+def _host_memory(p: Priced, noun: str = "GPU") -> str:
     host = max(m.at_peak.host for m in p.result.memory)
-    return f" + {host / GIB:.1f} GiB host (offloaded) per GPU" if host else ""
+    return f" + {host / GIB:.1f} GiB host (offloaded) per {noun}" if host else ""
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('s') else 's'}"
 
 
 def memory_kind(device: DeviceProfile) -> str:
@@ -126,7 +130,8 @@ def memory_table(memory: Sequence[RankMemory], limit_bytes: float, device: Devic
     and that total as a share of the limit; host memory is per GPU and outside the total."""
     from rich.table import Table
 
-    table = Table(title=f"Memory per GPU at its peak, GiB (limit {limit_bytes / GIB:.1f} GiB)", title_justify="left",
+    rank = getattr(device, "rank_noun", "GPU")
+    table = Table(title=f"Memory per {rank} at its peak, GiB (limit {limit_bytes / GIB:.1f} GiB)", title_justify="left",
                   caption=f"peak = {memory_kind(device)}; host = offloaded, not in the total",
                   caption_justify="left")
     for col in ("rank", "stages", *MEMORY_TERMS, "total", "of limit"):
@@ -156,11 +161,12 @@ def render_summary(report: PlanReport, *, output: str | None = None) -> None:
     c = report.chosen
     m = contract(c)
     limit = report.memory_limit_bytes / GIB
-    gpus = f"{report.gpus} GPU{'s' if report.gpus != 1 else ''}"
-    console.print(f"[bold]{report.model}[/bold] on {gpus} ({report.cluster}): [bold]{describe(c)}[/bold]")
+    noun = plan_device(report.plan).rank_noun
+    console.print(f"[bold]{report.model}[/bold] on {_count(report.gpus, noun)} ({report.cluster}): "
+                  f"[bold]{describe(c)}[/bold]")
     console.print(
         f"  step {m['step_time_s']:.3f} s · {m['tokens_per_s']:,.0f} tokens/s · MFU {100 * m['mfu']:.1f}% · "
-        f"memory {m['peak_memory_gib']:.1f} / {limit:.1f} GiB per GPU" + _host_memory(c)
+        f"memory {m['peak_memory_gib']:.1f} / {limit:.1f} GiB per {noun}" + _host_memory(c, noun)
     )
     b = m["breakdown_s"]
     console.print("  breakdown: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in b.items()))
@@ -169,7 +175,7 @@ def render_summary(report: PlanReport, *, output: str | None = None) -> None:
     console.print(memory_table(c.result.memory, report.memory_limit_bytes, plan_device(report.plan)))
 
     table = Table(title="Top alternatives", title_justify="left")
-    for col in ("plan", "step s", "tokens/s", "GiB/GPU", "slower by"):
+    for col in ("plan", "step s", "tokens/s", "GiB/GPU" if noun == "GPU" else "GiB/process", "slower by"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for p in report.alternatives:
         table.add_row(describe(p), f"{p.step_time_s:.3f}", f"{p.result.tokens_per_s:,.0f}",

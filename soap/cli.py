@@ -44,6 +44,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The full parser; given `argv`, only the named command's module is imported (some import torch,
     which costs seconds), and the others appear as bare entries for the usage line."""
     parser = _Parser(prog="soap", description=__doc__.splitlines()[0])
+    parser.commands = {}
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -61,14 +62,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         cmd = module.add_parser(sub)
         cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
         cmd.set_defaults(_run=module.run)
+        parser.commands[name] = cmd
     return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed; an argument the command does not take is reported by the command's parser, so the
+    error points to `soap COMMAND --help`."""
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands.get(getattr(args, "command", None), parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
-        args = build_parser(argv).parse_args(argv)
+        args = parse(argv)
         return int(args._run(args) or 0)
     except SoapError as exc:
         if debug:

@@ -281,3 +281,66 @@ def test_recalibrating_keeps_the_runtime_workspace_fitted_from_runs(synthetic_fi
     device_path.unlink()
     write_profiles(synthetic_fit, None)  # nothing to keep: the fitted profile as is
     assert "runtime_workspace_mib" not in json.loads(device_path.read_text())
+
+
+def _snapshot(folder) -> dict:
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*.json")}
+
+
+def test_calibrate_writes_to_the_user_profile_folder_and_the_profile_is_found_by_name(synthetic_fit, tmp_path,
+                                                                                    monkeypatch):
+    from costmodel.profiles import PROFILES_DIR, list_clusters
+
+    monkeypatch.setenv("SOAP_PROFILES_DIR", str(tmp_path / "mine"))
+    shipped = _snapshot(PROFILES_DIR)
+    name = synthetic_fit.device_json["name"]
+    device_path, cluster_path = write_profiles(synthetic_fit, None)
+    assert (device_path, cluster_path) == (tmp_path / "mine" / "devices" / f"{name}.json",
+                                          tmp_path / "mine" / "clusters" / f"{name}.json")
+    assert _snapshot(PROFILES_DIR) == shipped  # nothing inside the checkout or the installed package
+    assert name in list_clusters()
+    assert load_cluster(name).device.memory_bytes == load_cluster(str(cluster_path)).device.memory_bytes
+
+
+def test_a_measured_profile_replaces_the_shipped_one_of_its_name(tmp_path, monkeypatch):
+    from costmodel.profiles import PROFILES_DIR
+
+    data = json.loads((PROFILES_DIR / "clusters" / "dgx-h100.json").read_text())
+    data["description"] = "measured here"
+    (tmp_path / "clusters").mkdir()
+    (tmp_path / "clusters" / "dgx-h100.json").write_text(json.dumps(data))
+    monkeypatch.setenv("SOAP_PROFILES_DIR", str(tmp_path))
+    assert load_cluster("dgx-h100").description == "measured here"
+
+
+def abort_after_sending(rank, world, port, device, cases, timing, threads, queue):
+    """A collective benchmark rank that sends its samples and then dies as a C++ `terminate` does."""
+    import os
+    import time
+
+    if rank == 0:
+        for case in cases:
+            queue.put(CommSample(case, 1e-3))
+    time.sleep(2)  # the parent has every sample by now
+    os.abort()
+
+
+@pytest.mark.slow
+def test_calibrate_exits_non_zero_when_a_benchmark_rank_crashes(tmp_path, monkeypatch, capsys):
+    import costmodel.calibration.calibrate as calibrate
+    import costmodel.calibration.microbench_comm as comm
+
+    monkeypatch.setenv("SOAP_PROFILES_DIR", str(tmp_path / "mine"))
+    monkeypatch.setattr(comm, "_worker", abort_after_sending)
+
+    def measure(config, progress):
+        cases = [CommCase("all_reduce", 1024, 2)]
+        return list(comm.run_collectives(cases, group_size=2, device="cpu", timing=comm.CommTimingConfig()))
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    out = tmp_path / "cluster.json"
+    assert main(["calibrate", "--quick", "--nproc", "2", "-o", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert err == ["error: RuntimeError: the collective benchmark on 2 ranks: rank 0 ended with signal SIGABRT; "
+                   "nothing was written (rerun with --debug for the traceback)"]
+    assert not out.exists() and not (tmp_path / "mine").exists()

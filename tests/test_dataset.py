@@ -100,8 +100,18 @@ def test_second_call_reads_the_cache_and_a_new_seq_len_does_not(tokenizer_dir, t
 def test_missing_datasets_package_is_one_clear_error(tokenizer_dir, tmp_path, monkeypatch):
     data = write_dataset("text", tmp_path)
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
-    with pytest.raises(SoapError, match=r"--dataset needs the `datasets` package: pip install 'soap\[data\]'"):
+    with pytest.raises(SoapError, match=r"--dataset needs the `datasets` package: pip install -e '\.\[data\]' in "
+                                        r"the soap checkout \(`soap` on PyPI is another project\)"):
         prepare_dataset(data, tokenizer_dir, SEQ_LEN, cache_dir=tmp_path / "cache")
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_tokenizing(tokenizer_dir, tmp_path, monkeypatch):
+    data = write_dataset("text", tmp_path)
+    monkeypatch.setattr("executor.data._tokenize", lambda *a: pytest.fail("tokenized a dataset it cannot train on"))
+    size = len(WORDS) + 2  # the words and <unk>, </s>
+    with pytest.raises(SoapError, match=rf"--tokenizer {tokenizer_dir}: {size} tokens, more than the model's "
+                                        r"vocabulary of 10; use the model's own tokenizer"):
+        prepare_dataset(data, tokenizer_dir, SEQ_LEN, cache_dir=tmp_path / "cache", vocab_size=10)
 
 
 def test_too_little_text_and_ambiguous_columns_are_errors(tokenizer_dir, tmp_path):
@@ -138,4 +148,10 @@ def test_execute_trains_two_ranks_on_a_dataset_and_saves_an_hf_model(tokenizer_d
     cached = list((tmp_path / "xdg" / "soap" / "datasets").glob("tokens-*.npy"))
     assert len(cached) == 1
     np.testing.assert_array_equal(np.load(cached[0]), expected_tokens(tokenizer_dir))
-    assert {p.name for p in (tmp_path / "hf").iterdir()} == {"config.json", "model.safetensors"}
+    saved = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= saved, saved
+    assert f"wrote {tmp_path / 'hf'}: config.json, model.safetensors and the tokenizer from {tokenizer_dir}" \
+        in proc.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # as save_pretrained

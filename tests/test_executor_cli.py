@@ -110,6 +110,30 @@ def test_weights_load_from_a_local_hf_checkpoint(tmp_path, single_process_group)
     assert seeded != pytest.approx(expected, rel=1e-3)
 
 
+@pytest.mark.parametrize("data", [None, "tokens.npy"])
+def test_training_on_synthetic_tokens_says_so(single_process_group, tmp_path, capsys, data):
+    from executor.train import RunConfig, train
+
+    if data:
+        np.save(tmp_path / data, np.arange(500, dtype=np.int64) % 96)
+    train(make_plan("llama"), RunConfig(steps=1, progress=True, data=data and str(tmp_path / data)))
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("data: synthetic")]
+    assert notices == ([] if data else ["data: synthetic token ids (seed 0); pass --data FILE or --dataset PATH "
+                                        "--tokenizer DIR to train on text"])
+
+
+def test_fsdp2_on_a_head_with_a_bias_trains_without_warnings(single_process_group):
+    import warnings
+
+    from executor.train import RunConfig, train
+
+    plan = make_plan("bert", offload_optimizer=True)  # FSDP2 (offload), on one rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(plan, RunConfig(steps=1, progress=False))
+    assert [str(w.message) for w in caught if "FSDP2" in str(w.message)] == []
+
+
 def test_missing_weights_directory_is_an_error(plan_file, tmp_path, capsys):
     assert main(["execute", str(plan_file), "--weights", str(tmp_path / "nothing")]) == 2
     assert "--weights" in capsys.readouterr().err

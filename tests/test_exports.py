@@ -108,6 +108,13 @@ MEGATRON_FLAGS = {
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--bf16", "--fp16", "--fp8-format",
     "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "--use-torch-fsdp2",
     "--optimizer-cpu-offload", "--optimizer-offload-fraction", "--optimizer", "--use-flash-attn",
+    # the architecture (tests/test_export_megatron_model.py checks it against the HF config)
+    "--normalization", "--norm-epsilon", "--swiglu", "--openai-gelu", "--kv-channels", "--disable-bias-linear",
+    "--add-qkv-bias", "--position-embedding-type", "--rotary-base", "--rotary-percent", "--use-rope-scaling",
+    "--rope-scaling-factor", "--max-position-embeddings", "--untie-embeddings-and-output-weights",
+    "--attention-dropout", "--hidden-dropout", "--make-vocab-size-divisible-by", "--tokenizer-type",
+    "--tokenizer-model", "--num-experts", "--moe-router-topk", "--moe-router-load-balancing-type",
+    "--moe-aux-loss-coeff", "--moe-token-dispatcher-type", "--init-method-std",
 }
 
 
@@ -507,3 +514,31 @@ def test_a_bad_export_format_is_one_error_line_and_exit_2(plans, argv, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
     assert ("accelerate" in err[0]) if "bogus" in " ".join(argv) else ("PATH" in err[0])
+
+
+@pytest.fixture(scope="module")
+def llama_pipeline_plan(tmp_path_factory):
+    """The README's plan shape (llama-3-8b on 8 H100s, a 2-stage pipeline): folding the pipeline into
+    data parallelism at ZeRO-1 needs more than 80 GiB."""
+    path = tmp_path_factory.mktemp("fit") / "plan.json"
+    soap.plan("llama-3-8b", gpus=8, dp=4, zero=1, tp=1, pp=2, cp=1, micro_batch=1, recompute="full",
+              global_batch=64, seq_len=4096).save(path)
+    return path
+
+
+def test_a_nearest_plan_that_outgrows_the_device_gets_zero3_before_it_is_written(llama_pipeline_plan, capsys):
+    path, err = export(llama_pipeline_plan, "deepspeed", capsys)
+    line, = dropped_lines(err)
+    assert "to fit the device: ZeRO-3" in line and "over the" not in line, err
+    assert json.loads(path.read_text())["zero_optimization"]["stage"] == 3
+
+
+def test_a_nearest_plan_that_cannot_fit_is_refused_in_one_line(llama_pipeline_plan, capsys, monkeypatch):
+    import soap.commands.export as export_command
+
+    monkeypatch.setattr(export_command, "MEMORY_STEPS", ())
+    out = llama_pipeline_plan.parent / "refused.json"
+    assert main(["export", str(llama_pipeline_plan), "deepspeed", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: deepspeed cannot run this plan in 80 GiB per GPU"), err
+    assert "nothing written" in err[0] and not out.exists()

@@ -84,7 +84,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, what: str) 
         raise _unwritable(what, target, exc) from None
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), _mode_for(target))
+            os.fchmod(f.fileno(), permissions_for_new_file(target))
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
@@ -97,7 +97,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, what: str) 
     return target
 
 
-def _mode_for(target: Path) -> int:
+def permissions_for_new_file(target: Path) -> int:
     """The permissions the file gets: the replaced file's, else what `open()` would give (0o666 less the
     umask) rather than the 0o600 of a temporary file."""
     try:

@@ -20,11 +20,17 @@ def default_seq_len(config: Any, task: str) -> int:
     """min(the model's maximum positions, 2048); patches + 1 for vision models; 2048 when unknown."""
     if task == "image-cls":
         return image_tokens(config)
+    positions = max_positions(config)
+    return min(positions, DEFAULT_MAX_SEQ_LEN) if positions else DEFAULT_MAX_SEQ_LEN
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence the model's config says it takes (`POSITION_KEYS`); None when it says nothing."""
     for key in POSITION_KEYS:
         value = getattr(config, key, None) if config is not None else None
-        if isinstance(value, int) and value > 0:
-            return min(value, DEFAULT_MAX_SEQ_LEN)
-    return DEFAULT_MAX_SEQ_LEN
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def image_tokens(config: Any) -> int:

@@ -43,7 +43,7 @@ from costmodel.calibration.suite import OVERHEAD_CASE, comm_sweeps, kernel_sweep
 from costmodel.calibration.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
 from costmodel.calibration.microbench_compile import CompileSample, compile_cases, compile_factors_json, measure_compile
 from costmodel.calibration.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
-from costmodel.profiles import PROFILES_DIR, ClusterSpec, cluster_from_dict
+from costmodel.profiles import ClusterSpec, cluster_from_dict, user_profile_paths
 from tracer.errors import SoapError
 from tracer.files import write_atomic
 
@@ -311,8 +311,9 @@ def calibrate(config: CalibrationConfig, progress: Callable[[str], None] = lambd
 
 
 def default_paths(name: str) -> tuple[Path, Path]:
-    """Where `soap calibrate` writes by default: profiles/devices/NAME.json and profiles/clusters/NAME.json."""
-    return PROFILES_DIR / "devices" / f"{name}.json", PROFILES_DIR / "clusters" / f"{name}.json"
+    """Where `soap calibrate` writes by default: devices/NAME.json and clusters/NAME.json in the user's profile
+    folder (`costmodel.profiles.user_profiles_dir`), never inside the installed package or the checkout."""
+    return user_profile_paths(name, name)
 
 
 KEPT_FROM_RUNS = ("runtime_workspace_mib", "allocator_reserve_fraction")
@@ -331,7 +332,8 @@ def _kept_from_runs(device_path: Path) -> dict:
 def write_profiles(result: CalibrationResult, output: Path | None) -> list[Path]:
     """Write the fitted profiles atomically and return the paths written.
 
-    Without `output`: the device and cluster files under profiles/ (cluster's device by name), keeping the
+    Without `output`: the device and cluster files in the user's profile folder (`default_paths`; cluster's
+    device by name), keeping the
     replaced device's `KEPT_FROM_RUNS` fields. With
     `output`: one self-contained file, the cluster with its device inline (device only for nproc 1).
     """

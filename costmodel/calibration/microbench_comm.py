@@ -209,7 +209,32 @@ def run_collectives(cases: list[CommCase], *, group_size: int, device: str, timi
             received += isinstance(sample, CommSample)
             yield sample
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        killed = stop_workers(procs)
+    check_workers(procs, f"the collective benchmark on {group_size} ranks", killed=killed)
+
+
+def stop_workers(procs: list, timeout_s: float = 30.0) -> set[int]:
+    """Join the workers; kill the ones still running after `timeout_s` (a teardown that hangs once every result
+    is in) and return their indices."""
+    killed = set()
+    for rank, p in enumerate(procs):
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            killed.add(rank)
+    return killed
+
+
+def check_workers(procs: list, what: str, *, killed: set[int] = frozenset()) -> None:
+    """Raise if a worker process failed on its own, even after sending its results: a rank that aborts (a C++
+    `terminate`, a signal) is a crash of the calibration, not a measurement. The ones `stop_workers` killed
+    had delivered everything and only hung at exit."""
+    import signal
+
+    for rank, p in enumerate(procs):
+        code = p.exitcode
+        if code and rank not in killed:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                else f"exit code {code}"
+            raise RuntimeError(f"{what}: rank {rank} ended with {how}; nothing was written")

@@ -38,6 +38,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from costmodel.calibration.microbench_comm import check_workers, stop_workers
+
 OPTIMIZER_TENSOR_ELEMENTS = 2**15
 """Elements per parameter tensor of the optimizer sweep (the validate suite's tiny models average 32-64K)."""
 OPTIMIZER_SWEEP_ELEMENTS = tuple(2**k for k in range(17, 24, 2))
@@ -176,10 +178,8 @@ def _mix_time(processes: int, device: str, threads: int) -> float:
     try:
         times = [queue.get(timeout=120) for _ in procs]
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        killed = stop_workers(procs)
+    check_workers(procs, f"the concurrency benchmark on {processes} processes", killed=killed)
     return statistics.mean(times)
 
 
@@ -194,9 +194,12 @@ def measure_concurrency(nproc: int, device: str, threads: int, rounds: int = 2) 
 
 
 def _overlap_worker(rank: int, port: int, device: str, threads: int, queue) -> None:
+    import warnings
+
     import torch
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename notice
     torch.set_num_threads(threads)
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     if device == "cuda":
@@ -288,12 +291,10 @@ def measure_overlap(device: str, threads: int) -> tuple[float, float]:
     procs = _start(ctx, _overlap_worker, [(r, port, device, threads, queue) for r in range(2)], threads)
     try:
         overlap, call = queue.get(timeout=300)
-        return float(overlap), float(call)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        killed = stop_workers(procs)
+    check_workers(procs, "the overlap benchmark on 2 ranks", killed=killed)
+    return float(overlap), float(call)
 
 
 def node_fields(meas: NodeMeasurements, device_json: dict, source: str) -> dict:

@@ -488,12 +488,12 @@ def refit_external(records: Sequence[RunRecord], *, target: str | None = None,
 
 
 def write_fitted(profile: dict, *, name: str, output: Any = None) -> tuple[Any, ...]:
-    """Write the fitted profile: one inline file at `output`, else device and cluster files under profiles/
+    """Write the fitted profile: one inline file at `output`, else device and cluster files in the user's profile folder
     as NAME (cluster) and the device's name with NAME's suffix."""
     import json
     from pathlib import Path
 
-    from costmodel.profiles import PROFILES_DIR, cluster_from_dict
+    from costmodel.profiles import cluster_from_dict, user_profile_paths
     from tracer.files import write_atomic
 
     profile = copy.deepcopy(profile)
@@ -507,8 +507,8 @@ def write_fitted(profile: dict, *, name: str, output: Any = None) -> tuple[Any, 
     if output is not None:
         targets = {Path(output): profile}
     else:
-        targets = {PROFILES_DIR / "devices" / f"{device['name']}.json": device,
-                   PROFILES_DIR / "clusters" / f"{name}.json": {**profile, "device": device["name"]}}
+        device_path, cluster_path = user_profile_paths(device["name"], name)
+        targets = {device_path: device, cluster_path: {**profile, "device": device["name"]}}
     for path, data in targets.items():
         write_atomic(path, json.dumps(data, indent=2) + "\n", what="profile")
     return tuple(targets)

@@ -164,10 +164,11 @@ def allocator_reserve_entry(records: Sequence[dict[str, Any]]) -> dict | None:
 
 
 def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Refit:
-    """Read the runs log, refit `cluster_name`'s profile and write it (to `output`, else profiles/)."""
+    """Read the runs log, refit `cluster_name`'s profile and write it (to `output`, else the user's profile
+    folder, `costmodel.profiles.user_profiles_dir`)."""
     import json
 
-    from costmodel.profiles import PROFILES_DIR, load_cluster
+    from costmodel.profiles import load_cluster, user_profile_paths
     from executor.runs_log import read_runs
     from executor.validation.metrics import mape
     from tracer.files import write_atomic
@@ -179,8 +180,8 @@ def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Ref
         targets = {Path(output): refitted}
     else:
         device = refitted["device"]
-        targets = {PROFILES_DIR / "devices" / f"{device['name']}.json": device,
-                   PROFILES_DIR / "clusters" / f"{refitted['name']}.json": {**refitted, "device": device["name"]}}
+        device_path, cluster_path = user_profile_paths(device["name"], refitted["name"])
+        targets = {device_path: device, cluster_path: {**refitted, "device": device["name"]}}
     for path, data in targets.items():
         write_atomic(path, json.dumps(data, indent=2) + "\n", what="profile")
     workspace = refitted["device"].get("runtime_workspace_mib", {}).get("value")

@@ -101,10 +101,10 @@ def check_config(config: ValidationConfig) -> None:
 
 def load_or_calibrate(cluster: str, device: str, nproc: int, log: Callable[[str], None]) -> Any:
     """The cluster profile; a missing local profile is measured first with `soap calibrate`'s defaults."""
-    from costmodel.profiles import load_cluster, PROFILES_DIR
+    from costmodel.profiles import list_clusters, load_cluster
 
     local = f"local-{device}"
-    if cluster == local and not (PROFILES_DIR / "clusters" / f"{local}.json").is_file():
+    if cluster == local and local not in list_clusters():
         from costmodel.calibration.calibrate import CalibrationConfig, calibrate, write_profiles
 
         log(f"no {local} profile yet: running soap calibrate (a few minutes)")

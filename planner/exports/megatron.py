@@ -18,6 +18,7 @@ from costmodel.plan_rules import executed_pipeline_violation
 from planner.exports import layout
 from planner.exports.launch import torchrun
 from planner.exports.layout import Adjustment
+from planner.exports.megatron_model import model_arguments, model_notes
 from tracer.api import model_dims
 
 TARGET = "megatron"
@@ -74,6 +75,7 @@ def arguments(plan) -> list[str]:
             args.append(f"--ffn-hidden-size {dims.ffn}")
         if dims.kv_heads and dims.kv_heads != dims.heads:
             args += ["--group-query-attention", f"--num-query-groups {dims.kv_heads}"]
+    args += model_arguments(plan.model.config, tp=p.tp, name=plan.model.name)
     if p.recompute == "full":
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     elif p.recompute == "selective":
@@ -102,6 +104,7 @@ def render(plan, path: Path) -> dict[Path, str]:
     header = [f"# Megatron-LM arguments for {plan.model.name} on {plan.cluster.gpus} x {plan.cluster.name}, "
               "written by soap (NeMo: the same sizes under trainer.strategy).",
               f"# launch: {launch(plan, path)}"]
+    header += model_notes(plan.model.config, tp=plan.parallelism.tp, seq_len=plan.seq_len)
     return {path: "\n".join(header + arguments(plan)) + "\n"}
 
 

@@ -1,7 +1,8 @@
 """`soap calibrate`: microbenchmark this machine and write its device and cluster profiles.
 
-    soap calibrate                      # CPU, collectives on 2 and 4 gloo ranks; writes
-                                        # profiles/devices/local-cpu.json + profiles/clusters/local-cpu.json
+    soap calibrate                      # CPU, collectives on 2 and 4 gloo ranks; writes local-cpu's device and
+                                        # cluster profiles to ~/.cache/soap/profiles ($SOAP_PROFILES_DIR),
+                                        # where --cluster local-cpu finds them before the shipped one
     soap calibrate --quick -o p.json    # seconds; one self-contained file (cluster, device inline)
     soap calibrate --device cuda --nproc 8
     soap validate --suite calibration --runs-log r.jsonl   # then learn from real training steps:
@@ -40,7 +41,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="largest collective group: 2, 4, ... up to N ranks (default 4 on CPU, all GPUs on CUDA; 1: device only)")
     p.add_argument("-o", "--output", type=Path, default=None,
-                   help="write one file: the cluster profile with its device inline (default: the two files under profiles/)")
+                   help="write one file: the cluster profile with its device inline (default: the two files in "
+                        "~/.cache/soap/profiles, or $SOAP_PROFILES_DIR)")
     p.add_argument("--name", default=None, help="profile name (default local-cpu or local-cuda)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU (default 1: a rank is a core)")
     p.add_argument("--quick", action="store_true", help="a reduced sweep that takes seconds (for tests)")

@@ -35,7 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None, metavar="PATH",
                    help="train on a `datasets` dataset saved to disk, or local json/jsonl/parquet/text files (a file "
                         "or a directory), tokenized with --tokenizer and packed to the plan's seq_len (cached); "
-                        "needs `pip install 'soap[data]'`")
+                        "needs the `datasets` package: `pip install -e '.[data]'` in the soap checkout")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="a local tokenizer directory, for --dataset")
     p.add_argument("--weights", default=None, help="start from a local HF checkpoint directory (safetensors)")
     p.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints here")
@@ -108,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dataset:
         from executor.data import prepare_dataset
 
-        data = str(prepare_dataset(args.dataset, args.tokenizer, plan.seq_len))
+        from types import SimpleNamespace
+
+        from tracer.api import model_dims
+
+        vocab = model_dims(SimpleNamespace(**plan.model.config), []).vocab or None
+        data = str(prepare_dataset(args.dataset, args.tokenizer, plan.seq_len, vocab_size=vocab))
     config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=data, weights=args.weights,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, save_hf=args.save_hf, progress=True, timeout_s=args.timeout)
@@ -120,10 +125,25 @@ def run(args: argparse.Namespace) -> int:
     from executor.runs_log import append_run
 
     append_run(result, plan=plan, name=Path(args.plan).stem)
+    if args.save_hf:
+        _finish_save_hf(args.save_hf, args.tokenizer)
     _summary(result, report)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     return 0
+
+
+def _finish_save_hf(directory: str, tokenizer: str | None) -> None:
+    """Put the tokenizer the run trained with beside the model, and say what was written."""
+    files = "config.json, model.safetensors"
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(directory)
+        files += f" and the tokenizer from {tokenizer}"
+    else:
+        files += " (no tokenizer: the run had no --tokenizer)"
+    print(f"wrote {directory}: {files}", file=sys.stderr)
 
 
 def _summary(result: dict, report: Path) -> None:

@@ -76,12 +76,53 @@ def write_exports(plan, exports: list[tuple[str, Path]]) -> None:
             graph, base = graph_and_base()
             finish(adjustment, plan, graph)
             target = nearest_plan(plan, graph, adjustment)
+            if adjustment.changed and not fits(target) and fits(plan):
+                target = nearest_plan_that_fits(name, plan, graph, adjustment)
             if adjustment.changed:
                 print(dropped_line(name, adjustment.dropped, plan, target, base), file=sys.stderr)
         files = module.render(target, path)
         for file, text in files.items():
             write_atomic(file, text, what=f"--export {name}")
         print(f"wrote {', '.join(map(str, files))}; launch: {module.launch(target, path)}", file=sys.stderr)
+
+
+def fits(plan) -> bool:
+    """Whether a plan's simulated peak fits its device (the limit `dropped_line` reports against)."""
+    from planner.report import plan_device
+
+    return plan.predicted.get("peak_memory_gib", 0.0) <= plan_device(plan).memory_bytes / 2**30
+
+
+MEMORY_STEPS = (("ZeRO-3", {"zero": 3}), ("full recompute", {"recompute": "full"}))
+"""What every target can add to bring a nearest plan that outgrew the device back into it, in order: shard
+parameters, gradients and optimizer state over all data-parallel ranks, then recompute every block."""
+
+
+def nearest_plan_that_fits(name: str, plan, graph, adjustment):
+    """The nearest plan with the `MEMORY_STEPS` added one by one until it fits; a SoapError (nothing written)
+    where even the last does not."""
+    from planner.exports.nearest import nearest_plan
+    from planner.report import plan_device
+    from tracer.errors import SoapError
+
+    p, added, candidate = adjustment.parallelism, [], None
+    for what, fields in MEMORY_STEPS:
+        if all(p[k] == v for k, v in fields.items()):
+            continue
+        p.update(fields)
+        if "zero" in fields:
+            p["dp_shard"], p["dp_replicate"] = p["dp"], 1
+        added.append(what)
+        candidate = nearest_plan(plan, graph, adjustment)
+        if fits(candidate):
+            adjustment.dropped.append(f"to fit the device: {' and '.join(added)}")
+            return candidate
+    peak = (candidate.predicted if candidate else {}).get("peak_memory_gib", 0.0)
+    limit = plan_device(plan).memory_bytes / 2**30
+    changes = "; ".join(adjustment.dropped) + (", with " + " and ".join(added) if added else "")
+    raise SoapError(f"{name} cannot run this plan in {limit:.0f} GiB per GPU: its nearest plan ({changes}) needs "
+                    f"{peak:.1f} GiB; nothing written. Export to a target that keeps the plan's tp/pp/cp, or plan "
+                    "with more GPUs")
 
 
 def dropped_line(name: str, dropped: list[str], plan, nearest, base) -> str:

@@ -123,6 +123,39 @@ class DelayedProgress:
                 self._bar.stop()
 
 
+SLOW_STEP_S = {"GPU": 60.0, "CPU process": 10.0}
+"""A predicted step longer than this (per kind of rank) under the default batch gets a hint to choose the
+batch."""
+
+
+def default_batch_hint(plan) -> str | None:
+    """One line when the default batch (about 4M tokens, sized for GPU clusters) makes a step slow or runs on
+    CPU processes; None otherwise."""
+    from planner.report import plan_device
+
+    step = plan.predicted.get("step_time_s", 0.0)
+    if step <= SLOW_STEP_S.get(plan_device(plan).rank_noun, 60.0):
+        return None
+    return (f"batch: the default {plan.global_batch:,} sequences of {plan.seq_len} "
+            f"({plan.global_batch * plan.seq_len:,} tokens, a GPU-cluster size) take {step:,.0f} s per step here; "
+            "choose one with --global-batch (and --seq-len)")
+
+
+def positions_note(plan) -> str | None:
+    """One line when the plan's sequence is longer than the positions the model's config declares (a RoPE
+    model runs past them, untrained there; learned position tables refuse it when traced)."""
+    from types import SimpleNamespace
+
+    from tracer.inputs import max_positions
+
+    positions = max_positions(SimpleNamespace(**plan.model.config))
+    if positions is None or plan.seq_len <= positions:
+        return None
+    return (f"note: --seq-len {plan.seq_len} is longer than the {positions} positions {plan.model.name} declares "
+            "(max_position_embeddings); it was not trained past them: for long-context training set rope_scaling "
+            "and max_position_embeddings in a copy of its config.json")
+
+
 def run(args: argparse.Namespace) -> int:
     from planner.api import plan_report
     from planner.report import render_summary, report_json
@@ -154,6 +187,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report_json(report), sort_keys=True))
     else:
         render_summary(report, output=args.output)
+    if args.seq_len is not None:
+        note = positions_note(report.plan)
+        if note:
+            print(note, file=sys.stderr)
+    if args.global_batch is None:
+        hint = default_batch_hint(report.plan)
+        if hint:
+            print(hint, file=sys.stderr)
     if args.output and not args.json:
         print(f"wrote {args.output}", file=sys.stderr)
     if exports:

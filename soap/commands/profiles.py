@@ -69,16 +69,21 @@ def _print_tables(devices: list[dict], clusters: list[dict]) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:  # piped or captured: no terminal width to fit
+        console.width = 160
+    # names are what --cluster takes: always whole (the other columns wrap on a narrow terminal)
+    names = max((len(str(x["name"])) for x in (*devices, *clusters)), default=4)
     dev = Table(title="Devices")
     for col in ("name", "bf16 TF", "fp16 TF", "fp8 TF", "memory GiB", "HBM GB/s"):
-        dev.add_column(col, no_wrap=True)
+        dev.add_column(col, no_wrap=col == "name", min_width=names if col == "name" else None)
     for d in devices:
         dev.add_row(*(_fmt(d[k]) for k in (
             "name", "peak_bf16_tflops", "peak_fp16_tflops", "peak_fp8_tflops", "memory_gib", "memory_bandwidth_gbps"
         )))
     clu = Table(title="Clusters (bandwidth per GPU, one direction)")
     for col in ("name", "device", "GPUs/node", "host GiB/node", "intra GB/s", "inter GB/s", "SHARP intra/inter"):
-        clu.add_column(col, no_wrap=True)
+        named = col in ("name", "device")
+        clu.add_column(col, no_wrap=named, min_width=names if named else None)
     for c in clusters:
         sharp = f"{_fmt(c['intra_node_sharp'])}/{_fmt(c['inter_node_sharp'])}"
         clu.add_row(

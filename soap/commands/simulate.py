@@ -107,6 +107,17 @@ def _on_off(value: object) -> str:
     return "on" if value else "off"
 
 
+def batching(p: dict) -> str:
+    """How a rank's batch is cut: the pipeline schedule and its micro-batches, or, without a pipeline, the
+    micro-batch and its accumulation steps."""
+    micro = f"micro-batch{'es' if p['num_microbatches'] != 1 else ''}"
+    if p["pp"] > 1:
+        return f"{p['schedule']} with {p['num_microbatches']} {micro} of {p['micro_batch']}"
+    accumulation = p.get("grad_accum", p["num_microbatches"])
+    steps = f" x {accumulation} accumulation steps" if accumulation > 1 else ""
+    return f"no pipeline, micro-batch {p['micro_batch']}{steps}"
+
+
 def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -118,20 +129,21 @@ def _print_summary(plan, graph, result, elapsed: float, args: argparse.Namespace
         console.width = 140
     c = result.to_contract()
     p = c["parallelism"]
+    device = plan_device(plan)
     console.print(f"[bold]{plan.model.name}[/] ({graph.params_total / 1e9:.2f} B params) on {plan.cluster.gpus} x "
                   f"{plan.cluster.name}: tp {p['tp']}, pp {p['pp']}, dp {p['dp']} (zero {p['zero']}), cp {p['cp']}, "
-                  f"{p['schedule']} with {p['num_microbatches']} micro-batches of {p['micro_batch']}, "
-                  f"recompute {p['recompute']}, {p['precision']}, offload {_on_off(p.get('offload_optimizer'))}, "
+                  f"{batching(p)}, recompute {p['recompute']}, {p['precision']}, "
+                  f"offload {_on_off(p.get('offload_optimizer'))}, "
                   f"compile {_on_off(p.get('compile'))}")
     table = Table(show_header=False, box=None)
     table.add_row("step time", f"{c['step_time_s'] * 1e3:.2f} ms")
     table.add_row("throughput", f"{c['tokens_per_s']:,.0f} tokens/s, {c['samples_per_s']:.2f} samples/s")
-    table.add_row("MFU / HFU", f"{c['mfu']:.1%} / {c['hfu']:.1%} ({c['model_tflops_per_gpu']:.1f} model TFLOP/s per GPU)")
+    table.add_row("MFU / HFU", f"{c['mfu']:.1%} / {c['hfu']:.1%} ({c['model_tflops_per_gpu']:.1f} model TFLOP/s per "
+                               f"{device.rank_noun})")
     table.add_row("peak memory", f"{c['peak_memory_gib']:.2f} GiB (max over ranks)")
     for key, value in c["breakdown_s"].items():
         table.add_row(f"  {key}", f"{value * 1e3:.2f} ms ({value / c['step_time_s']:.1%})" if c["step_time_s"] else "0")
     console.print(table)
-    device = plan_device(plan)
     console.print(memory_table(result.memory, device.memory_bytes, device))
     for stage in plan.stages:
         mods = stage.modules
