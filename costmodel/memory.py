@@ -107,7 +107,8 @@ from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
-from costmodel.placement import is_expert, linear_style, moe_blocks, replicated_in_moe, vocab_parallel_ops
+from costmodel.placement import (is_expert, linear_style, moe_blocks, replicated_in_moe, replicated_kv_projections,
+                                 vocab_parallel_ops)
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
@@ -279,18 +280,20 @@ def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert
     - a non-expert op of an MoE block under ep > 1 (router, shared expert): never, the block runs
       TP-replicated (`placement.replicated_in_moe`);
     - a block's colwise/rowwise linear (`placement.linear_style`, the module names `executor.tensor_parallel`
-      applies ColwiseParallel/RowwiseParallel to): over tp;
+      applies ColwiseParallel/RowwiseParallel to): over tp, except the K and V projections when tp exceeds
+      the KV heads, which every TP rank holds whole (`placement.replicated_kv_projections`);
     - with `vocab_parallel` (`costmodel.strategy.shards_vocabulary`), the token embedding and LM head
       (`placement.vocab_parallel_ops`): over tp.
     Everything else (norms, biases of unsharded modules, position tables, routers) replicates."""
     ops = tuple(ops)
     vocab = {name for name in vocab_parallel_ops(ops) if name is not None} if vocab_parallel else set()
     moe = moe_blocks(ops) if expert_parallel > 1 else frozenset()
+    replicated_kv = replicated_kv_projections(ops, tensor_parallel)
     degrees: dict[str, int] = {}
     for op in ops:
         if op.block_id is not None and expert_parallel > 1 and is_expert(op):
             degree = expert_parallel
-        elif replicated_in_moe(op, moe, expert_parallel):
+        elif replicated_in_moe(op, moe, expert_parallel) or op.name in replicated_kv:
             degree = 1
         elif (op.block_id is not None and linear_style(op)) or op.name in vocab:
             degree = tensor_parallel

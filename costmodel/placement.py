@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 from costmodel.strategy import ParallelDims, Strategy, shards_vocabulary
 from tracer.errors import SoapError
-from tracer.ir import DimRole, OpKind, OpNode, TensorMeta, split_roles
+from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
 
 COLWISE = frozenset({
     "q", "k", "v", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "c_attn", "c_fc", "query", "key",
@@ -119,6 +119,34 @@ def linear_style(op: OpNode) -> str | None:
     if leaf == "dense":  # GPT-NeoX style attention.dense
         return "rowwise"
     return None
+
+
+def replicated_kv_projections(ops: Sequence[OpNode], tp: int) -> dict[str, int]:
+    """{op name: KV heads} of the K and V projections that tp > KV heads replicates over the TP ranks, as
+    `executor.tensor_parallel.replicate_kv_heads` runs them: each rank holds the whole weight (memory: not
+    sharded, `costmodel.memory.parameter_degrees`) and computes only its KV head (compute and output: split
+    by the KV heads), and the weight's gradient is all-reduced over TP in backward. Read from the graph:
+    per attention module, the head size is the attention core's query's last dimension, and a colwise
+    linear of that module narrower than its widest colwise sibling (the query) is a K or V projection of
+    width / head size KV heads."""
+    if tp <= 1:
+        return {}
+    head_dims = {op.module_fqn: op.inputs[0].shape[-1] for op in ops
+                 if op.kind is OpKind.ATTENTION and op.inputs and op.inputs[0].shape}
+    linears: dict[str, list[OpNode]] = {}
+    for op in ops:
+        parent = op.module_fqn.rpartition(".")[0]
+        if parent in head_dims and linear_style(op) == "colwise" and op.params and len(op.params[0].shape) == 2:
+            linears.setdefault(parent, []).append(op)
+    out: dict[str, int] = {}
+    for parent, siblings in linears.items():
+        widest = max(op.params[0].shape[0] for op in siblings)
+        for op in siblings:
+            width = op.params[0].shape[0]
+            kv, rest = divmod(width, head_dims[parent])
+            if width < widest and not rest and 0 < kv < tp and tp % kv == 0:
+                out[op.name] = kv
+    return out
 
 
 @dataclass(frozen=True)
@@ -202,6 +230,7 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
     inside = after_head = False
     vocab = vocab_parallel_ops(ops) if tp > 1 else (None, None)
     moe = moe_blocks(ops) if d.ep > 1 else frozenset()
+    replicated_kv = replicated_kv_projections(ops, tp)
     for op in ops:
         style = linear_style(op) if op.block_id is not None else None
         colls: list[Collective] = []
@@ -215,13 +244,17 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
         elif replicated_in_moe(op, moe, d.ep):
             split = OpSplit(dp, cp, 1, None)
         elif style == "colwise" and tp > 1:
+            kv_heads = replicated_kv.get(op.name)
             if not inside:
                 colls.append(Collective(tp_kinds[0], s_bytes, "tp", "fwd", "enter TP region") if sp else
                              Collective("all_reduce", s_bytes, "tp", "bwd", "input gradient of the TP region"))
                 if sp:
                     colls.append(Collective("reduce_scatter", s_bytes, "tp", "bwd", "input gradient of the TP region"))
             inside = True
-            split = OpSplit(dp, cp, tp, "colwise")
+            split = OpSplit(dp, cp, kv_heads or tp, "colwise")
+            if kv_heads:
+                grad = sum(p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in op.params)
+                colls.append(Collective("all_reduce", grad, "tp", "bwd", "gradient of the TP-replicated K/V weight"))
         elif style == "rowwise" and tp > 1:
             inside = False
             split = OpSplit(dp, cp, tp, "rowwise")
