@@ -89,8 +89,8 @@ def check_world_size(plan: Plan, launched: int) -> None:
     if launched != plan.world_size:
         nodes, per_node = node_layout(plan)
         raise SoapError(
-            f"the plan needs {plan.world_size} ranks ({nodes} node(s) of {per_node}), launched {launched}; fix: "
-            f"launch with --nnodes {nodes} --nproc-per-node {per_node}, or re-plan with --gpus {launched}"
+            f"the plan needs {plan.world_size} ranks, launched {launched}; fix: launch its {nodes} node(s) of "
+            f"{per_node} with --nnodes {nodes} --nproc-per-node {per_node}, or re-plan with --gpus {launched}"
         )
 
 
