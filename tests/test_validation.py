@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from costmodel.calibration.runs import Multipliers, StepParts, fit_multipliers
+from costmodel.calibration.runs import PHYSICAL_BOUNDS, Multipliers, StepParts, fit_multipliers
 from executor.validation.metrics import Comparison, kendall_tau, mape, summarize
 
 
@@ -49,6 +49,24 @@ def test_refit_recovers_known_multipliers_from_synthetic_runs():
     assert fitted.kernel_overhead == pytest.approx(truth.kernel_overhead, rel=0.05)
     assert fitted.communication == pytest.approx(truth.communication, rel=0.05)
     assert fitted.activation_communication == pytest.approx(truth.activation_communication, rel=0.05)
+
+
+def test_a_refit_never_writes_a_factor_beyond_its_physical_bound():
+    """Issue 30: runs whose launch part needs x31.8 (the model misses time, the device is not 31.8x slower
+    to launch) fit to the bound, and the fit says which term is there."""
+    rng = np.random.default_rng(1)
+    truth = Multipliers(compute=1.2, kernel_overhead=31.8)
+    runs = []
+    for _ in range(12):
+        parts = StepParts(compute_s=rng.uniform(0.05, 0.3), kernel_overhead_s=rng.uniform(0.002, 0.02),
+                          communication_s=0.0, measured_s=0.0)
+        runs.append(replace(parts, measured_s=truth.predict(parts)))
+    fitted = fit_multipliers(runs)
+    assert fitted.kernel_overhead == pytest.approx(PHYSICAL_BOUNDS["kernel_overhead"][1])
+    assert fitted.at_bound == ("kernel_overhead",)
+    assert "kernel launch x10" in fitted.bound_note()
+    plausible = replace(runs[0], measured_s=1.1 * runs[0].compute_s + runs[0].kernel_overhead_s)
+    assert fit_multipliers([plausible]).at_bound == ()
 
 
 def test_refit_keeps_an_unexercised_term_at_one():

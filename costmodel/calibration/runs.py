@@ -20,7 +20,20 @@ exercises stays where it was):
 
     min_theta  sum_i (log(sum_j e^theta_j F_ij) - log m_i)^2 + lambda sum_j theta_j^2,   theta = log(a, b, c, d)
 
-solved by damped Gauss-Newton (`fit_multipliers`, pure numpy).
+solved by damped Gauss-Newton (`fit_multipliers`, pure numpy), each theta_j kept inside its term's
+physical bounds (`PHYSICAL_BOUNDS`):
+
+    compute                  [1/4, 4]    the rates come from microbenchmarks (or published tables) of the same
+                                         kernels; a step 4x off them is work the simulator does not see
+    kernel launch            [1/10, 10]  a launch costs microseconds to tens of microseconds on every device
+    communication            [1/10, 10]  link bandwidths and latencies from datasheets or nccl-tests
+    activation collectives   [1/10, 100] synchronous TP/CP/EP collectives wait for the slowest rank, which a
+                                         host-thread transport (gloo) can stretch by tens of times
+
+A multiplier that ends at its bound (`Multipliers.at_bound`) is not a calibration: the runs need a
+factor no device explains, so the model misses something there (a kernel class it does not price,
+contention it does not simulate). The fit keeps the bound, `soap calibrate --from-runs` names the term
+and says so, and no profile gets a factor such as "kernel launch x31.8" written into it.
 
 Applying them (`apply_multipliers`) is exact for each term: every device rate (peak FLOP/s at every
 precision, memory bandwidth) is divided by a, `kernel_overhead_us` multiplied by b, and every link's
@@ -56,7 +69,15 @@ from tracer.errors import SoapError
 
 TERMS = ("compute", "kernel_overhead", "communication", "activation_communication")
 PRIOR_WEIGHT = 1e-6
-MULTIPLIER_RANGE = (1e-3, 1e3)
+PHYSICAL_BOUNDS: dict[str, tuple[float, float]] = {
+    "compute": (0.25, 4.0),
+    "kernel_overhead": (0.1, 10.0),
+    "communication": (0.1, 10.0),
+    "activation_communication": (0.1, 100.0),
+}
+"""The range a fitted multiplier may take per term (module docstring): beyond it the model is wrong."""
+TERM_NAMES = {"compute": "compute", "kernel_overhead": "kernel launch", "communication": "communication",
+              "activation_communication": "activation collectives"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,16 @@ class Multipliers:
     kernel_overhead: float = 1.0
     communication: float = 1.0
     activation_communication: float = 1.0
+    at_bound: tuple[str, ...] = ()
+    """Terms whose fit ended at a bound of `PHYSICAL_BOUNDS`: the runs asked for more (module docstring)."""
+
+    def bound_note(self) -> str | None:
+        """One line naming the terms at their bounds, or None."""
+        if not self.at_bound:
+            return None
+        terms = ", ".join(f"{TERM_NAMES[t]} x{self.as_dict()[t]:.3g}" for t in self.at_bound)
+        return (f"at the physical bound: {terms}; the runs ask for more than any device explains, so the cost "
+                "model misses time there (kept at the bound, not written beyond it)")
 
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "kernel_overhead": self.kernel_overhead, "communication": self.communication,
@@ -102,6 +133,8 @@ def fit_multipliers(runs: Sequence[StepParts], *, iterations: int = 100) -> Mult
     features = np.array([r.features for r in runs], dtype=float)
     target = np.log(np.array([r.measured_s for r in runs], dtype=float))
     theta = np.zeros(len(TERMS))
+    low = np.log([PHYSICAL_BOUNDS[t][0] for t in TERMS])
+    high = np.log([PHYSICAL_BOUNDS[t][1] for t in TERMS])
     damping = 1e-3
     prior = np.sqrt(PRIOR_WEIGHT)
 
@@ -116,7 +149,7 @@ def fit_multipliers(runs: Sequence[StepParts], *, iterations: int = 100) -> Mult
         jac = np.vstack([share, prior * np.eye(len(TERMS))])
         r = residuals(theta)
         step = np.linalg.solve(jac.T @ jac + damping * np.eye(len(TERMS)), -jac.T @ r)
-        trial = np.clip(theta + step, np.log(MULTIPLIER_RANGE[0]), np.log(MULTIPLIER_RANGE[1]))
+        trial = np.clip(theta + step, low, high)
         trial_cost = float(residuals(trial) @ residuals(trial))
         if trial_cost < cost:
             theta, cost, damping = trial, trial_cost, damping / 3
@@ -125,8 +158,9 @@ def fit_multipliers(runs: Sequence[StepParts], *, iterations: int = 100) -> Mult
         else:
             damping *= 10
     a, b, c, d = np.exp(theta)
+    bound = tuple(t for t, x, lo, hi in zip(TERMS, theta, low, high) if x <= lo + 1e-9 or x >= hi - 1e-9)
     return Multipliers(compute=float(a), kernel_overhead=float(b), communication=float(c),
-                       activation_communication=float(d))
+                       activation_communication=float(d), at_bound=bound)
 
 
 def apply_multipliers(cluster_inline: dict, m: Multipliers, *, source: str) -> dict:

@@ -164,7 +164,8 @@ def _from_runs(args: argparse.Namespace) -> int:
         return _from_outside(args)
     refit = refit_profile(args.from_runs[0] if args.from_runs else None, args.name or f"local-{args.device}", args.output)
     summary = {"written": [str(p) for p in refit.written], "runs": refit.runs,
-               "multipliers": refit.multipliers.as_dict(), "fit_mape_before_pct": round(refit.before_mape_pct, 2),
+               "multipliers": refit.multipliers.as_dict(), "at_physical_bound": list(refit.multipliers.at_bound),
+               "fit_mape_before_pct": round(refit.before_mape_pct, 2),
                "fit_mape_after_pct": round(refit.after_mape_pct, 2),
                "allocator_reserve_fraction": refit.allocator_reserve_fraction}
     if args.json:
@@ -175,6 +176,8 @@ def _from_runs(args: argparse.Namespace) -> int:
               f"communication x{m.communication:.3g}, activation collectives x{m.activation_communication:.3g}; "
               f"step MAPE on those runs {refit.before_mape_pct:.1f}% -> "
               f"{refit.after_mape_pct:.1f}%", file=sys.stderr)
+        if m.bound_note():
+            print(f"note: {m.bound_note()}", file=sys.stderr)
         if refit.allocator_reserve_fraction is not None:
             print(f"allocator reserve {refit.allocator_reserve_fraction:.1%} of allocated memory: memory predictions "
                   "are the allocator's reserved peak", file=sys.stderr)
