@@ -11,6 +11,8 @@ from planner.api import plan_report
 from tracer.errors import SoapError
 from tracer.spec import PRESET_DIR
 
+from test_profiles import _numbers_and_curves  # noqa: E402 - tests/ is on the path (conftest)
+
 NEW_CLUSTERS = {
     "dgx-b200": "b200", "dgx-b300": "b300", "gb200-nvl72": "gb200", "gb300-nvl72": "gb300",
     "h100-pcie-8": "h100-pcie", "h100-nvl-8": "h100-nvl", "h200-nvl-8": "h200-nvl", "mi300x-8": "mi300x",
@@ -25,16 +27,6 @@ model end to end (estimate, simulation, memory), not which plan wins."""
 ATTEMPTS = ((8, dict(tp=1, pp=1)), (64, dict(tp=1, pp=1)), (64, {}), (512, {}))
 """GPU counts (and further pins) tried in turn until the preset fits: 70B in fp32 on 24 GiB cards needs
 tensor parallelism, 405B on them hundreds of GPUs."""
-
-
-def _numbers_and_curves(obj, path=""):
-    if isinstance(obj, dict):
-        if "value" in obj or "points" in obj:
-            yield path, obj
-            return
-        for key, value in obj.items():
-            if key not in ("fit", "notes"):
-                yield from _numbers_and_curves(value, f"{path}.{key}")
 
 
 @pytest.mark.parametrize("name", sorted(NEW_CLUSTERS))
