@@ -44,7 +44,8 @@ DTensors), and TP rank r computes only KV head r // (tp / kv_heads), the one its
 query heads. Each rank's weight gradient holds its head's rows from its own query heads' attention, and
 the input gradient its head's share: both are partial sums, all-reduced over TP (`to_local` with
 `grad_placements=[Partial()]`), which gives exactly the unsplit model's gradients. The cost model prices
-the same: one KV head per rank (`costmodel.placement.ActivationShape.kv_bytes`).
+the same (`costmodel.placement.replicated_kv_projections`): whole K/V weights on every rank, one KV head of
+compute and activations, and a weight-gradient all-reduce per projection and micro-batch.
 
 Sequence parallelism (Megatron-SP). Between TP regions the activations are sharded on the sequence
 (dim 1). The parent of each colwise group (the attention or MLP module) all-gathers its input to a
