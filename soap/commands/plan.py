@@ -23,6 +23,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--cluster", default="dgx-h100", help="cluster profile name or JSON file (default dgx-h100)")
     p.add_argument("--gpus-per-node", type=int, help="override the cluster's GPUs per node")
     p.add_argument("--task", help="causal-lm, masked-lm, seq-cls or seq2seq-lm (default: from the config)")
+    add_pin_flags(p)
+    p.add_argument("--mem-limit", type=float, metavar="GIB", help="usable memory per GPU in GiB (default: the device's)")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="spend this long refining the plan with simulator-guided MCMC")
+    p.add_argument("--seed", type=int, default=0, help="seed of the MCMC refinement (default 0)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow configs that ship their own code (auto_map); runs that code")
+    p.add_argument("-o", "--output", metavar="plan.json", help="write the plan here")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--export", action="append", metavar="FORMAT[=PATH]",
+                   help="also write the plan as accelerate, torchtitan, deepspeed or megatron configuration "
+                   "(repeatable; default PATH next to -o, see `soap export --help`)")
+    return p
+
+
+PIN_FLAGS = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum", "recompute", "schedule", "precision",
+             "optimizer", "ep", "virtual_stages", "offload", "compile")
+
+
+def add_pin_flags(p: argparse.ArgumentParser) -> None:
+    """The batch, sequence and pin flags `soap plan` and `soap tune` share."""
     p.add_argument("--global-batch", type=int, help="samples (sequences) per optimizer step")
     p.add_argument("--seq-len", type=int, help="tokens per sample")
     p.add_argument("--precision", choices=(*PRECISIONS, "auto"),
@@ -45,18 +66,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument(f"--{name}", nargs="?", const="on", choices=("on", "off"), metavar="on|off",
                        help=f"pin {what} (--{name} alone: on); default: searched")
         p.add_argument(f"--no-{name}", dest=name, action="store_const", const="off", help=f"same as --{name} off")
-    p.add_argument("--mem-limit", type=float, metavar="GIB", help="usable memory per GPU in GiB (default: the device's)")
-    p.add_argument("--time-budget", type=float, metavar="SECONDS",
-                   help="spend this long refining the plan with simulator-guided MCMC")
-    p.add_argument("--seed", type=int, default=0, help="seed of the MCMC refinement (default 0)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow configs that ship their own code (auto_map); runs that code")
-    p.add_argument("-o", "--output", metavar="plan.json", help="write the plan here")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--export", action="append", metavar="FORMAT[=PATH]",
-                   help="also write the plan as accelerate, torchtitan, deepspeed or megatron configuration "
-                   "(repeatable; default PATH next to -o, see `soap export --help`)")
-    return p
+
+
+def pins_of(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in PIN_FLAGS}
 
 
 PROGRESS_DELAY_S = 1.0
@@ -113,9 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import render_summary, report_json
     from tracer.files import check_writable
 
-    pins = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum",
-                                          "recompute", "schedule", "precision", "optimizer", "ep",
-                                          "virtual_stages", "offload", "compile")}
+    pins = pins_of(args)
     if args.output:
         check_writable(args.output, what="-o")
     exports = None
