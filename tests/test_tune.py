@@ -139,9 +139,11 @@ def test_resuming_after_an_interrupt_reruns_no_finished_trial(tuned):
     proc = soap_tune(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = [json.loads(line)["tune"]["trial"]["id"] for line in log.read_text().splitlines()]
-    assert len(ids) == len(lines) and ids[-1] == lost and len(set(ids)) == len(ids)
+    assert ids[len(lines) - 1] == lost, "the interrupted trial runs again, first"
+    assert len(set(ids)) == len(ids), "no trial that finished runs again"
+    # a re-plan on a profile refitted from new measurements may add a trial, never repeat one
     resumed = json.loads(proc.stdout)
-    assert {t["id"] for t in resumed["trials"]} == {t["id"] for t in report["trials"]}
+    assert {t["id"] for t in report["trials"]} <= {t["id"] for t in resumed["trials"]}
 
 
 @pytest.mark.slow
