@@ -5,8 +5,9 @@ A trial is `executor.launch.run_plan` with `RunConfig(steps=warmup + steps)`: th
 measured step time is the median of the remaining `steps`. The watchdog (`RunConfig.timeout_s`, `--timeout`)
 ends a hung trial. What a trial ends as (`Trial.status`):
 - `ok`: it ran, and its measured peak memory (max over ranks) is within the memory cap, if any;
-- `oom`: out of memory: a rank's peak memory went over the cap (`mem_cap_gib`, per rank; on the CPU the
-  process's peak RSS, on CUDA the allocator's peak), or a rank raised torch's out-of-memory error (CUDA's
+- `oom`: out of memory: the plan's predicted peak is over the cap (`mem_cap_gib`, per rank; then it is not
+  run), a rank's measured peak memory went over it (on the CPU the process's peak RSS, on CUDA the
+  allocator's peak), or a rank raised torch's out-of-memory error (CUDA's
   `OutOfMemoryError`, the CPU allocator's "can't allocate memory") or was killed without an exception;
 - `hung`: the watchdog ended it (no progress within its limit);
 - `failed`: any other error (the launcher's one line is kept).
@@ -121,6 +122,13 @@ def run_trial(plan: Plan, *, log: Path, steps: int, warmup: int, launch: LaunchO
     base = dict(id=trial_id(plan), plan=describe_plan(plan), round=round,
                 predicted_step_time_s=plan.predicted.get("step_time_s"),
                 predicted_peak_memory_gib=plan.predicted.get("peak_memory_gib"))
+    predicted_peak = base["predicted_peak_memory_gib"]
+    if mem_cap_gib is not None and predicted_peak is not None and predicted_peak > mem_cap_gib:
+        trial = Trial(**base, status="oom", measured_step_time_s=None, measured_peak_memory_gib=None,
+                      message=f"predicted peak {predicted_peak:.3f} GiB per rank is over the {mem_cap_gib:g} GiB cap; "
+                              "not run")
+        append_run({}, log, plan=plan, name=trial.plan, extra={"tune": {"trial": trial.to_json()}})
+        return trial
     try:
         result = run_plan(plan, config, launch)
     except SoapError as exc:

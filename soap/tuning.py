@@ -23,6 +23,10 @@ Method:
    `predicted` block re-simulated on it plus `measured_step_time_s` and `measured_peak_memory_gib`, goes to
    `-o`; `DIR/tune.json` holds the report: every trial with its plan, status, predicted and measured step time
    and memory, and its rank by measured time.
+Multi-node: every node runs this with the same arguments; the search is deterministic, so all nodes try the
+same plans in the same order. Only rank 0's node measures (`run_plan` returns rank 0's result), so only it
+records, refits and re-plans; the other nodes return after the initial trials (`follower` in the report), and a
+re-planned trial that is new needs them started on it with `soap execute`.
 Resume: the trial ids (`executor.trials.trial_id`) name configurations; a tune run again with the same
 directory searches the same candidates, finds their records in the runs log and re-runs none that finished.
 
@@ -123,6 +127,11 @@ def tune(model: Any, *, gpus: int | None = None, cluster: Any = "dgx-h100", top:
                      mem_cap_gib=mem_cap_gib, seed=seed, deadline=None if budget_min is None else start + 60 * budget_min)
     for plan in plans:
         runner.try_plan(plan, "initial")
+    if rows.trials() and all(t.status == "ok" and t.measured_step_time_s is None for t in rows.trials()):
+        # another node of a multi-node launch: rank 0's node measured, records, refits and re-plans
+        return {"model": report.model, "cluster": spec.name, "gpus": gpus, "directory": str(directory_path),
+                "trials": [t.to_json() for t in rows.trials()], "follower": True,
+                "elapsed_s": round(time.monotonic() - start, 1)}
     if not any(t.status == "ok" for t in rows.trials()):
         failures = "; ".join(f"{t.plan}: {t.status} {t.message}".strip() for t in rows.trials())
         raise SoapError(f"every trial failed: {failures or 'no trial ran within the budget'}")

@@ -99,6 +99,28 @@ def test_bad_input_is_one_error_line(wrong_profile, tmp_path, capsys, flags, wor
     assert not (tmp_path / "t" / "runs.jsonl").exists()
 
 
+def test_python_api_tunes_and_refuses_bad_input_before_planning():
+    import soap
+    from tracer.errors import SoapError
+
+    assert callable(soap.tune)
+    with pytest.raises(SoapError, match="--top 0"):
+        soap.tune("gpt2", gpus=4, cluster="local-cpu", top=0)
+
+
+def test_a_plan_predicted_over_the_memory_cap_is_out_of_memory_without_running(wrong_profile, tmp_path):
+    import soap
+    from executor.launch import LaunchOptions
+    from executor.trials import run_trial
+
+    model, _ = wrong_profile
+    plan = soap.plan(str(model), gpus=4, cluster="local-cpu", seq_len=32, global_batch=8, compile=False)
+    cap = plan.predicted["peak_memory_gib"] / 2
+    trial = run_trial(plan, log=tmp_path / "runs.jsonl", steps=1, warmup=0, launch=LaunchOptions(), mem_cap_gib=cap)
+    assert trial.status == "oom" and trial.measured_step_time_s is None and "not run" in trial.message
+    assert finished_trials(tmp_path / "runs.jsonl") == {trial.id: trial}
+
+
 @pytest.fixture(scope="module")
 def tuned(wrong_profile, tmp_path_factory) -> tuple[dict, Path, list[str]]:
     model, cluster = wrong_profile
@@ -170,3 +192,16 @@ def test_a_trial_over_the_memory_cap_is_out_of_memory_and_excluded(tmp_path):
     statuses = [json.loads(line)["tune"]["trial"]["status"] for line in
                 (tmp_path / "capped" / "runs.jsonl").read_text().splitlines()]
     assert "oom" in statuses
+
+
+def test_tune_takes_a_plan_file_and_a_spent_budget_runs_no_trial(wrong_profile, tmp_path, capsys):
+    import soap
+
+    model, cluster = wrong_profile
+    plan = soap.plan(str(model), gpus=4, cluster=str(cluster), seq_len=32, global_batch=8, compile=False, pp=1)
+    plan.save(tmp_path / "plan.json")
+    code = main(["tune", str(tmp_path / "plan.json"), "--budget", "1e-9", "--top", "2", "--dir", str(tmp_path / "t")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == "error: every trial failed: no trial ran within the budget"
+    assert "dp4 zero0" in "\n".join(err) and "not run (budget)" in "\n".join(err)
+    assert not (tmp_path / "t" / "runs.jsonl").exists()

@@ -108,16 +108,24 @@ class _LiveTable:
             console.width = 140
         self._live = Live(console=console, auto_refresh=False, transient=False)
         self._live.start()
+        self._drawn = False
         return self
 
     def update(self, rows: list[dict[str, Any]]) -> None:
         self._live.update(trials_table(rows), refresh=True)
+        self._drawn = True
 
     def __exit__(self, *exc: Any) -> None:
         self._live.stop()
+        if self._drawn and not self._live.console.is_terminal:
+            self._live.console.file.write("\n")  # rich leaves the last line open: an error line starts its own
 
 
 def _summary(report: dict[str, Any]) -> None:
+    if report.get("follower"):
+        print(f"ran {len(report['trials'])} trials; the node of rank 0 measured them, refits and re-plans",
+              file=sys.stderr)
+        return
     refit = report["refit"]
     lines = [
         f"measured best  {report['best_plan']}: {report['measured_step_time_s']:.4g} s/step "
