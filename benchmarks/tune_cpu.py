@@ -72,8 +72,9 @@ def table(report: dict[str, Any]) -> str:
     lines += ["", f"Measured best: **{report['best_plan']}** ({report['measured_step_time_s']:.4f} s/step; "
               f"{'the' if report['best_is_first_predicted'] else 'not the'} plan first predicted). "
               f"Re-planned on the refitted profile: {report['replanned']['plan']}. "
-              f"Step-time error of the profile on the {refit['trials']} trials: "
-              f"{refit['mape_before_pct']:.1f}% before the refit, {refit['mape_after_pct']:.1f}% after "
+              f"Step-time error of the profile on the {refit['trials']} trials (geometric mean error factor): "
+              f"{refit['log_error_before_pct']:.1f}% before the refit, {refit['log_error_after_pct']:.1f}% after; "
+              f"MAPE {refit['mape_before_pct']:.1f}% before, {refit['mape_after_pct']:.1f}% after "
               f"(multipliers: " + ", ".join(f"{k} x{v:.3g}" for k, v in refit["multipliers"].items()) + ")."]
     return "\n".join(lines)
 

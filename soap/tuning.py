@@ -13,9 +13,10 @@ Method:
 3. Every trial is appended to the tune's runs log (`DIR/runs.jsonl`). The cluster profile is refitted from
    the trials that measured a step time with `soap calibrate --from-runs`'s machinery
    (`executor.validation.refit.refit_cluster`: compute, kernel launch, communication and activation
-   collective multipliers) and written to `DIR/cluster-refit.json`. Its error on the trials is reported
-   before (each trial simulated on the profile as given) and after (re-simulated on the refitted profile):
-   the mean absolute percentage error of the step time.
+   collective multipliers) and written to `DIR/cluster-refit.json`. Its step-time error on the trials is
+   reported before (each trial simulated on the profile as given) and after (re-simulated on the refitted
+   profile), as the geometric mean error factor (`log_error_pct`, the fit's own terms: it minimizes squared
+   log ratios) and as the mean absolute percentage error.
 4. Memory learns from out-of-memory trials: the re-plan's memory limit is lowered below the smallest
    predicted peak of a trial that ran out of memory, so that plan and any predicted as heavy are excluded.
 5. Re-plan on the refitted profile; if the new best was not tried, try it.
@@ -39,6 +40,7 @@ of the executor must not import. So the trials live in `executor.trials`, the ch
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +58,7 @@ def default_directory(output: str | None) -> Path:
     return Path(output).with_suffix(".tune") if output else Path("soap-tune")
 
 
-def _plan_input(model: Any) -> Any:
+def plan_input(model: Any) -> Any:
     """The Plan when MODEL is a plan.json, else None."""
     from planner.plan import load_plan
 
@@ -90,7 +92,7 @@ def tune(model: Any, *, gpus: int | None = None, cluster: Any = "dgx-h100", top:
     if mem_cap_gib is not None and not mem_cap_gib > 0:
         raise SoapError(f"--mem-cap {mem_cap_gib:g}: need a positive number of GiB")
     launch = launch or LaunchOptions()
-    given = _plan_input(model)
+    given = plan_input(model)
     if given is not None:
         from transformers import AutoConfig
 
@@ -287,7 +289,17 @@ def _refit(log: Path, spec: Any, directory: Path) -> dict[str, Any]:
         after.append(simulate_on(plan, graphs[key], after_spec).step_time_s)
     return {"profile": str(path), "profile_inline": refitted, "trials": len(records),
             "multipliers": multipliers.as_dict(), "mape_before_pct": round(mape(before, measured), 2),
-            "mape_after_pct": round(mape(after, measured), 2)}
+            "mape_after_pct": round(mape(after, measured), 2),
+            "log_error_before_pct": round(log_error_pct(before, measured), 2),
+            "log_error_after_pct": round(log_error_pct(after, measured), 2)}
+
+
+def log_error_pct(predicted: list[float], measured: list[float]) -> float:
+    """The geometric mean error factor, as a percentage: exp(mean |ln(predicted / measured)|) - 1. The refit
+    minimizes squared log ratios, so this is its error in its own terms; MAPE, reported beside it, weighs an
+    over-prediction more than an under-prediction of the same factor."""
+    logs = [abs(math.log(p / m)) for p, m in zip(predicted, measured)]
+    return 100 * (math.exp(sum(logs) / len(logs)) - 1)
 
 
 def _best_plan(log: Path, best: Any, refitted: Any, refitted_inline: dict) -> Any:

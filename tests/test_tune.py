@@ -19,7 +19,7 @@ import pytest
 from benchmarks.tune_cpu import misstated_cluster, tune_args, write_model
 from executor.trials import classify_failure, finished_trials, trial_id
 from soap.cli import main
-from soap.tuning import _learned_memory_limit
+from soap.tuning import _learned_memory_limit, log_error_pct
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,11 @@ def test_an_out_of_memory_trial_lowers_the_replans_memory_limit():
     assert _learned_memory_limit([trial("oom", 6.0)], 4.0) == 4.0
 
 
+def test_the_log_error_is_symmetric_in_factors():
+    assert log_error_pct([2.0, 0.5], [1.0, 1.0]) == pytest.approx(100.0)
+    assert log_error_pct([1.0], [1.0]) == 0.0
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--top", "0"], "--top 0"),
     (["--mem-cap", "-1"], "--mem-cap -1"),
@@ -142,7 +147,7 @@ def test_tune_hands_back_the_plan_measured_fastest_and_the_refit_learns(tuned):
     assert report["best"] == fastest["id"] and fastest["rank"] == 1
     # the wrong profile (links 10x too slow) puts a pipeline first; 4 CPU ranks run data parallelism faster
     assert report["first_predicted"] == report["trials"][0]["id"] and not report["best_is_first_predicted"]
-    assert report["refit"]["mape_after_pct"] < report["refit"]["mape_before_pct"]
+    assert report["refit"]["log_error_after_pct"] < report["refit"]["log_error_before_pct"]
     plan = load_plan(directory.parent / "plan.json")
     assert trial_id(plan) == report["best"]
     assert plan.predicted["measured_step_time_s"] == report["measured_step_time_s"]

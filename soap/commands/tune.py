@@ -54,6 +54,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import soap
+    from soap.tuning import plan_input
     from tracer.errors import SoapError
     from tracer.files import check_writable
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout > 0:
         raise SoapError(f"--timeout {args.timeout:g}: need a positive number of seconds")
     pins = {k: v for k, v in pins_of(args).items() if v is not None}
-    if pins.get("optimizer") == "adamw":
+    if pins.get("optimizer") == "adamw" and plan_input(args.model) is not None:
         pins.pop("optimizer")  # the parser's default: a plan.json's own optimizer stays
     options = {k: v for k, v in (("gpus_per_node", args.gpus_per_node), ("task", args.task),
                                  ("global_batch", args.global_batch), ("seq_len", args.seq_len),
@@ -130,8 +131,9 @@ def _summary(report: dict[str, Any]) -> None:
     lines = [
         f"measured best  {report['best_plan']}: {report['measured_step_time_s']:.4g} s/step "
         f"({'the first predicted' if report['best_is_first_predicted'] else 'not the first predicted'})",
-        f"refit          step-time error on {refit['trials']} trials {refit['mape_before_pct']:.1f}% -> "
-        f"{refit['mape_after_pct']:.1f}% ({refit['profile']})",
+        f"refit          step-time error on {refit['trials']} trials {refit['log_error_before_pct']:.1f}% -> "
+        f"{refit['log_error_after_pct']:.1f}% (geometric mean; MAPE {refit['mape_before_pct']:.1f}% -> "
+        f"{refit['mape_after_pct']:.1f}%) ({refit['profile']})",
         f"re-planned     {report['replanned']['plan']}" + (" (tried)" if report["replanned"]["new"] else
                                                            " (already a trial)"),
         f"report         {report['directory']}/tune.json",
