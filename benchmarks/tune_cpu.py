@@ -71,7 +71,7 @@ def table(report: dict[str, Any]) -> str:
     refit = report["refit"]
     lines += ["", f"Measured best: **{report['best_plan']}** ({report['measured_step_time_s']:.4f} s/step; "
               f"{'the' if report['best_is_first_predicted'] else 'not the'} plan first predicted). "
-              f"Re-planned on the refitted profile: {report['replanned']['plan']}. "
+              f"Re-planned on the refitted profile: {report['replanned']['plan'] or 'none'}. "
               f"Step-time error of the profile on the {refit['trials']} trials (geometric mean error factor): "
               f"{refit['log_error_before_pct']:.1f}% before the refit, {refit['log_error_after_pct']:.1f}% after; "
               f"MAPE {refit['mape_before_pct']:.1f}% before, {refit['mape_after_pct']:.1f}% after "

@@ -142,9 +142,13 @@ def tune(model: Any, *, gpus: int | None = None, cluster: Any = "dgx-h100", top:
     refitted = cluster_from_dict(refit["profile_inline"])
     memory = _learned_memory_limit(rows.trials(), plan_kwargs.get("mem_limit_gib"))
     extra = {"mem_limit_gib": memory} if memory is not None else {}
-    replanned = search(refitted, **extra).plan
-    rows.add(replanned, "replanned")
-    runner.try_plan(replanned, "replanned")
+    try:
+        replanned, replan_error = search(refitted, **extra).plan, None
+    except SoapError as exc:  # e.g. nothing fits under the learned memory limit: the trials still stand
+        replanned, replan_error = None, str(exc)
+    if replanned is not None:
+        rows.add(replanned, "replanned")
+        runner.try_plan(replanned, "replanned")
 
     best = min((t for t in rows.trials() if t.status == "ok" and t.measured_step_time_s is not None),
                key=lambda t: t.measured_step_time_s)
@@ -168,7 +172,8 @@ def tune(model: Any, *, gpus: int | None = None, cluster: Any = "dgx-h100", top:
         "repredicted_peak_memory_gib": best_plan.predicted.get("peak_memory_gib"),
         "replanned": {"trial": trial_id(replanned), "plan": rows.name(replanned),
                       "new": trial_id(replanned) not in {trial_id(p) for p in plans},
-                      "mem_limit_gib": memory},
+                      "mem_limit_gib": memory} if replanned is not None else
+                     {"trial": None, "plan": None, "new": False, "mem_limit_gib": memory, "error": replan_error},
         "refit": {k: v for k, v in refit.items() if k != "profile_inline"},
         "output": output, "elapsed_s": round(time.monotonic() - start, 1),
     }

@@ -135,7 +135,8 @@ def _summary(report: dict[str, Any]) -> None:
         f"{refit['log_error_after_pct']:.1f}% (geometric mean; MAPE {refit['mape_before_pct']:.1f}% -> "
         f"{refit['mape_after_pct']:.1f}%) ({refit['profile']})",
         f"re-planned     {report['replanned']['plan']}" + (" (tried)" if report["replanned"]["new"] else
-                                                           " (already a trial)"),
+                                                           " (already a trial)")
+        if report["replanned"]["plan"] else f"re-planned     none: {report['replanned'].get('error')}",
         f"report         {report['directory']}/tune.json",
     ]
     if report["output"]:
