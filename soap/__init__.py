@@ -3,7 +3,7 @@
 The public Python API is re-exported lazily so `import soap` stays cheap for the CLI.
 """
 
-__all__ = ["plan", "parallelize", "trace"]
+__all__ = ["plan", "parallelize", "trace", "tune"]
 
 
 def __getattr__(name: str):

@@ -48,3 +48,11 @@ def parallelize(model: Any, plan: Plan | str, **kwargs: Any) -> Any:
     if isinstance(plan, str):
         plan = load_plan(plan)
     return _parallelize(model, plan, **kwargs)
+
+
+def tune(model: Any, **kwargs: Any) -> dict[str, Any]:
+    """Try the best few plans on this cluster, refit the profile from them, re-plan, and return the report
+    (`soap tune --json`'s object); `soap.tuning.tune` documents the arguments and the method."""
+    from soap.tuning import tune as _tune
+
+    return _tune(model, **kwargs)

@@ -18,7 +18,8 @@ import unicodedata
 
 from tracer.errors import SoapError
 
-COMMANDS = ("trace", "plan", "compare", "simulate", "execute", "calibrate", "profiles", "validate", "export", "export-hf")
+COMMANDS = ("trace", "plan", "compare", "simulate", "execute", "tune", "calibrate", "profiles", "validate", "export",
+            "export-hf")
 
 
 def error_line(message: str) -> str:

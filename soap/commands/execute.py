@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from tracer.errors import SoapError
 
@@ -50,6 +51,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="end the run when a rank makes no progress for this long inside a step, naming what "
                         "it waited on (default: 20x the plan's predicted step time, at least 60 s; the setup "
                         "and the first step get at least 300 s)")
+    add_launch_flags(p)
+    return p
+
+
+def add_launch_flags(p: argparse.ArgumentParser) -> None:
+    """torchrun's launch flags, shared by `soap execute` and `soap tune`."""
     t = p.add_argument_group("launch (torchrun's flags)")
     t.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default: plan ranks / nodes)")
     t.add_argument("--nnodes", default="1", help="N or MIN:MAX (default 1)")
@@ -63,11 +70,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--allow-cpu", action="store_true",
                    help="run a plan made for GPUs on CPU processes (gloo) when this host has no GPU: a slow smoke "
                         "run; without it such a plan is refused before any worker starts")
-    return p
+
+
+def launch_options(args: argparse.Namespace) -> Any:
+    from executor.launch import LaunchOptions
+
+    return LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
+                         max_restarts=args.max_restarts, master_addr=args.master_addr,
+                         master_port=args.master_port, debug=getattr(args, "debug", False),
+                         allow_cpu=args.allow_cpu)
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.launch import LaunchOptions, preflight, run_plan
+    from executor.launch import preflight, run_plan
     from planner.plan import load_plan
     from tracer.files import write_atomic
     from tracer.files import check_writable, check_writable_dir
@@ -97,11 +113,7 @@ def run(args: argparse.Namespace) -> int:
         check_writable_dir(args.checkpoint_dir, what="--checkpoint-dir")
     if args.save_hf:
         check_writable_dir(args.save_hf, what="--save-hf")
-    launch = LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
-                           rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
-                           max_restarts=args.max_restarts, master_addr=args.master_addr,
-                           master_port=args.master_port, debug=getattr(args, "debug", False),
-                           allow_cpu=args.allow_cpu)
+    launch = launch_options(args)
     preflight(plan, launch)  # before anything slow: the plan against this host and the launch flags
     from executor.train import RunConfig  # imports the executor (torch.distributed, dynamo): seconds
     data = args.data

@@ -19,6 +19,12 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that shape a plan request besides the model, the GPU count and the cluster: task, batch,
     sequence length, the pins and the memory limit (shared by `soap plan` and `soap compare`)."""
     p.add_argument("--task", help="causal-lm, masked-lm, seq-cls or seq2seq-lm (default: from the config)")
+    add_pin_flags(p)
+    p.add_argument("--mem-limit", type=float, metavar="GIB", help="usable memory per GPU in GiB (default: the device's)")
+
+
+def add_pin_flags(p: argparse.ArgumentParser) -> None:
+    """The batch, sequence and pin flags (`PIN_ARGS`) that `soap plan`, `soap compare` and `soap tune` share."""
     p.add_argument("--global-batch", type=int, help="samples (sequences) per optimizer step")
     p.add_argument("--seq-len", type=int, help="tokens per sample")
     p.add_argument("--precision", choices=(*PRECISIONS, "auto"),
@@ -41,7 +47,6 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", nargs="?", const="on", choices=("on", "off"), metavar="on|off",
                        help=f"pin {what} (--{name} alone: on); default: searched")
         p.add_argument(f"--no-{name}", dest=name, action="store_const", const="off", help=f"same as --{name} off")
-    p.add_argument("--mem-limit", type=float, metavar="GIB", help="usable memory per GPU in GiB (default: the device's)")
 
 
 def pins_of(args: argparse.Namespace) -> dict:
