@@ -72,11 +72,12 @@ def plan_input(model: Any) -> Any:
     return None
 
 
-def tune(model: Any, *, gpus: int | None = None, cluster: Any = "dgx-h100", top: int = 3, steps: int = 3,
+def tune(model: Any, *, gpus: int | None = None, cluster: Any = None, top: int = 3, steps: int = 3,
          warmup: int = 1, budget_min: float | None = None, output: str | None = None, directory: str | None = None,
          launch: Any = None, timeout_s: float | None = None, mem_cap_gib: float | None = None, seed: int = 0,
          on_update: RowsCallback | None = None, **plan_kwargs: Any) -> dict[str, Any]:
-    """Tune `model` (anything `soap plan` takes, or a plan.json) on `gpus` ranks of `cluster`; returns the
+    """Tune `model` (anything `soap plan` takes, or a plan.json) on `gpus` ranks of `cluster` (default
+    dgx-h100; a plan.json brings its own GPU count and cluster, and naming others is refused); returns the
     report (`--json`'s object). `plan_kwargs`: the planner's pins and options (tp=, pp=, seq_len=, ...)."""
     from costmodel.profiles import ClusterSpec, cluster_from_dict, load_cluster
     from executor.launch import LaunchOptions, preflight
@@ -96,6 +97,9 @@ def tune(model: Any, *, gpus: int | None = None, cluster: Any = "dgx-h100", top:
     if given is not None:
         from transformers import AutoConfig
 
+        if cluster is not None or gpus not in (None, given.world_size):
+            raise SoapError(f"{model} brings its own cluster ({given.cluster.name}) and GPU count ({given.world_size}); "
+                            "drop --cluster/--gpus, or tune the model itself: soap tune MODEL --gpus N --cluster C")
         fields = dict(given.model.config)
         model = AutoConfig.for_model(fields.pop("model_type"), **fields)
         gpus = given.world_size
@@ -104,7 +108,7 @@ def tune(model: Any, *, gpus: int | None = None, cluster: Any = "dgx-h100", top:
                        **plan_kwargs}
     if gpus is None:
         raise SoapError("--gpus N is needed with a MODEL (a plan.json brings its own)")
-    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or "dgx-h100")
     start = time.monotonic()
     directory_path = Path(directory) if directory else default_directory(output)
     log = directory_path / "runs.jsonl"

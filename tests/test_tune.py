@@ -210,3 +210,17 @@ def test_tune_takes_a_plan_file_and_a_spent_budget_runs_no_trial(wrong_profile, 
     assert code == 2 and err[-1] == "error: every trial failed: no trial ran within the budget"
     assert "dp4 zero0" in "\n".join(err) and "not run (budget)" in "\n".join(err)
     assert not (tmp_path / "t" / "runs.jsonl").exists()
+
+
+def test_a_plan_file_refuses_another_cluster_or_gpu_count(wrong_profile, tmp_path, capsys):
+    """A plan.json brings its cluster and GPU count: naming others is an error, not silently ignored."""
+    import soap
+
+    model, cluster = wrong_profile
+    plan = soap.plan(str(model), gpus=4, cluster=str(cluster), seq_len=32, global_batch=8, compile=False, pp=1)
+    plan.save(tmp_path / "plan.json")
+    for flags in (["--cluster", "local-cpu"], ["--gpus", "2"]):
+        assert main(["tune", str(tmp_path / "plan.json"), *flags, "--dir", str(tmp_path / "t")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "brings its own cluster" in err[0]
+    assert not (tmp_path / "t" / "runs.jsonl").exists()

@@ -30,7 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL|PLAN", help="what `soap plan` takes, or a plan.json")
     p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (a plan.json brings its own)")
-    p.add_argument("--cluster", default="dgx-h100", help="cluster profile name or JSON file (default dgx-h100)")
+    p.add_argument("--cluster", default=None,
+                   help="cluster profile name or JSON file (default dgx-h100; a plan.json brings its own)")
     p.add_argument("--gpus-per-node", type=int, help="override the cluster's GPUs per node")
     p.add_argument("--task", help="causal-lm, masked-lm, seq-cls or seq2seq-lm (default: from the config)")
     add_pin_flags(p)
