@@ -43,6 +43,14 @@ n (none: factor 1). GPU profiles have no table (factor 1); the local-cpu profile
 that gloo's reduce-scatter on 4 oversubscribed ranks costs like an all-reduce and its send/recv a third of
 the ring model.
 
+Scale (`LinkLevel.node_scaling`, `achieved`): a fabric's achieved bandwidth falls as a collective spans
+more nodes (congestion, adaptive routing, rail and spine oversubscription, stragglers): on the Ultra-Scale
+Playbook's EFA cluster the all-reduce bus bandwidth falls 362 -> 33 GB/s from 2 to 64 nodes. The inter-node
+level may carry a measured curve s(N) (x = nodes spanned, log-interpolated), and every inter-node term of
+a group spanning N nodes runs at bw * e(S) * s(N): the flat ring's NIC share, the hierarchical algorithm's
+inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve s = 1. `soap calibrate
+--from-nccl-tests` fits e(S), alpha and s(N) from nccl-tests logs (`costmodel.calibration.nccl_tests`).
+
 A group of size 1 or zero bytes costs 0.
 """
 
@@ -101,9 +109,10 @@ def phase_time(factor: float, nbytes: float, bandwidth: float, latency_s: float,
     return factor * nbytes / bandwidth + steps * latency_s
 
 
-def achieved(link: LinkLevel, nbytes: float, share: float = 1.0) -> float:
-    """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message."""
-    return share * link.bandwidth * link.efficiency.at(nbytes)
+def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1) -> float:
+    """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message, in a group spanning
+    `nodes` nodes (the link's `node_scaling`)."""
+    return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes)
 
 
 def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> tuple[float, float]:
@@ -111,7 +120,7 @@ def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> tuple[fl
     intra, inter = cluster.intra_node, cluster.inter_node
     if group.nodes == 1:
         return achieved(intra, nbytes), intra.latency_s
-    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node))
+    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, group.nodes))
     return bandwidth, max(intra.latency_s, inter.latency_s)
 
 
@@ -130,20 +139,21 @@ def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) 
     return phase_time(1.0, nbytes, bandwidth, alpha, depth)
 
 
-def sharp_time(nbytes: float, link: LinkLevel) -> float:
+def sharp_time(nbytes: float, link: LinkLevel, nodes: int = 1) -> float:
     """All-reduce reduced in the switch of `link`: bus factor `sharp_all_reduce_factor`, two steps."""
-    return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes), link.latency_s, 2)
+    return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes, nodes=nodes), link.latency_s, 2)
 
 
-def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel) -> float:
-    return phase_time(bus_factor(kind, n), nbytes, achieved(link, nbytes), link.latency_s, ring_steps(kind, n))
+def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel, nodes: int = 1) -> float:
+    return phase_time(bus_factor(kind, n), nbytes, achieved(link, nbytes, nodes=nodes), link.latency_s,
+                      ring_steps(kind, n))
 
 
 def _inter(kind: str, nbytes: float, nodes: int, cluster: ClusterSpec) -> float:
     link = cluster.inter_node
-    ring = _level_ring(kind, nbytes, nodes, link)
+    ring = _level_ring(kind, nbytes, nodes, link, nodes)
     if kind == "all_reduce" and link.sharp:
-        return min(ring, sharp_time(nbytes, link))
+        return min(ring, sharp_time(nbytes, link, nodes))
     return ring
 
 
@@ -170,7 +180,7 @@ def all_to_all_time(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> fl
         return ring_time("all_to_all", nbytes, group, cluster)
     remote_bw, alpha = flat_path(nbytes, group, cluster)
     local = (g - 1) / n * nbytes / achieved(cluster.intra_node, nbytes)
-    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes))
+    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes, nodes=group.nodes))
     return max(local, remote) + (n - 1) * alpha
 
 

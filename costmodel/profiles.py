@@ -232,6 +232,14 @@ class LinkLevel:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     extras: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """The link's optional `fit` / `notes` objects, kept verbatim."""
+    node_scaling: EfficiencyCurve | None = field(default=None, compare=False, hash=False)
+    """Optional multiplier on this level's achieved bandwidth against the number of nodes a collective's
+    group spans (x = nodes, log-interpolated, clamped at the ends): the fabric's measured fall-off with
+    scale (`costmodel.collectives` module docstring). None: 1 at every node count."""
+
+    def scale_at(self, nodes: int) -> float:
+        """The `node_scaling` factor for a group spanning `nodes` nodes (1 inside one node or without a curve)."""
+        return self.node_scaling.at(nodes) if self.node_scaling is not None and nodes > 1 else 1.0
 
 
 @dataclass(frozen=True)

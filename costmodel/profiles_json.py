@@ -288,7 +288,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
 def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
     from costmodel.collectives import COLLECTIVES
 
-    r.obj(data, path, _LINK_REQUIRED, {"fit", "notes", "collective_factors"})
+    r.obj(data, path, _LINK_REQUIRED, {"fit", "notes", "collective_factors", "node_scaling"})
     bandwidth, bw_src = r.number(data["bandwidth_gbps"], f"{path}.bandwidth_gbps")
     latency, lat_src = r.number(data["latency_us"], f"{path}.latency_us", positive=False)
     sources = {"bandwidth_gbps": bw_src, "latency_us": lat_src}
@@ -313,7 +313,19 @@ def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
         collective_factors=collective_factors,
         sources=sources,
         extras={k: data[k] for k in ("fit", "notes") if k in data},
+        node_scaling=_node_scaling(r, data, path),
     )
+
+
+def _node_scaling(r: _Reader, data: dict, path: str) -> EfficiencyCurve | None:
+    """A link's `node_scaling` curve: node counts >= 2 against bandwidth factors in (0, 2]."""
+    if "node_scaling" not in data:
+        return None
+    curve = r.curve(data["node_scaling"], f"{path}.node_scaling")
+    for nodes, factor in curve.points:
+        if nodes < 2 or not 0 < factor <= 2:
+            raise r.fail(f"{path}.node_scaling.points", f"need nodes >= 2 and a factor in (0, 2], got [{nodes:g}, {factor:g}]")
+    return curve
 
 
 def cluster_from_json(data: Any, origin: str, device_by_name: Callable[[str], DeviceProfile]) -> ClusterSpec:
@@ -428,6 +440,8 @@ def _link_dict(link: LinkLevel) -> dict:
     }
     if link.collective_factors:
         out["collective_factors"] = _factor_table_dict(link.collective_factors, link.sources.get("collective_factors"))
+    if link.node_scaling is not None:
+        out["node_scaling"] = _curve_dict(link.node_scaling)
     notes = link.extras.get("notes")
     fit = dict(link.extras.get("fit", {}))
     if link.sharp_all_reduce_factor != 1.0:

@@ -9,6 +9,9 @@
     soap calibrate --from-runs r.jsonl  # refit compute / launch / communication and the workspace
     soap calibrate --from-runs cluster-logs.jsonl --cluster dgx-h100   # runs from outside soap
     soap calibrate --from-runs titan.json:grand-teton-h100 nemo.json:dgx-h100 --cluster dgx-h100
+    soap calibrate --from-nccl-tests all_reduce_perf-*.log all_gather_perf-*.log --cluster dgx-h100 -o my.json
+                                        # the network from nccl-tests logs: latency, efficiency by size and the
+                                        # fall-off with node count (costmodel/calibration/nccl_tests.py)
 
 Outside run records (a published benchmark table, a cluster's own logs) are JSON Lines, or one JSON object
 with `rows`; their schema is `executor.validation.run_records` (docs/calibration.md). They are planned as published on
@@ -31,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from costmodel.calibration.calibrate import CalibrationConfig, calibrate, check_config, planned_points, write_profiles
 from costmodel.calibration.predict import summarize
+from tracer.errors import SoapError
 from tracer.files import check_writable
 
 
@@ -52,7 +56,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "measuring (default log $SOAP_RUNS_LOG or ~/.cache/soap/runs.jsonl), or from files of "
                         "outside run records (FILE or FILE:CLUSTER)")
     p.add_argument("--cluster", default=None,
-                   help="with outside run records: the cluster profile to refit and for records that name none")
+                   help="with outside run records or nccl-tests logs: the cluster profile to refit (and for records "
+                        "that name none)")
+    p.add_argument("--from-nccl-tests", nargs="+", default=None, metavar="LOG",
+                   help="fit the cluster's network (latency, bandwidth efficiency by size, fall-off with node count) "
+                        "to nccl-tests logs (all_reduce_perf, all_gather_perf, reduce_scatter_perf, alltoall_perf, "
+                        "sendrecv_perf output; one per collective and node count); needs --cluster")
+    p.add_argument("--collective", default=None,
+                   help="with --from-nccl-tests: the collective of logs that name none (all_reduce, all_gather, ...)")
     return p
 
 
@@ -72,6 +83,8 @@ def _config(args: argparse.Namespace) -> CalibrationConfig:
 def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         check_writable(args.output, what="-o")
+    if args.from_nccl_tests is not None:
+        return _from_nccl_tests(args)
     if args.from_runs is not None:
         return _from_runs(args)
     config = _config(args)
@@ -183,4 +196,38 @@ def _from_runs(args: argparse.Namespace) -> int:
                   "are the allocator's reserved peak", file=sys.stderr)
         for p in refit.written:
             print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+def _from_nccl_tests(args: argparse.Namespace) -> int:
+    """`--from-nccl-tests LOG... --cluster NAME`: fit the network (`costmodel.calibration.nccl_tests`), print
+    each log's error before and after, write the fitted cluster (inline device) to -o or the user's profiles."""
+    from costmodel.calibration.nccl_tests import fit_nccl_logs, read_log
+    from costmodel.profiles import cluster_to_dict, load_cluster, user_profile_paths
+    from tracer.files import write_atomic
+
+    if not args.cluster:
+        raise SoapError("--from-nccl-tests needs --cluster NAME|FILE: the cluster whose network the logs measured")
+    cluster = load_cluster(args.cluster)
+    logs = [read_log(path, collective=args.collective) for path in args.from_nccl_tests]
+    fit = fit_nccl_logs(logs, cluster, name=args.name)
+    path = args.output or user_profile_paths(cluster.device.name, fit.cluster.name)[1]
+    check_writable(path, what="-o")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(path), json.dumps(cluster_to_dict(fit.cluster), indent=2) + "\n", what="-o")
+    rows = [{"log": p, "collective": log.collective, "ranks": log.ranks, "nodes": log.nodes,
+             "error_before_pct": round(before, 2), "error_after_pct": round(after, 2)}
+            for log, (p, (before, after)) in zip(logs, fit.errors.items())]
+    scaling = fit.cluster.inter_node.node_scaling
+    if args.json:
+        print(json.dumps({"written": str(path), "cluster": fit.cluster.name, "logs": rows,
+                          "node_scaling": [list(p) for p in scaling.points] if scaling else None}))
+        return 0
+    for row in rows:
+        print(f"{row['log']}: {row['collective']} on {row['ranks']} ranks / {row['nodes']} node(s): "
+              f"mean |error| {row['error_before_pct']:.1f}% -> {row['error_after_pct']:.1f}%", file=sys.stderr)
+    if scaling:
+        print("inter-node bandwidth by nodes spanned: " + ", ".join(f"{n:g}: x{f:.3g}" for n, f in scaling.points),
+              file=sys.stderr)
+    print(f"wrote {path} (use it as --cluster {path} or --cluster {fit.cluster.name})", file=sys.stderr)
     return 0
