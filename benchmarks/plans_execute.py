@@ -137,7 +137,8 @@ def random_pins(rng: random.Random, world: int, config: dict[str, Any], allowed:
     encoder_decoder = config["model_type"] == "t5"
     options: dict[str, Any] = {
         "precision": lambda: rng.choice(("fp32", "fp32", "bf16")),
-        "recompute": lambda: rng.choice(("none", "selective", "full")),
+        # encoder-decoders train without recompute (costmodel.plan_rules.recompute_violation)
+        "recompute": lambda: "none" if encoder_decoder else rng.choice(("none", "selective", "full")),
         "zero": lambda: rng.choice((0, 1, 2, 3)),
         "micro_batch": lambda: rng.choice((1, 2)),
         "offload": lambda: rng.random() < 0.5,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from costmodel.plan_rules import compile_violation, executed_pipeline_violation, model_violation
+from costmodel.plan_rules import compile_violation, executed_pipeline_violation, model_violation, recompute_violation
 from costmodel.strategy import (
     ATTENTION_IMPLS,
     MESH_DIM_NAMES,
@@ -231,7 +231,8 @@ class Plan(_Strict):
                                      encoder_decoder=dims.is_encoder_decoder)
             if reason:
                 raise ValueError(f"parallelism: {reason}")
-        reason = compile_violation(compile=p.compile, encoder_decoder=dims.is_encoder_decoder)
+        reason = (compile_violation(compile=p.compile, encoder_decoder=dims.is_encoder_decoder)
+                  or recompute_violation(recompute=p.recompute, encoder_decoder=dims.is_encoder_decoder))
         if reason:
             raise ValueError(reason)
         if p.pp > 1:

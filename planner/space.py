@@ -50,7 +50,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from costmodel.plan_rules import NOT_EXECUTED, compile_violation, executed_pipeline_violation, model_violation
+from costmodel.plan_rules import (NOT_EXECUTED, compile_violation, executed_pipeline_violation, model_violation,
+                                  recompute_violation)
 from costmodel.strategy import (
     MULTI_STAGE_SCHEDULES,
     OPTIMIZERS,
@@ -210,6 +211,9 @@ def validate_pins(req: SpaceRequest) -> None:
     reason = compile_violation(compile=bool(p.compile), encoder_decoder=req.dims.is_encoder_decoder)
     if reason:
         raise SoapError(reason.replace("parallelism.compile", "--compile on"))
+    reason = recompute_violation(recompute=p.recompute or "none", encoder_decoder=req.dims.is_encoder_decoder)
+    if reason:
+        raise SoapError(reason.replace("parallelism.recompute=", "--recompute "))
     if p.schedule in NOT_EXECUTED:
         raise SoapError(f"--schedule {p.schedule}: {NOT_EXECUTED[p.schedule]}; use Interleaved1F1B, 1F1B or GPipe")
     for name in ("tp", "pp", "dp", "cp"):
@@ -428,7 +432,10 @@ def training_heads(req: SpaceRequest, mesh: MeshChoice) -> list[TrainingHead]:
 
 
 def recompute_choices(req: SpaceRequest) -> tuple[str, ...]:
-    return (req.pins.recompute,) if req.pins.recompute else RECOMPUTE
+    if req.pins.recompute:
+        return (req.pins.recompute,)
+    return tuple(r for r in RECOMPUTE if recompute_violation(recompute=r, encoder_decoder=req.dims.is_encoder_decoder)
+                 is None)
 
 
 def offload_choices(req: SpaceRequest) -> tuple[bool, ...]:

@@ -215,5 +215,17 @@ def model_dims(config: Any, types: list[Any]) -> ModelDims:
         vocab=get("vocab_size"),
         num_experts=get("num_local_experts", "num_experts", "n_routed_experts"),
         experts_per_token=get("num_experts_per_tok", "moe_topk", "top_k"),
-        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
+        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", _class_default_encoder_decoder(config))),
     )
+
+
+def _class_default_encoder_decoder(config: Any) -> bool:
+    """`is_encoder_decoder` of the config class of `config.model_type` when `config` (a raw config.json read
+    as a namespace) leaves it out: T5Config and BartConfig set it in their constructors, so a config.json
+    of T5 need not carry it."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        return False
+    return bool(getattr(CONFIG_MAPPING[model_type](), "is_encoder_decoder", False))
