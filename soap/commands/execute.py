@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise SoapError("--resume and --checkpoint-every need --checkpoint-dir D")
     if args.resume:
-        from executor.checkpoint import latest_checkpoint
+        from executor.checkpoint import check_resumable
 
-        latest_checkpoint(args.checkpoint_dir)
+        check_resumable(plan, args.checkpoint_dir)  # another batch would not continue the data order
     if args.dataset and args.data:
         raise SoapError("--dataset and --data both name the training data; pass one")
     if bool(args.dataset) != bool(args.tokenizer):
