@@ -65,6 +65,10 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--rdzv-backend", default="static", help="static (default) or c10d")
     t.add_argument("--rdzv-id", default=None)
     t.add_argument("--max-restarts", type=int, default=0)
+    t.add_argument("--elastic", action="store_true",
+                   help="with --nnodes MIN:MAX and --max-restarts: when nodes leave or join and the workers restart "
+                        "in a world of another size, re-plan for it (as `soap replan`) and resume from the newest "
+                        "checkpoint (needs --checkpoint-dir); the report lists each re-plan")
     t.add_argument("--master-addr", default="127.0.0.1")
     t.add_argument("--master-port", type=int, default=29500)
     t.add_argument("--allow-cpu", action="store_true",
@@ -79,7 +83,15 @@ def launch_options(args: argparse.Namespace) -> Any:
                          rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
                          max_restarts=args.max_restarts, master_addr=args.master_addr,
                          master_port=args.master_port, debug=getattr(args, "debug", False),
-                         allow_cpu=args.allow_cpu)
+                         allow_cpu=args.allow_cpu, replan=_elastic_replan(args))
+
+
+def _elastic_replan(args: argparse.Namespace) -> Any:
+    if not getattr(args, "elastic", False):
+        return None
+    from soap.elastic import replan_for_world
+
+    return replan_for_world
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         raise SoapError(f"--steps {args.steps}: need at least 1 step")
     if args.timeout is not None and not args.timeout > 0:
         raise SoapError(f"--timeout {args.timeout:g}: need a positive number of seconds")
+    if args.elastic and not args.checkpoint_dir:
+        raise SoapError("--elastic resumes re-planned workers from checkpoints: pass --checkpoint-dir D "
+                        "(and --checkpoint-every N)")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise SoapError("--resume and --checkpoint-every need --checkpoint-dir D")
     if args.resume:
