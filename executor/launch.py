@@ -69,6 +69,9 @@ class LaunchOptions:
     """Job id shared by all nodes; default a random one on a single node."""
     max_restarts: int = 0
     """Restarts of the worker group after a failure."""
+    rdzv_conf: str = ""
+    """torchrun's `--rdzv-conf`: `key=value,...` for the rendezvous backend (e.g. `last_call_timeout=5`: how
+    long a c10d round waits for more nodes once MIN have joined; torch's default is 30 s)."""
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     debug: bool = False
@@ -98,6 +101,14 @@ def node_counts(nnodes: str) -> tuple[int, int]:
     return result
 
 
+def rdzv_configs(text: str) -> dict[str, str]:
+    """`key=value,...` as a dict (torchrun parses `--rdzv-conf` the same way)."""
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if any(not key.strip() or not sep for key, sep, _ in pairs):
+        raise SoapError(f"--rdzv-conf {text!r}: expected key=value,...")
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
 def check_plan_rules(plan: Plan) -> None:
     """Refuse, before any worker starts, a plan torch would refuse (`costmodel.plan_rules`): plan.json
     is validated on load, but a `Plan` built in Python may skip that."""
@@ -124,6 +135,7 @@ def preflight(plan: Plan, launch: LaunchOptions) -> tuple[int, int, int]:
         check_host(plan, nproc_per_node=None, nnodes=1, allow_cpu=launch.allow_cpu, under_torchrun=True)
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1, 1
     min_nodes, max_nodes = node_counts(launch.nnodes)
+    rdzv_configs(launch.rdzv_conf)
     if min_nodes != max_nodes and plan.world_size % min_nodes and launch.replan is None:
         raise SoapError(f"elastic --nnodes {launch.nnodes}: the plan's {plan.world_size} ranks are fixed; "
                         "pass a fixed node count")
@@ -144,6 +156,7 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
     backend = "c10d" if standalone else launch.rdzv_backend
     endpoint = "localhost:0" if standalone else (launch.rdzv_endpoint or f"{launch.master_addr}:{launch.master_port}")
     configs: dict[str, Any] = {"rank": launch.node_rank} if backend == "static" else {}
+    configs.update(rdzv_configs(launch.rdzv_conf))
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         run_id=launch.rdzv_id or (uuid.uuid4().hex if standalone else "none"),

@@ -96,7 +96,7 @@ def elastic(plans) -> dict:
     for node in range(NODES):
         argv = [sys.executable, "-m", "soap", "execute", str(plans / "plan4.json"), "--elastic", "--nnodes", "3:4",
                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", "issue33", "--max-restarts", "1", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
+                "--rdzv-id", "issue33", "--rdzv-conf", "last_call_timeout=3", "--max-restarts", "1", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
                 "--checkpoint-every", str(EVERY), "--report", str(plans / f"node{node}.run.json"), "--json"]
         agents.append(subprocess.Popen(argv, cwd=plans, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, start_new_session=True))

@@ -65,6 +65,8 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--rdzv-backend", default="static", help="static (default) or c10d")
     t.add_argument("--rdzv-id", default=None)
     t.add_argument("--max-restarts", type=int, default=0)
+    t.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...",
+                   help="rendezvous options, as torchrun's (e.g. last_call_timeout=5)")
     t.add_argument("--elastic", action="store_true",
                    help="with --nnodes MIN:MAX and --max-restarts: when nodes leave or join and the workers restart "
                         "in a world of another size, re-plan for it (as `soap replan`) and resume from the newest "
@@ -81,7 +83,7 @@ def launch_options(args: argparse.Namespace) -> Any:
 
     return LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                          rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
-                         max_restarts=args.max_restarts, master_addr=args.master_addr,
+                         max_restarts=args.max_restarts, rdzv_conf=args.rdzv_conf, master_addr=args.master_addr,
                          master_port=args.master_port, debug=getattr(args, "debug", False),
                          allow_cpu=args.allow_cpu, replan=_elastic_replan(args))
 
