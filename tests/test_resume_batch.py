@@ -46,3 +46,14 @@ def test_another_sequence_length_or_model_is_refused(tmp_path):
         check_resumable(make_plan("llama", dp_replicate=2, micro_batch=2, seq_len=32), tmp_path)
     with pytest.raises(SoapError, match="another model"):
         check_resumable(make_plan("gpt2", dp_replicate=2, micro_batch=2), tmp_path)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--elastic", "--nnodes", "1:2"], "--elastic resumes re-planned workers from checkpoints"),
+    (["--nnodes", "1:2", "--rdzv-conf", "last_call_timeout"], "--rdzv-conf 'last_call_timeout': expected key=value"),
+])
+def test_elastic_flags_are_checked_before_anything_runs(tmp_path, capsys, flags, words):
+    make_plan("llama", dp_replicate=2, micro_batch=2).save(tmp_path / "plan.json")
+    assert main(["execute", str(tmp_path / "plan.json"), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
