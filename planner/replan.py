@@ -179,17 +179,26 @@ def replan(old: Plan, *, gpus: int, cluster: Any = None, gpus_per_node: int | No
     decisions = tuple(d if d.kept is False or d.name not in given else
                       PinDecision(name=d.name, value=d.value, kept=False, reason=f"--{d.name} {given[d.name]} given")
                       for d in decisions)
+    def search(global_batch: int) -> PlanReport:
+        return plan_report(_model_of(old), gpus=gpus, cluster=spec, gpus_per_node=gpus_per_node,
+                           task=old.model.task, global_batch=global_batch, seq_len=old.seq_len,
+                           mem_limit_gib=mem_limit_gib, time_budget_s=time_budget_s, seed=seed, progress=progress,
+                           **search_pins, **given)
+
     try:
-        report = plan_report(_model_of(old), gpus=gpus, cluster=spec, gpus_per_node=gpus_per_node,
-                             task=old.model.task, global_batch=batch, seq_len=old.seq_len,
-                             mem_limit_gib=mem_limit_gib, time_budget_s=time_budget_s, seed=seed, progress=progress,
-                             **search_pins, **given)
+        report = search(batch)
     except SoapError as exc:
-        if batch != old.global_batch or allow_batch_change:
+        if allow_batch_change:
             raise
+        # the batch is to blame only if a batch the GPU count divides has a plan
+        other = gpus * max(1, old.global_batch // gpus)
+        try:
+            search(other)
+        except SoapError:
+            raise exc from None
         raise SoapError(f"no plan on {gpus} GPUs keeps the global batch {old.global_batch} ({exc}); to change it "
-                        f"pass --allow-batch-change [--global-batch B], e.g. B = {gpus * max(1, old.global_batch // gpus)}"
-                        " (the learning rate then needs scaling)") from None
+                        f"pass --allow-batch-change [--global-batch B], e.g. B = {other} (the learning rate then "
+                        "needs scaling)") from None
     return Replan(old=old, report=report, pins=decisions, changes=diff_plans(old, report.plan),
                   batch_change=BatchChange(old=old.global_batch, new=batch) if batch != old.global_batch else None)
 

@@ -74,6 +74,12 @@ def test_no_plan_for_the_old_batch_is_refused_naming_the_flag(old_plan, capsys):
     assert "--allow-batch-change" in err[0]
 
 
+def test_a_pin_no_batch_can_honour_is_reported_as_itself(old_plan, capsys):
+    assert main(["replan", str(old_plan), "--gpus", "6", "--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tp=3 does not divide 4 attention heads" in err[0] and "--allow-batch-change" not in err[0]
+
+
 def test_a_precision_the_new_device_lacks_is_dropped_with_its_reason(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("llama")))
     assert main(["plan", str(tmp_path), "--gpus", "2", "--global-batch", "8", "--seq-len", "32", "--precision",
