@@ -4,6 +4,8 @@
     soap execute plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint host:29400 --rdzv-backend c10d
     torchrun --nproc-per-node 4 -m soap execute plan.json # under an external torchrun: one rank each
     soap execute plan.json --checkpoint-dir ckpt --checkpoint-every 5 [--resume]
+    soap execute plan.json --elastic --nnodes 3:4 --rdzv-backend c10d --rdzv-endpoint host:29400 --max-restarts 3 \
+        --checkpoint-dir ckpt --checkpoint-every 5  # a node lost or joined: re-plan for the new world (soap.elastic)
     soap execute plan.json --dataset corpus.jsonl --tokenizer tok/  # tokenized, packed and cached once
     soap execute plan.json --save-hf trained/           # then AutoModelForCausalLM.from_pretrained("trained/")
     soap execute plan.json --timeout 120                 # end a stuck run after 2 minutes without progress
