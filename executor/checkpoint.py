@@ -3,6 +3,8 @@
 Layout of `--checkpoint-dir D`:
     D/step-00000006/   one DCP checkpoint (model and optimizer state of every rank, and the step)
     D/latest           the name of the newest complete checkpoint
+    D/step-N/soap-run.json   the run it belongs to: global batch, sequence length, model config hash
+                             (`check_resumable` refuses a plan that would not continue its data order)
 Saving writes into `D/.tmp-step-N`, waits for every rank, then rank 0 renames it to `D/step-N`,
 rewrites `latest` atomically and deletes older checkpoints. A crash mid-save leaves only a `.tmp-*`
 directory behind, and `latest` still names the last good checkpoint. State dicts use
@@ -12,6 +14,7 @@ can be loaded back into the same plan.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -28,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 from tracer.files import write_atomic
 from tracer.errors import SoapError
 
+RUN_FILE = "soap-run.json"
+
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -42,8 +47,35 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> d
     return state
 
 
+def run_record(plan) -> dict:
+    """What a resumed run must share with the checkpointed one to continue its data order and model."""
+    return {"global_batch": plan.global_batch, "seq_len": plan.seq_len, "config_hash": plan.model.config_hash}
+
+
+def check_resumable(plan, directory: str | Path) -> None:
+    """A SoapError, before anything runs, when `plan` cannot continue the newest checkpoint in `directory`:
+    another model, or another global batch or sequence length (step k of the saved run covered samples
+    [k B, (k+1) B) of the data; another B would skip or repeat data and change the optimization). Another
+    layout (degrees, ranks, schedule) is fine: DCP reshards. A checkpoint without a run record passes."""
+    path = latest_checkpoint(directory)
+    try:
+        saved = json.loads((path / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if saved.get("config_hash") not in (None, plan.model.config_hash):
+        raise SoapError(f"--resume: checkpoint {path} was written for another model (config hash "
+                        f"{saved['config_hash']}, this plan's is {plan.model.config_hash}); resume with its plan")
+    old = (saved.get("global_batch"), saved.get("seq_len"))
+    if None not in old and old != (plan.global_batch, plan.seq_len):
+        raise SoapError(
+            f"--resume: checkpoint {path} was written with a global batch of {old[0]} x {old[1]} tokens and this plan "
+            f"has {plan.global_batch} x {plan.seq_len}: it would not continue the run's data order (step k covered "
+            f"samples [{old[0]}k, {old[0]}(k+1))) nor its optimization; re-plan keeping the batch "
+            f"(`soap replan OLD_PLAN --gpus N`), or start a new run in another --checkpoint-dir")
+
+
 def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module],
-                    optimizers: list[torch.optim.Optimizer]) -> Path:
+                    optimizers: list[torch.optim.Optimizer], *, run: dict | None = None) -> Path:
     root = Path(directory)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
@@ -56,6 +88,8 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module],
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
+        if run is not None:
+            (tmp / RUN_FILE).write_text(json.dumps(run, sort_keys=True) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         write_atomic(root / "latest", final.name + "\n", what="--checkpoint-dir")

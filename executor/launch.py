@@ -35,7 +35,7 @@ import tempfile
 import threading
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,12 +69,21 @@ class LaunchOptions:
     """Job id shared by all nodes; default a random one on a single node."""
     max_restarts: int = 0
     """Restarts of the worker group after a failure."""
+    rdzv_conf: str = ""
+    """torchrun's `--rdzv-conf`: `key=value,...` for the rendezvous backend (e.g. `last_call_timeout=5`: how
+    long a c10d round waits for more nodes once MIN have joined; torch's default is 30 s)."""
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     debug: bool = False
     """Let torch's elastic logs (and their tracebacks) reach the terminal."""
     allow_cpu: bool = False
     """Run a GPU plan on CPU processes (gloo) when this host has no GPU: a smoke run (`executor.preflight`)."""
+    replan: Callable[[Plan, int], Plan] | None = None
+    """Elastic runs (`--elastic`): called in each worker, as `replan(plan, world_size)`, when the rendezvous
+    formed a world of another size than the plan's (nodes left or joined); the workers then run its plan and
+    resume from the newest checkpoint. A top-level function (it is pickled by reference into the workers);
+    the executor never searches, so the caller (soap's façade, `soap.elastic`) brings it. None: a world of
+    another size is refused."""
 
 
 def under_torchrun() -> bool:
@@ -90,6 +99,14 @@ def node_counts(nnodes: str) -> tuple[int, int]:
     if result[0] < 1 or result[1] < result[0]:
         raise SoapError(f"--nnodes {nnodes!r}: need 1 <= MIN <= MAX")
     return result
+
+
+def rdzv_configs(text: str) -> dict[str, str]:
+    """`key=value,...` as a dict (torchrun parses `--rdzv-conf` the same way)."""
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if any(not key.strip() or not sep for key, sep, _ in pairs):
+        raise SoapError(f"--rdzv-conf {text!r}: expected key=value,...")
+    return {key.strip(): value.strip() for key, _, value in pairs}
 
 
 def check_plan_rules(plan: Plan) -> None:
@@ -118,7 +135,8 @@ def preflight(plan: Plan, launch: LaunchOptions) -> tuple[int, int, int]:
         check_host(plan, nproc_per_node=None, nnodes=1, allow_cpu=launch.allow_cpu, under_torchrun=True)
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1, 1
     min_nodes, max_nodes = node_counts(launch.nnodes)
-    if min_nodes != max_nodes and plan.world_size % min_nodes:
+    rdzv_configs(launch.rdzv_conf)
+    if min_nodes != max_nodes and plan.world_size % min_nodes and launch.replan is None:
         raise SoapError(f"elastic --nnodes {launch.nnodes}: the plan's {plan.world_size} ranks are fixed; "
                         "pass a fixed node count")
     if launch.nproc_per_node is not None and launch.nproc_per_node < 1:
@@ -138,6 +156,7 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
     backend = "c10d" if standalone else launch.rdzv_backend
     endpoint = "localhost:0" if standalone else (launch.rdzv_endpoint or f"{launch.master_addr}:{launch.master_port}")
     configs: dict[str, Any] = {"rank": launch.node_rank} if backend == "static" else {}
+    configs.update(rdzv_configs(launch.rdzv_conf))
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         run_id=launch.rdzv_id or (uuid.uuid4().hex if standalone else "none"),
@@ -149,7 +168,7 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
     log_dir = Path(tempfile.mkdtemp(prefix="soap-workers-"))
     try:
         with _quiet_torch_logs(enabled=not launch.debug):
-            results = elastic_launch(config, _worker)(plan.to_json(), run, str(log_dir))
+            results = elastic_launch(config, _worker)(plan.to_json(), run, str(log_dir), launch.replan)
     except ChildFailedError as exc:
         raise SoapError(worker_failure(exc.failures, log_dir)) from None
     shutil.rmtree(log_dir, ignore_errors=True)
@@ -201,11 +220,12 @@ def worker_failure(failures: dict[int, Any], log_dir: Path) -> str:
             f"(killed, or out of memory?); the other ranks' tracebacks are in {log}")
 
 
-def _worker(plan_json: str, run: Any, log_dir: str | None = None) -> dict[str, Any] | None:
+def _worker(plan_json: str, run: Any, log_dir: str | None = None,
+            replan: Callable[[Plan, int], Plan] | None = None) -> dict[str, Any] | None:
     """One rank: join the process group from torchrun's environment, train, report from rank 0. An
     exception other than a SoapError is written to `log_dir` (see `worker_failure`) and re-raised."""
     try:
-        return _train_rank(plan_json, run, log_dir)
+        return _train_rank(plan_json, run, log_dir, replan)
     except Exception as exc:
         if log_dir is not None:
             message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -214,7 +234,8 @@ def _worker(plan_json: str, run: Any, log_dir: str | None = None) -> dict[str, A
         raise
 
 
-def _train_rank(plan_json: str, run: Any, log_dir: str | None = None) -> dict[str, Any] | None:
+def _train_rank(plan_json: str, run: Any, log_dir: str | None = None,
+                replan: Callable[[Plan, int], Plan] | None = None) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -225,13 +246,21 @@ def _train_rank(plan_json: str, run: Any, log_dir: str | None = None) -> dict[st
     limits = limits_for(plan, run.timeout_s)
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     store, rank, world_size = next(dist.rendezvous("env://"))
+    replans = []
+    if replan is not None and world_size != plan.world_size:
+        # every rank searches the same request deterministically, so all hold the same new plan
+        new = replan(plan, world_size)
+        replans.append({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        "from_ranks": plan.world_size, "to_ranks": world_size,
+                        "from": plan.parallelism.model_dump(), "to": new.parallelism.model_dump()})
+        plan, limits = new, limits_for(new, run.timeout_s)
     watchdog = Watchdog(limits, rank=rank, on_stall=lambda message: end_stalled_rank(message, log_dir)).start()
     watchdog.activity("on joining the process group", warmup=True)
     dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=limits.process_group_s))
     try:
         result = train(plan, run, local_rank=int(os.environ.get("LOCAL_RANK", "0")), watchdog=watchdog)
-        return result.to_json() if dist.get_rank() == 0 else None
+        return {**result.to_json(), "replans": replans} if dist.get_rank() == 0 else None
     except SoapError as exc:
         return {"error": str(exc)}
     finally:

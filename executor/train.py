@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from executor.api import ParallelModel, check_world_size, parallelize
-from executor.checkpoint import load_checkpoint, save_checkpoint
+from executor.checkpoint import check_resumable, load_checkpoint, run_record, save_checkpoint
 from executor.data import ScaledTokenLoss, Slicer, TokenSource
 from executor.data_parallel import build_optimizer
 from executor.hf_export import save_hf
@@ -140,7 +140,10 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
     slicer = Slicer(dp_rank=parallel.mesh.dp_rank, per_rank=p.micro_batch * p.num_microbatches,
                     cp_rank=parallel.mesh.cp_rank, cp=p.cp)
     watch.activity("in loading the checkpoint", warmup=True)
-    start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers) if _should_resume(config) else 0
+    start = 0
+    if _should_resume(config):
+        check_resumable(plan, config.checkpoint_dir)
+        start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers)
     losses: list[float] = []
     times: list[float] = []
     tokens = plan.global_batch * plan.seq_len
@@ -159,7 +162,7 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
             if config.checkpoint_dir and (done == config.steps or
                                           (config.checkpoint_every and done % config.checkpoint_every == 0)):
                 watch.activity(f"in saving the checkpoint after step {step}", warmup=True)
-                save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers)
+                save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers, run=run_record(plan))
     if config.save_hf:
         watch.activity("in gathering the trained model and writing it as an HF directory (--save-hf)", warmup=True)
         save_hf(config.save_hf, parallel)

@@ -18,7 +18,7 @@ import unicodedata
 
 from tracer.errors import SoapError
 
-COMMANDS = ("trace", "plan", "compare", "simulate", "execute", "tune", "calibrate", "profiles", "validate", "export",
+COMMANDS = ("trace", "plan", "compare", "simulate", "execute", "tune", "replan", "calibrate", "profiles", "validate", "export",
             "export-hf")
 
 

@@ -4,6 +4,8 @@
     soap execute plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint host:29400 --rdzv-backend c10d
     torchrun --nproc-per-node 4 -m soap execute plan.json # under an external torchrun: one rank each
     soap execute plan.json --checkpoint-dir ckpt --checkpoint-every 5 [--resume]
+    soap execute plan.json --elastic --nnodes 3:4 --rdzv-backend c10d --rdzv-endpoint host:29400 --max-restarts 3 \
+        --checkpoint-dir ckpt --checkpoint-every 5  # a node lost or joined: re-plan for the new world (soap.elastic)
     soap execute plan.json --dataset corpus.jsonl --tokenizer tok/  # tokenized, packed and cached once
     soap execute plan.json --save-hf trained/           # then AutoModelForCausalLM.from_pretrained("trained/")
     soap execute plan.json --timeout 120                 # end a stuck run after 2 minutes without progress
@@ -65,6 +67,12 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--rdzv-backend", default="static", help="static (default) or c10d")
     t.add_argument("--rdzv-id", default=None)
     t.add_argument("--max-restarts", type=int, default=0)
+    t.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...",
+                   help="rendezvous options, as torchrun's (e.g. last_call_timeout=5)")
+    t.add_argument("--elastic", action="store_true",
+                   help="with --nnodes MIN:MAX and --max-restarts: when nodes leave or join and the workers restart "
+                        "in a world of another size, re-plan for it (as `soap replan`) and resume from the newest "
+                        "checkpoint (needs --checkpoint-dir); the report lists each re-plan")
     t.add_argument("--master-addr", default="127.0.0.1")
     t.add_argument("--master-port", type=int, default=29500)
     t.add_argument("--allow-cpu", action="store_true",
@@ -77,9 +85,17 @@ def launch_options(args: argparse.Namespace) -> Any:
 
     return LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                          rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
-                         max_restarts=args.max_restarts, master_addr=args.master_addr,
+                         max_restarts=args.max_restarts, rdzv_conf=args.rdzv_conf, master_addr=args.master_addr,
                          master_port=args.master_port, debug=getattr(args, "debug", False),
-                         allow_cpu=args.allow_cpu)
+                         allow_cpu=args.allow_cpu, replan=_elastic_replan(args))
+
+
+def _elastic_replan(args: argparse.Namespace) -> Any:
+    if not getattr(args, "elastic", False):
+        return None
+    from soap.elastic import replan_for_world
+
+    return replan_for_world
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,12 +109,15 @@ def run(args: argparse.Namespace) -> int:
         raise SoapError(f"--steps {args.steps}: need at least 1 step")
     if args.timeout is not None and not args.timeout > 0:
         raise SoapError(f"--timeout {args.timeout:g}: need a positive number of seconds")
+    if args.elastic and not args.checkpoint_dir:
+        raise SoapError("--elastic resumes re-planned workers from checkpoints: pass --checkpoint-dir D "
+                        "(and --checkpoint-every N)")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise SoapError("--resume and --checkpoint-every need --checkpoint-dir D")
     if args.resume:
-        from executor.checkpoint import latest_checkpoint
+        from executor.checkpoint import check_resumable
 
-        latest_checkpoint(args.checkpoint_dir)
+        check_resumable(plan, args.checkpoint_dir)  # another batch would not continue the data order
     if args.dataset and args.data:
         raise SoapError("--dataset and --data both name the training data; pass one")
     if bool(args.dataset) != bool(args.tokenizer):
