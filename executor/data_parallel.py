@@ -57,9 +57,10 @@ def apply_fsdp(model: nn.Module, plan: Plan, mesh: MeshView) -> None:
 
     p = plan.parallelism
     if p.zero in (0, 1):
-        if p.cp > 1:
-            raise SoapError("zero 0/1 with tp > 1 and cp > 1 is not supported; re-plan with --zero 2 or 3")
-        dp_mesh, reshard = mesh.mesh["dp_replicate", "dp_shard"], False
+        # without resharding (the zero-2 row of the memory model), over dp_shard x cp as it prices it
+        # (`ParallelDims.shard_degree`): with cp > 1 the context ranks shard, and average, too
+        dp_mesh = mesh.mesh["dp_replicate", "dp_shard"] if p.cp == 1 else mesh.hsdp
+        reshard = False
     else:
         dp_mesh, reshard = mesh.hsdp, p.zero == 3
     kwargs: dict[str, Any] = {"mesh": dp_mesh}

@@ -36,6 +36,8 @@ NAMED = {
                                                                   compile=True, **SGD), None),
     # a pinned TP group larger than a node (nodes of 2), with more TP ranks than KV heads (replicated KV)
     "tp4-across-nodes-of-2": ("llama", ISSUE_LLAMA, 4, dict(tp=4, compile=False, **SGD), 2),
+    # found by the 200-case benchmark: zero 0/1 on FSDP2 (offload) with cp > 1 was refused by the executor
+    "cp2-zero0-offload": ("llama", ISSUE_LLAMA, 2, dict(cp=2, zero=0, offload=True, compile=False, **SGD), None),
 }
 
 
