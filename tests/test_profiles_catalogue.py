@@ -72,8 +72,10 @@ def test_every_new_cluster_plans_every_shipped_preset(preset):
         errors = []
         for gpus, pins in ATTEMPTS:
             try:
+                # encoder-decoders train without recompute (costmodel.plan_rules.recompute_violation)
+                search = {**SMALL_SEARCH, "recompute": "none"} if preset.startswith("t5") else SMALL_SEARCH
                 report = plan_report(preset, gpus=gpus, cluster=name, ep=1 if "mixtral" in preset else None,
-                                     **SMALL_SEARCH, **pins)
+                                     **search, **pins)
             except SoapError as exc:
                 errors.append(f"{gpus}: {exc}")
                 continue
