@@ -1,6 +1,7 @@
 """Plan, execute and compare on one GPU: predicted against measured step time and peak memory.
 
     python -m benchmarks.gpu_execute --out DIR            # on a CUDA machine
+    python -m benchmarks.gpu_execute --out DIR --clusters dgx-h200 h200.json --precisions bf16 fp8
     python -m benchmarks.gpu_execute --record DIR         # here: write DIR/gpu_execute.json into docs
 
 For each model and each cluster profile (the datasheet `dgx-h100` and the calibrated `h100-x1-measured`),
@@ -39,28 +40,31 @@ def _soap(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def measure(out: Path) -> list[dict]:
+def measure(out: Path, clusters: tuple[str, ...] = CLUSTERS, precisions: tuple[str, ...] = ("bf16",)) -> list[dict]:
     rows = []
-    for label, model, batch, seq in CASES:
+    for (label, model, batch, seq), precision in ((c, p) for p in precisions for c in CASES):
         executed: dict[str, dict] = {}
-        for cluster in CLUSTERS:
-            plan_path = out / f"{label}-{cluster}.plan.json"
-            row = dict(model=label, cluster=cluster, global_batch=batch, seq_len=seq)
+        for cluster_arg in clusters:
+            cluster = Path(cluster_arg).stem if cluster_arg.endswith(".json") else cluster_arg
+            plan_path = out / f"{label}-{cluster}-{precision}.plan.json"
+            row = dict(model=label, cluster=cluster, global_batch=batch, seq_len=seq, precision=precision)
             try:
-                _soap("plan", model, "--gpus", "1", "--cluster", cluster, "--precision", "bf16",
+                _soap("plan", model, "--gpus", "1", "--cluster", cluster_arg, "--precision", precision,
                       "--global-batch", str(batch), "--seq-len", str(seq), "-o", str(plan_path))
                 plan = json.loads(plan_path.read_text())
                 key = json.dumps(plan["parallelism"], sort_keys=True)
                 if key not in executed:
                     executed[key] = _soap("execute", str(plan_path), "--steps", str(STEPS),
-                                          "--report", str(out / f"{label}-{cluster}.run.json"))
+                                          "--report", str(out / f"{label}-{cluster}-{precision}.run.json"))
                 run = executed[key]
                 t = plan["parallelism"]
                 row.update(plan=f"mb{t['micro_batch']}x{t['num_microbatches']} recompute {t['recompute']}",
                            predicted_step_s=plan["predicted"]["step_time_s"], measured_step_s=run["step_time_s"],
                            predicted_memory_gib=plan["predicted"]["peak_memory_gib"],
                            measured_memory_gib=run["peak_memory_gib"], memory_source=run.get("peak_memory_source"),
-                           tokens_per_s=run.get("tokens_per_s"))
+                           tokens_per_s=run.get("tokens_per_s"),
+                           measured_reserved_gib=run.get("peak_memory_reserved_gib"),
+                           device_memory_gib=plan["cluster"]["profile"]["device"]["memory_gib"]["value"])
             except (RuntimeError, KeyError, json.JSONDecodeError) as exc:
                 row.update(error=str(exc))
             rows.append(row)
@@ -73,48 +77,63 @@ def _pct(pred: float, meas: float) -> str:
 
 
 def markdown(rows: list[dict], machine: str) -> str:
+    clusters = list(dict.fromkeys(r["cluster"] for r in rows))
     lines = [
-        f"One GPU, NCCL, bf16, AdamW; {STEPS} steps per run, the first untimed. Profiles: `dgx-h100` (datasheet "
-        "figures with their sources) and `h100-x1-measured` (this H100 calibrated by `soap calibrate --device cuda "
-        f"--nproc 1`). Machine: {machine}.", "",
-        "| model | profile | global batch × seq | plan | step predicted | step measured | error | memory predicted | memory measured | error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"One GPU, NCCL, AdamW; {STEPS} steps per run, the first untimed; the plan is what `soap plan MODEL --gpus 1 "
+        f"--precision P` picked on each profile ({', '.join(f'`{c}`' for c in clusters)}; `*-measured` is this GPU "
+        "calibrated by `soap calibrate --device cuda --nproc 1`). Memory: torch.cuda max allocated, and max reserved "
+        "(what the caching allocator took) beside it.", "",
+        "| model | profile | precision | global batch × seq | plan | step predicted | step measured | error | "
+        "memory predicted | allocated | error | reserved |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        precision = r.get("precision", "bf16") + (" compile" if r.get("compile") else "")
+        head = f"| {r['model']} | {r['cluster']} | {precision} | {r['global_batch']} × {r['seq_len']} |"
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['cluster']} | {r['global_batch']} × {r['seq_len']} | failed: {r['error']} |||||||")
+            lines.append(f"{head} failed: {r['error']} ||||||||")
             continue
+        reserved = r.get("measured_reserved_gib")
         lines.append(
-            f"| {r['model']} | {r['cluster']} | {r['global_batch']} × {r['seq_len']} | {r['plan']} | "
-            f"{r['predicted_step_s']:.3f} s | {r['measured_step_s']:.3f} s | {_pct(r['predicted_step_s'], r['measured_step_s'])} | "
-            f"{r['predicted_memory_gib']:.1f} GiB | {r['measured_memory_gib']:.1f} GiB | "
-            f"{_pct(r['predicted_memory_gib'], r['measured_memory_gib'])} |")
+            f"{head} {r['plan']} | {r['predicted_step_s']:.3f} s | {r['measured_step_s']:.3f} s | "
+            f"{_pct(r['predicted_step_s'], r['measured_step_s'])} | {r['predicted_memory_gib']:.1f} GiB | "
+            f"{r['measured_memory_gib']:.1f} GiB | {_pct(r['predicted_memory_gib'], r['measured_memory_gib'])} | "
+            + (f"{reserved:.1f} GiB |" if reserved is not None else "— |"))
     ok = [r for r in rows if "error" not in r]
-    for cluster in CLUSTERS:
+    for cluster in clusters:
         errs = sorted(abs(r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"] for r in ok if r["cluster"] == cluster)
         mems = sorted(abs(r["predicted_memory_gib"] - r["measured_memory_gib"]) / r["measured_memory_gib"] for r in ok if r["cluster"] == cluster)
         if errs:
             lines.append(f"\n`{cluster}`: step-time MAPE {100 * sum(errs) / len(errs):.1f}%, memory MAPE "
-                         f"{100 * sum(mems) / len(mems):.1f}% over {len(errs)} plans.")
+                         f"{100 * sum(mems) / len(mems):.1f}% over {len(errs)} runs.")
+    gaps = [r["measured_reserved_gib"] / r["measured_memory_gib"] - 1 for r in ok if r.get("measured_reserved_gib")]
+    if gaps:
+        lines.append(f"\nReserved over allocated: {100 * min(gaps):.1f}% to {100 * max(gaps):.1f}% "
+                     f"(median {100 * sorted(gaps)[len(gaps) // 2]:.1f}%) over {len(gaps)} runs.")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="measure here (needs CUDA)")
-    parser.add_argument("--record", type=Path, help="write DIR/gpu_execute.json into docs/benchmarks.md")
+    parser.add_argument("--record", type=Path, nargs="+", help="write DIR/gpu_execute.json (rows of every DIR) into docs/benchmarks.md")
+    parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), help="cluster names or profile files")
+    parser.add_argument("--precisions", nargs="+", default=["bf16"])
+    parser.add_argument("--section", default="gpu_execute", help="docs/benchmarks.md section to write")
+    parser.add_argument("--title", default="One H100: predicted against measured (soap plan + soap execute)")
     args = parser.parse_args()
     if args.out:
         from benchmarks.report import machine_description
 
         args.out.mkdir(parents=True, exist_ok=True)
-        rows = measure(args.out)
+        rows = measure(args.out, tuple(args.clusters), tuple(args.precisions))
         (args.out / "gpu_execute.json").write_text(json.dumps({"machine": machine_description(), "rows": rows}, indent=1))
     if args.record:
         from benchmarks.report import update_section
 
-        data = json.loads((args.record / "gpu_execute.json").read_text())
-        update_section("gpu_execute", "One H100: predicted against measured (soap plan + soap execute)",
+        runs = [json.loads((d if d.suffix == ".json" else d / "gpu_execute.json").read_text()) for d in args.record]
+        data = dict(machine=runs[0]["machine"], rows=[r for run in runs for r in run["rows"]])
+        update_section(args.section, args.title,
                        markdown(data["rows"], data["machine"]), machine=data["machine"])
 
 

@@ -34,9 +34,12 @@ def test_gpu_profiles_leave_the_step_fields_neutral(name):
     """...but for the per-collective host time, which every GPU profile carries from the reference's
     per-kernel launch figure (issue 16, tests/test_physics.py)."""
     device = load_device(name)
-    assert device.optimizer_factors == {} and device.concurrency_efficiency is None
+    written = device_to_dict(device)
+    if device.optimizer_factors:  # a GPU calibrated by `soap calibrate --device cuda` times its optimizer step
+        assert written["optimizer_factors"]["source"].startswith("measured by soap calibrate")
+    assert device.concurrency_efficiency is None
     assert device.communication_overlap == 1.0 and device.collective_call_overhead_s > 0
-    assert not {"optimizer_factors", "concurrency_efficiency", "communication_overlap"} & set(device_to_dict(device))
+    assert not {"concurrency_efficiency", "communication_overlap"} & set(written)
 
 
 def test_step_fields_load_and_round_trip_with_their_sources():
