@@ -154,8 +154,8 @@ def compute_peak(op: OpNode, device: DeviceProfile, precision: str) -> float:
         raise SoapError(f"device {device.name} has no fp8 tensor cores; use bf16 (fp8 needs Ada or Hopper)")
     if op.kind not in MATMUL_LIKE:
         return device.effective_peak("fp32")
-    if precision == "fp8" and op.kind is OpKind.ATTENTION:
-        precision = "bf16"
+    if precision == "fp8" and not op.attrs.get("fp8_linear"):
+        precision = "bf16"  # only the layers tracer.fp8 marks run in fp8; attention, LM head, Conv1D stay bf16
     return device.effective_peak(precision)
 
 
@@ -235,6 +235,25 @@ def kernel_time(flops: float, nbytes: float, *, peak: float, matmul: bool, devic
     return factor * max(compute, memory) + device.kernel_overhead_s, "compute" if compute >= memory else "memory"
 
 
+def fp8_cast_bytes(op: OpNode, flops: float, direction: str) -> float:
+    """Bytes torchao's dynamic tensor-wise float8 scaling moves around one fp8 Linear GEMM of `flops`
+    (`tracer.fp8`), in `direction` fwd or bwd. For an [m, k] x [k, n] GEMM (flops = 2mkn, k and n read off
+    the weight), each operand cast is an amax reduction (read) and a scaled cast (read, write 1 byte):
+    2 s + 1 bytes per element from s-byte elements. Forward: the input (m k, bf16) and the weight (k n, its
+    parameter bytes). Backward: the output gradient (m n, bf16) cast likewise, and the fp8 input and weight
+    transposed for the two gradient GEMMs (read 1, write 1 byte each). k and n are the whole weight's: under
+    TP the local shapes are smaller, so this is the unsplit count scaled by the local FLOPs."""
+    weight = next((p for p in op.params if len(p.shape) == 2), None)
+    if weight is None or flops <= 0:
+        return 0.0
+    n, k = weight.shape  # nn.Linear stores [out, in]
+    m = flops / (2 * k * n)
+    w_bytes = 4 if weight.dtype == "float32" else 2
+    if direction == "fwd":
+        return m * k * (2 * 2 + 1) + k * n * (2 * w_bytes + 1)
+    return m * n * (2 * 2 + 1) + 2 * (m * k + k * n)
+
+
 def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfile, precision: str,
                  compile: bool = False) -> tuple[float, str]:
     peak = compute_peak(op, device, precision)
@@ -242,7 +261,25 @@ def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfi
     t, bound = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
     if compile and t > 0:
         t *= compile_factor(op, device, "fwd", flops, nbytes)
+    if precision == "fp8" and op.attrs.get("fp8_linear"):
+        t += _cast_time(fp8_cast_bytes(op, flops, "fwd"), device, compile)
     return t, bound
+
+
+def _cast_time(nbytes: float, device: DeviceProfile, compile: bool) -> float:
+    """The float8 casts of one GEMM: four memory-bound kernels (amax and scaled cast of two operands), priced
+    as bf16 elementwise kernels (the device's `arithmetic/bf16` factor, so a fit of the memory-bound classes,
+    or another stack's fused casts, scales them too), under torch.compile times its arithmetic factor."""
+    if nbytes <= 0:
+        return 0.0
+    each = nbytes / 4
+    curve = device.kernel_factors.get("arithmetic/bf16")
+    factor = curve.at(each) if curve is not None else 1.0
+    t, _ = kernel_time(0.0, each, peak=device.effective_peak("fp32"), matmul=False, device=device, factor=factor)
+    if compile:
+        fused = device.compile_factors.get("arithmetic/fwd")
+        t *= fused.at(each) if fused is not None else 1.0
+    return 4 * t
 
 
 def has_backward(op: OpNode) -> bool:
@@ -269,7 +306,9 @@ def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceP
     t, _ = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
     if compile:
         t *= compile_factor(op, device, "bwd", flops, nbytes)
-    return kernels * t
+    cast = _cast_time(fp8_cast_bytes(op, op.fwd_flops * flops * kernels / max(op.bwd_flops, 1), "bwd"), device, compile) \
+        if precision == "fp8" and op.attrs.get("fp8_linear") else 0.0
+    return kernels * t + cast
 
 
 def op_time(

@@ -26,6 +26,7 @@ from torch import nn
 
 from planner.plan import Plan
 from tracer.errors import SoapError
+from tracer.fp8 import fp8_linear
 
 
 @dataclass
@@ -109,4 +110,4 @@ def convert_fp8(model: nn.Module, plan: Plan) -> None:
         from torchao.float8 import convert_to_float8_training
     except ImportError:
         raise SoapError("fp8 training needs torchao (pip install torchao); or re-plan with --precision bf16") from None
-    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+    convert_to_float8_training(model, module_filter_fn=fp8_linear)  # the layers the cost model prices in fp8

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from costmodel.allocator import MemoryLimit, planning_limit
 from costmodel.profiles import ClusterSpec, load_cluster
 from planner.model_ref import ModelRef, model_ref
 from planner.plan import Plan
@@ -72,6 +73,8 @@ class PlanRequest:
     space: SpaceRequest
     memory_limit: float
     """Usable bytes per GPU."""
+    limit: MemoryLimit | None = None
+    """How `memory_limit` was set (`costmodel.allocator`): the margin kept for the caching allocator."""
 
     @property
     def model_name(self) -> str:
@@ -109,9 +112,7 @@ def make_request(
     batch = global_batch if global_batch is not None else default_global_batch(gpus, seq)
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise SoapError(f"--global-batch={batch!r} must be a positive integer")
-    if mem_limit_gib is not None and not mem_limit_gib > 0:
-        raise SoapError(f"--mem-limit={mem_limit_gib!r} must be a positive number of GiB")
-    limit = mem_limit_gib * GIB if mem_limit_gib is not None else float(cluster_spec.device.memory_bytes)
+    limit = planning_limit(cluster_spec.device, mem_limit_gib)
     if graph is not None:
         dims = graph.dims
     elif ref.config is not None:
@@ -125,7 +126,7 @@ def make_request(
         pins=Pins(**{k: _switch(k, v) for k, v in pins.items() if v is not None}),
     )
     validate_pins(space)
-    return PlanRequest(model=ref, cluster=cluster_spec, space=space, memory_limit=limit)
+    return PlanRequest(model=ref, cluster=cluster_spec, space=space, memory_limit=limit.bytes, limit=limit)
 
 
 def plan_report(

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from costmodel.allocator import MemoryLimit
 from costmodel.memory import MEMORY_TERMS
 from planner.plan import Plan
 from planner.search import Priced
@@ -43,6 +44,8 @@ class PlanReport:
     """Configurations estimated."""
     simulated: int
     """Configurations priced by full simulation."""
+    limit: MemoryLimit | None = None
+    """How the memory limit was set (`costmodel.allocator`); None for reports built without a request."""
 
 
 def contract(p: Priced) -> dict[str, Any]:
@@ -99,6 +102,8 @@ def report_json(report: PlanReport) -> dict[str, Any]:
     out.update(
         model=report.model, cluster=report.cluster, gpus=report.gpus,
         memory_limit_gib=report.memory_limit_bytes / GIB, plan=describe(report.chosen),
+        memory_margin=report.limit.margin if report.limit else 0.0,
+        memory_limit_source=("mem-limit" if report.limit.given else "device less margin") if report.limit else None,
         alternatives=[_row(p, report.chosen) for p in report.alternatives],
         baselines=[
             {"name": name, **(_row(p, report.chosen) if p else {"fits": False})} for name, p in report.baselines
@@ -168,6 +173,8 @@ def render_summary(report: PlanReport, *, output: str | None = None) -> None:
         f"  step {m['step_time_s']:.3f} s · {m['tokens_per_s']:,.0f} tokens/s · MFU {100 * m['mfu']:.1f}% · "
         f"memory {m['peak_memory_gib']:.1f} / {limit:.1f} GiB per {noun}" + _host_memory(c, noun)
     )
+    if report.limit is not None:
+        console.print(f"  memory {report.limit.describe()}")
     b = m["breakdown_s"]
     console.print("  breakdown: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in b.items()))
     for line in report.why:

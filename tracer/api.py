@@ -141,6 +141,7 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     from tracer.blocks import block_types, layers_to_trace
     from tracer.build import build_model
     from tracer.capture import capture
+    from tracer.fp8 import fp8_linear_names
     from tracer.graph import build_graph
     from tracer.inputs import example_inputs
 
@@ -175,7 +176,8 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
         captured = capture(model, inputs, frontend, preset=spec.source == "preset")
     graph = build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
                         seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
-                        dims=model_dims(spec.config, types), config=spec.config)
+                        dims=model_dims(spec.config, types), config=spec.config,
+                        fp8_linears=fp8_linear_names(model))
     return mark_traced_dtype(graph, dtype)
 
 

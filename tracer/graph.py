@@ -36,7 +36,8 @@ NON_DIFFERENTIABLE = {"zeros_like", "ones_like", "full_like", "empty_like", "ran
 
 
 def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: str, batch: int, seq_len: int,
-                params_total: int, params_trainable: int, dims: ModelDims, config: Any) -> OpGraph:
+                params_total: int, params_trainable: int, dims: ModelDims, config: Any,
+                fp8_linears: frozenset[str] = frozenset()) -> OpGraph:
     ops = capture.ops
     base: dict[int, int] = {}
     needs_grad: dict[int, bool] = {}
@@ -138,7 +139,7 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
             inputs=tuple(_meta(t, roles) for t in ins), outputs=tuple(_meta(o, roles) for o in op.outputs),
             params=_params(ins, param_sources, capture.values), fwd_flops=fwd_flops(op),
             bwd_flops=bwd_flops(op, needs_grad), bytes_moved=bytes_moved(op, weight_bytes),
-            saved=tuple(saved_per_op[i]), attrs=_attrs(op, kind, task, config),
+            saved=tuple(saved_per_op[i]), attrs=_attrs(op, kind, task, config, fp8_linears),
         ))
     blocks = tuple(Block(id=t.id, module_type=t.module_type, count=len(t.indices), traced=traced.get(t.id, 0),
                          stack=t.stack, indices=t.indices)
@@ -169,7 +170,9 @@ def _params(ins: list[Value], sources: dict[int, frozenset[str]], values: list[V
     return tuple(ParamMeta(n, by_name[n].shape, by_name[n].dtype, by_name[n].trainable) for n in names)
 
 
-def _attrs(op: RawOp, kind: OpKind, task: str, config: Any) -> dict[str, Any]:
+def _attrs(op: RawOp, kind: OpKind, task: str, config: Any, fp8_linears: frozenset[str] = frozenset()) -> dict[str, Any]:
+    if kind is OpKind.MATMUL and op.module_fqn in fp8_linears:
+        return {"fp8_linear": True}  # tracer.fp8: an fp8 plan runs this GEMM in fp8
     if kind is not OpKind.ATTENTION:
         return {}
     q, k = op.args[0], op.args[1]
