@@ -4,15 +4,16 @@
 
 1. Every corpus row is planned as published (`executor.validation.run_records`): the torchtitan rows (torch-native,
    the stack soap's executor runs) on `grand-teton-h100` (their 96 GB, 500 W H100s), the NeMo rows
-   (Transformer Engine) on `dgx-h100`.
+   (Transformer Engine) on `dgx-h100-datasheet` (datasheet figures, assumed efficiencies).
 2. `soap calibrate --from-runs`'s fit (`executor.validation.external.refit_external`) on all of them:
    multipliers per kernel class and precision, compile, kernel launch, link level and activation
    collectives, and a factor per stack for the NeMo rows.
 3. For every row: published tokens/s per GPU against soap before the fit (the datasheet profiles), in-sample
    and leave-one-run-out (a fit without that row), and peak memory against the published peak; then the
    MAPE per stack, and leave-one-model / GPU-count / stack-out errors.
-4. The fitted `dgx-h100` is written as `dgx-h100-fitted` (device `h100-sxm-fitted`): a profile a user can
-   pass as `--cluster dgx-h100-fitted` for torch-native predictions calibrated on published runs.
+4. The fitted `dgx-h100-datasheet` is written as `dgx-h100` (device `h100-sxm-fitted`), the default cluster:
+   torch-native predictions calibrated on published runs. `SOAP_PROFILES_DIR=profiles` writes the shipped
+   files; without it they land in the user's profile folder, where they shadow the shipped ones.
 Writes section `published-runs` of docs/benchmarks.md.
 """
 
@@ -28,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "published-runs"
-FILES = (("torchtitan-llama3-8b-h100.json", "grand-teton-h100"), ("nvidia-dgxc-8b-15b-h100.json", "dgx-h100"))
-TARGET = "dgx-h100"
-FITTED = "dgx-h100-fitted"
+FILES = (("torchtitan-llama3-8b-h100.json", "grand-teton-h100"), ("nvidia-dgxc-8b-15b-h100.json", "dgx-h100-datasheet"))
+TARGET = "dgx-h100-datasheet"
+FITTED, FITTED_DEVICE = "dgx-h100", "h100-sxm-fitted"  # the shipped default H100 cluster is this fit
 MEMORY_TOLERANCE = 0.15
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.report import update_section
-    from executor.validation.external import load_records, mape, refit_external, write_fitted
+    from executor.validation.external import group_ranks, load_records, mape, refit_external, write_fitted
 
     start = time.perf_counter()
     records = load_records([f"{CORPUS / name}:{cluster}" for name, cluster in FILES], cluster=None)
@@ -77,11 +78,14 @@ def main() -> None:
     within = sum(abs(e) <= MEMORY_TOLERANCE for e in memory_errors)
     fitted = ["| multiplier | value | runs it scales |", "|---|---:|---:|"]
     fitted += [f"| {name} | {value:.3g} | {len(refit.fit.runs[name])} |" for name, value in refit.fit.multipliers.items()]
-    written = () if args.dry_run else write_fitted(refit.profile, name=FITTED)
+    written = () if args.dry_run else write_fitted(refit.profile, name=FITTED, device_name=FITTED_DEVICE)
+    ranks = ["| group (model, GPUs, cluster) | runs | rank correlation | pick/best |", "|---|---:|---:|---:|"]
+    ranks += [f"| {g.group} | {g.runs} | {'n/a' if g.spearman is None else f'{g.spearman:+.2f}'} | "
+              f"{g.pick_over_best:.2f} |" for g in group_ranks(refit.prepared, refit.leave_out["run"])]
     body = "\n".join([
         f"`benchmarks/published_runs.py`: the {len(records)} rows of `../shared/published-runs/` (torchtitan's Llama 3.1 8B "
         "runs, torch-native, on `grand-teton-h100`: H100 96 GB at 500 W; NVIDIA's NeMo Llama 3.1 8B and Nemotron-4 15B runs, "
-        "Transformer Engine, on `dgx-h100`), each planned as published and simulated; then `soap calibrate --from-runs`'s "
+        "Transformer Engine, on `dgx-h100-datasheet`), each planned as published and simulated; then `soap calibrate --from-runs`'s "
         "fit on all of them (`executor.validation.external`). Leave-one-out: the row's tokens/s predicted by a fit "
         f"without it, re-simulated on the refitted profile. Planning, fitting and {sum(len(v) for v in refit.leave_out.values())} "
         f"held-out predictions took {elapsed:.0f} s.",
@@ -95,12 +99,18 @@ def main() -> None:
         "",
         *fitted,
         "",
+        "Would the fit pick the fastest run? Per group of rows sharing model, GPU count and cluster, the leave-one-run-out "
+        "predictions' rank correlation with the measured tokens/s, and pick/best: the measured tokens/s of the row "
+        "predicted fastest over the group's best (1.00: the fit picks the best run).",
+        "",
+        *ranks,
+        "",
         "Each multiplier scales the profile's term as written in the fitted profile: `matmul/<precision>`, `attention` and "
         "`memory-bound` the kernel classes' time (`kernel_factors`), `compile` the memory-bound classes under "
         "torch.compile (`compile_factors`), `kernel-launch` the per-kernel overhead, `intra-node` / `inter-node` the "
         "links' time, `activation` the TP/CP activation collectives; `stack:nemo-te` (matmul, attention) and "
         "`stack:nemo-te/memory-bound` are the NeMo/Transformer Engine stack's own factors, reported and not written "
-        f"(soap predicts its torch-native executor). Fitted profile: `{FITTED}` (device `h100-sxm-fitted`)"
+        f"(soap predicts its torch-native executor). Fitted profile: `{FITTED}` (device `{FITTED_DEVICE}`)"
         f"{'' if written else ' (not written: --dry-run)'}.",
         "",
         f"Memory: {within} of {len(memory_errors)} rows that publish a peak are within {MEMORY_TOLERANCE:.0%} "

@@ -199,6 +199,8 @@ def kernel_precision(op: OpNode, precision: str) -> str:
     fp32 trace rescaled to 16 bits (no traced dtypes) runs at the run's precision."""
     if activation_itemsize(precision) == 4:
         return precision
+    if precision == "fp8" and op.kind in MATMUL_LIKE and not op.attrs.get("fp8_linear"):
+        return "bf16"  # a GEMM torchao does not convert (tracer.fp8) is a bf16 kernel
     traced_low = op.attrs.get("traced_dtype") or any(
         t.dtype in LOW_PRECISION_DTYPES for t in (*op.inputs, *op.outputs))
     floating = [t.dtype for t in op.outputs if t.dtype in FLOAT_DTYPES]

@@ -99,7 +99,7 @@ def test_bad_compile_factors_are_refused_naming_the_field(factors, field):
 
 
 def test_gpu_profiles_carry_no_compile_factors():
-    for name in ("dgx-h100", "dgx-a100-80g", "dgx-h200"):
+    for name in ("dgx-h100-datasheet", "dgx-a100-80g", "dgx-h200-datasheet"):  # fitted dgx-h100/h200 carry a compile fit
         assert not load_cluster(name).device.compile_factors
 
 
@@ -185,9 +185,11 @@ def test_search_picks_compile_where_the_device_measures_a_gain(tiny):
 
 
 def test_plan_on_a_gpu_profile_leaves_compile_off_unless_pinned(tiny):
-    free = plan_report(tiny, gpus=8, global_batch=64)
+    """On a GPU profile without compile factors (the datasheet H100) compile is priced as no gain; the fitted
+    dgx-h100 carries the compile factor its runs gave (tests/test_believable_profiles.py)."""
+    free = plan_report(tiny, gpus=8, global_batch=64, cluster="dgx-h100-datasheet")
     assert free.plan.parallelism.compile is False
-    pinned = plan_report(tiny, gpus=8, global_batch=64, compile=True)
+    pinned = plan_report(tiny, gpus=8, global_batch=64, compile=True, cluster="dgx-h100-datasheet")
     assert pinned.plan.parallelism.compile is True
     # priced as no gain: the same step time as the free plan's
     assert pinned.chosen.step_time_s == pytest.approx(free.chosen.step_time_s)

@@ -142,7 +142,7 @@ def plans(tmp_path_factory):
     (root / "config.json").write_text(json.dumps(SMALL_LLAMA))
     out = {}
     for name, pins in PLANS.items():
-        plan = soap.plan(str(root), gpus=8, global_batch=32, seq_len=256, **pins)
+        plan = soap.plan(str(root), gpus=8, global_batch=32, seq_len=256, cluster="dgx-h100-datasheet", **pins)
         plan.save(root / f"{name}.json")
         out[name] = root / f"{name}.json"
     return out

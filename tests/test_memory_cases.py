@@ -30,7 +30,7 @@ def test_llama_8b_at_tp8_fits_in_30_gib_under_every_precision(precision):
 def test_llama_8b_fsdp_at_seq_8192_is_accepted_and_estimated_as_simulated():
     """torchtitan's Llama 3.1 8B FSDP row (8 x H100, mb 2, selective recompute, seq 8192)."""
     report = plan_report("llama-3-8b", gpus=8, dp=8, zero=3, micro_batch=2, recompute="selective", global_batch=16,
-                         seq_len=8192)
+                         seq_len=8192, compile="off")  # a compiled plan is simulated again after its estimate
     chosen = report.chosen
     assert chosen.peak_memory_bytes <= 80 * GIB
     assert chosen.candidate.estimate.memory.total == pytest.approx(chosen.peak_memory_bytes, rel=1e-9)

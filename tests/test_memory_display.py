@@ -76,7 +76,7 @@ def test_plan_prints_one_memory_row_per_pipeline_rank_whose_totals_are_the_stage
         total = float(cells[len(MEMORY_TERMS)])
         assert total == pytest.approx(peak, abs=0.006)
         assert cells[-1] == f"{peak / limit:.0%}"
-    assert "peak = allocated (no allocator reserve fitted for h100-sxm)" in text or "peak = reserved" in text
+    assert "peak = allocated (no allocator reserve fitted for h100-sxm-fitted)" in text or "peak = reserved" in text
 
 
 def test_json_memory_breakdown_has_every_term_per_rank_and_totals_equal_the_stage_peaks(pipelined):

@@ -104,7 +104,7 @@ def test_zero3_at_512_gpus_is_at_least_its_nic_arithmetic_and_the_estimate_agree
     import tracer
 
     graph = tracer.trace("llama-3-8b", seq_len=2048)
-    cluster = load_cluster("dgx-h100")
+    cluster = load_cluster("dgx-h100-datasheet")
     gpus, g = 512, cluster.gpus_per_node
     nodes = gpus // g
     strategy = _strategy(dp=gpus, zero=3, mb=1, microbatches=1, seq=2048)

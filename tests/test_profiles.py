@@ -20,7 +20,7 @@ from soap.cli import main
 from tracer.errors import SoapError
 
 SHIPPED_DEVICES = {"h100-sxm", "h200-sxm", "a100-sxm-80g", "a100-sxm-40g", "v100-sxm2-16g", "l40s"}
-SHIPPED_CLUSTERS = {"dgx-h100", "dgx-h200", "dgx-a100-80g", "dgx-a100-40g", "dgx1-v100-16g", "l40s-pcie"}
+SHIPPED_CLUSTERS = {"dgx-h100", "dgx-h100-datasheet", "dgx-h200", "dgx-h200-datasheet", "dgx-a100-80g", "dgx-a100-40g", "dgx1-v100-16g", "l40s-pcie"}
 
 
 def _numbers_and_curves(obj, path=""):
@@ -52,7 +52,7 @@ def test_shipped_numbers_match_the_hardware_reference():
     assert h100.matmul_efficiency.at(1.1e12) == pytest.approx(798 / 989, abs=0.002)
     assert not load_device("a100-sxm-80g").supports_fp8
     assert "bf16" not in load_device("v100-sxm2-16g").peak_flops
-    dgx = load_cluster("dgx-h100")
+    dgx = load_cluster("dgx-h100-datasheet")
     assert dgx.intra_node.bandwidth == pytest.approx(450e9) and dgx.intra_node.sharp
     assert dgx.intra_node.bandwidth * dgx.intra_node.efficiency.at(1e9) == pytest.approx(370e9, rel=0.01)
     pcie = load_cluster("l40s-pcie")
@@ -201,7 +201,7 @@ def test_cli_show_prints_every_number_with_its_source(capsys):
 
     assert main(["profiles", "--show", "dgx-h100", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["device"]["name"] == "h100-sxm"
+    assert document["device"]["name"] == "h100-sxm-fitted"
     rows = provenance_rows(document)
     fields = {field for field, _, _ in rows}
     assert {"device.peak_tflops.bf16", "links.intra_node.bandwidth_gbps", "links.inter_node.efficiency"} <= fields

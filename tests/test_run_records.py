@@ -105,7 +105,7 @@ def test_the_fit_recovers_the_multipliers_it_planted():
 def test_fitted_profiles_stay_inside_the_loaders_bounds_and_name_their_runs():
     from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
 
-    base = cluster_to_dict(load_cluster("dgx-h100"))
+    base = cluster_to_dict(load_cluster("dgx-h100-datasheet"))
     extreme = Fit(multipliers={"matmul/bf16": 100.0, "compile": 0.001, "memory-bound": 0.01, "kernel-launch": 0.01,
                                "intra-node": 100.0, "activation": 0.01, "stack:nemo-te": 0.5},
                   runs={k: ("run A", "run B") for k in ("matmul/bf16", "compile", "memory-bound", "kernel-launch",

@@ -186,6 +186,18 @@ def _bounds(name: str) -> tuple[float, float]:
     return COMPILE_RANGE if name == "compile" else MULTIPLIER_RANGE
 
 
+def _link_floors(prepared: Sequence[Prepared]) -> dict[str, float]:
+    """The smallest time multiplier a link may take: a link made faster than its line rate is no calibration.
+    Its large-message time is bytes / (bandwidth x e), e the efficiency curve's top, so a multiplier below e
+    would move more than the line rate; the floor is the largest such e over the runs' clusters."""
+    floors = {}
+    for part, level in (("intra-node", "intra_node"), ("inter-node", "inter_node")):
+        tops = [max(e for _, e in getattr(p.cluster, level).efficiency.points) for p in prepared
+                if getattr(p, "cluster", None) is not None]
+        floors[part] = max(tops) if tops else 0.0
+    return floors
+
+
 @dataclass(frozen=True)
 class Fit:
     """Fitted multipliers (1: the profile was right) and the runs each was fitted on."""
@@ -237,7 +249,8 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
         for j, (value, params) in enumerate(terms):
             F[i, j] = value
             G[i, j, params] = 1.0
-    low = np.log([_bounds(nm)[0] for nm in names])
+    floors = _link_floors(prepared)
+    low = np.log([max(_bounds(nm)[0], floors.get(nm, 0.0)) for nm in names])
     high = np.log([_bounds(nm)[1] for nm in names])
     prior = np.sqrt(prior_weight)
 
@@ -435,6 +448,50 @@ class ExternalRefit:
     written: tuple[Any, ...] = ()
 
 
+@dataclass(frozen=True)
+class GroupRank:
+    """How well predictions rank the runs of one group (same model, cluster and GPU count): the plan soap would pick
+    among them is the one it predicts fastest."""
+
+    group: str
+    runs: int
+    spearman: float | None
+    """Rank correlation of predicted and measured tokens/s (None under 3 runs or with ties only)."""
+    pick_over_best: float
+    """Measured tokens/s of the run predicted fastest over the best measured run of the group."""
+
+
+def _spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    if len(a) < 3:
+        return None
+    ra = np.argsort(np.argsort(a)).astype(float)
+    rb = np.argsort(np.argsort(b)).astype(float)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def group_ranks(prepared: Sequence[Prepared], predictions: Sequence[Prediction]) -> list[GroupRank]:
+    """Per group of two or more runs sharing model, cluster and GPU count: rank correlation and pick/best."""
+    by_name = {q.name: q for q in predictions}
+    groups: dict[str, list[Prediction]] = {}
+    for p in prepared:
+        model = p.record.model if isinstance(p.record.model, str) else p.record.model.get("name", "model")
+        key = f"{model} on {p.record.gpus} x {p.cluster.name}"
+        if p.record.name in by_name:
+            groups.setdefault(key, []).append(by_name[p.record.name])
+    out = []
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        measured = [q.measured_tokens for q in members]
+        predicted = [q.predicted_tokens for q in members]
+        pick = members[int(np.argmax(predicted))].measured_tokens
+        out.append(GroupRank(group=key, runs=len(members), spearman=_spearman(predicted, measured),
+                             pick_over_best=pick / max(measured)))
+    return out
+
+
 def split_path(spec: str) -> tuple[str, str | None]:
     """`FILE` or `FILE:CLUSTER` (the cluster profile for the file's records that name none)."""
     from pathlib import Path
@@ -487,9 +544,9 @@ def refit_external(records: Sequence[RunRecord], *, target: str | None = None,
                          in_sample=tuple(predict(p, result) for p in prepared), leave_out=groupings, profile=profile)
 
 
-def write_fitted(profile: dict, *, name: str, output: Any = None) -> tuple[Any, ...]:
+def write_fitted(profile: dict, *, name: str, output: Any = None, device_name: str | None = None) -> tuple[Any, ...]:
     """Write the fitted profile: one inline file at `output`, else device and cluster files in the user's profile folder
-    as NAME (cluster) and the device's name with NAME's suffix."""
+    as NAME (cluster) and `device_name` (default: the device's name with NAME's suffix)."""
     import json
     from pathlib import Path
 
@@ -501,7 +558,7 @@ def write_fitted(profile: dict, *, name: str, output: Any = None) -> tuple[Any, 
     profile["name"] = name
     device = profile["device"]
     suffix = name[len(base):] if name.startswith(base) else f"-{name}"
-    device["name"] = f"{device['name']}{suffix}"
+    device["name"] = device_name or f"{device['name']}{suffix}"
     profile["description"] = f"{profile.get('description', base)}; refitted by soap calibrate --from-runs"
     cluster_from_dict(profile)  # the loader's bounds hold for every fitted number
     if output is not None:

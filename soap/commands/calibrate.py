@@ -135,7 +135,7 @@ def _outside_records(specs: list[str]) -> bool:
 
 
 def _from_outside(args: argparse.Namespace) -> int:
-    from executor.validation.external import load_records, mape, refit_external, write_fitted
+    from executor.validation.external import group_ranks, load_records, mape, refit_external, write_fitted
 
     records = load_records(args.from_runs, cluster=args.cluster)
     console = Console(stderr=True)
@@ -156,6 +156,9 @@ def _from_outside(args: argparse.Namespace) -> int:
                "multipliers": {k: round(v, 4) for k, v in refit.fit.multipliers.items()},
                "mape_before_pct": by_stack(refit.before), "mape_in_sample_pct": by_stack(refit.in_sample),
                "mape_leave_one_out_pct": {g: by_stack(p) for g, p in refit.leave_out.items()}}
+    ranked = group_ranks(refit.prepared, refit.leave_out.get("run", refit.in_sample))
+    summary["groups"] = [{"group": g.group, "runs": g.runs, "spearman": g.spearman, "pick_over_best": g.pick_over_best}
+                         for g in ranked]
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -165,6 +168,10 @@ def _from_outside(args: argparse.Namespace) -> int:
                           ("in-sample", summary["mape_in_sample_pct"]),
                           *((f"leave one {g} out", v) for g, v in summary["mape_leave_one_out_pct"].items())):
         print(f"tokens/s MAPE {label}: " + ", ".join(f"{s} {v:.1f}%" for s, v in values.items()), file=sys.stderr)
+    for g in ranked:  # leave-one-run-out predictions: would the fit have picked the fastest run of the group?
+        rho = "n/a" if g.spearman is None else f"{g.spearman:+.2f}"
+        print(f"{g.group}: {g.runs} runs, rank correlation {rho}, pick/best {g.pick_over_best:.2f} "
+              "(leave-one-run-out)", file=sys.stderr)
     for p in written:
         print(f"wrote {p}", file=sys.stderr)
     return 0
