@@ -404,6 +404,7 @@ GROUPINGS: dict[str, Callable[[RunRecord], str]] = {
     "model": lambda r: str(r.model if isinstance(r.model, str) else r.model.get("name", r.model)),
     "gpus": lambda r: str(r.gpus),
     "stack": lambda r: r.stack,
+    "precision": lambda r: r.precision,  # fp8 rows predicted by a fit on their bf16 twins, and the other way
 }
 
 
