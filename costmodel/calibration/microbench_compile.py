@@ -64,6 +64,14 @@ SIZES: dict[str, tuple[tuple[int, ...], ...]] = {
     "matmul": ((256, 1024, 1024), (1024, 1024, 1024)),
     "attention": ((1, 8, 256, 64), (1, 8, 1024, 64)),
 }
+GPU_SIZES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "elementwise": ((8192, 4096), (16384, 8192)),
+    "matmul": ((4096, 4096, 4096), (8192, 8192, 8192)),
+    "attention": ((4, 16, 2048, 128), (2, 32, 4096, 128)),
+}
+"""On a GPU, training-sized tensors (128 MiB to 512 MiB per fp32 operand): at the CPU sizes a compiled graph's
+fixed host cost (~0.1 ms a call) dominates a 0.05 ms chain, and a lent H200 measured compile as a slowdown
+(factors 1.2-4) while a compiled gpt2 step ran 1.55x faster than eager (docs/benchmarks.md, "One H200")."""
 QUICK_SIZES: dict[str, tuple[tuple[int, ...], ...]] = {
     "elementwise": ((64, 256),), "matmul": ((64, 128, 128),), "attention": ((1, 2, 64, 32),),
 }
@@ -98,8 +106,8 @@ class CompileSample:
         return float(node.bwd_flops / kernels if node.kind in MATMUL_LIKE else 2 * node.bytes_moved / kernels)
 
 
-def _shapes(kernel: str, quick: bool) -> tuple[tuple[int, ...], ...]:
-    table = QUICK_SIZES if quick else SIZES
+def _shapes(kernel: str, quick: bool, device: str = "cpu") -> tuple[tuple[int, ...], ...]:
+    table = QUICK_SIZES if quick else GPU_SIZES if device.startswith("cuda") else SIZES
     return table[kernel if kernel in ("matmul", "attention") else "elementwise"]
 
 
@@ -173,7 +181,7 @@ def measure_compile(device: str, *, threads: int = 1, quick: bool = False, round
     torch.set_num_threads(threads)
     try:
         out = []
-        for kernel, shape in compile_cases(quick):
+        for kernel, shape in compile_cases(quick, device):
             runs = [measure_class(kernel, shape, device, timing) for _ in range(rounds)]
             out.append(CompileSample(
                 kernel=kernel, shape=shape,
@@ -187,9 +195,9 @@ def measure_compile(device: str, *, threads: int = 1, quick: bool = False, round
         torch.set_num_threads(old)
 
 
-def compile_cases(quick: bool = False) -> list[tuple[str, tuple[int, ...]]]:
-    """(kernel class, shape) of every chain `measure_compile` times."""
-    return [(kernel, shape) for kernel in CHAIN_OPS for shape in _shapes(kernel, quick)]
+def compile_cases(quick: bool = False, device: str = "cpu") -> list[tuple[str, tuple[int, ...]]]:
+    """(kernel class, shape) of every chain `measure_compile` times on `device`."""
+    return [(kernel, shape) for kernel in CHAIN_OPS for shape in _shapes(kernel, quick, device)]
 
 
 def class_factors(samples: Sequence[CompileSample], *, low: float = MIN_COMPILE_FACTOR,
