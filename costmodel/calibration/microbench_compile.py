@@ -32,8 +32,9 @@ and attention) of the forward kernel, and of one backward kernel for `bwd`. A cl
 when every size agrees, all below 1 - `NOISE_BAND` or all above 1 + `NOISE_BAND` (`consistent`): the
 same kernel, or sizes that disagree, are noise on a shared machine, and noise must not make the search pick
 compile. The raw times go to the table's notes with the seconds of each chain's first compiled call (the
-one-time compilation, or a hit in Inductor's on-disk cache; not part of a step, so not priced). GPU profiles carry no compile factors: no published measurement gives per-class numbers,
-and soap invents none (`soap calibrate --device cuda` measures them on the GPU).
+one-time compilation, or a hit in Inductor's on-disk cache; not part of a step, so not priced). Datasheet GPU profiles carry no compile factors: no published measurement gives per-class numbers,
+and soap invents none (`soap calibrate --device cuda` measures them on the GPU, at `GPU_SIZES`; the fitted
+`dgx-h100` carries the one factor its published compiled runs give).
 """
 
 from __future__ import annotations
