@@ -48,7 +48,10 @@ more nodes (congestion, adaptive routing, rail and spine oversubscription, strag
 Playbook's EFA cluster the all-reduce bus bandwidth falls 362 -> 33 GB/s from 2 to 64 nodes. The inter-node
 level may carry a measured curve s(N) (x = nodes spanned, log-interpolated), and every inter-node term of
 a group spanning N nodes runs at bw * e(S) * s(N): the flat ring's NIC share, the hierarchical algorithm's
-inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve s = 1. `soap calibrate
+inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve s = 1. A collective's own
+curve (`LinkLevel.collective_node_scaling`, e.g. all-gather's, which on that cluster falls 185 -> 11 GB/s)
+replaces s(N) for it; the inter-node phase of a hierarchical algorithm falls off as the collective it
+belongs to (the hierarchical all-reduce's inter-node all-reduce on S/g is an all-reduce). `soap calibrate
 --from-nccl-tests` fits e(S), alpha and s(N) from nccl-tests logs (`costmodel.calibration.nccl_tests`).
 
 A group of size 1 or zero bytes costs 0.
@@ -109,30 +112,30 @@ def phase_time(factor: float, nbytes: float, bandwidth: float, latency_s: float,
     return factor * nbytes / bandwidth + steps * latency_s
 
 
-def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1) -> float:
-    """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message, in a group spanning
-    `nodes` nodes (the link's `node_scaling`)."""
-    return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes)
+def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1, kind: str | None = None) -> float:
+    """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message of collective `kind`, in a
+    group spanning `nodes` nodes (the link's `node_scaling`, `kind`'s own where the link has one)."""
+    return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes, kind)
 
 
-def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> tuple[float, float]:
-    """(achieved bandwidth, per-step latency) of a flat algorithm over `group`."""
+def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec, kind: str | None = None) -> tuple[float, float]:
+    """(achieved bandwidth, per-step latency) of a flat algorithm of `kind` over `group`."""
     intra, inter = cluster.intra_node, cluster.inter_node
     if group.nodes == 1:
         return achieved(intra, nbytes), intra.latency_s
-    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, group.nodes))
+    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, group.nodes, kind))
     return bandwidth, max(intra.latency_s, inter.latency_s)
 
 
 def ring_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float:
-    bandwidth, alpha = flat_path(nbytes, group, cluster)
+    bandwidth, alpha = flat_path(nbytes, group, cluster, kind)
     return phase_time(bus_factor(kind, group.size), nbytes, bandwidth, alpha, ring_steps(kind, group.size))
 
 
 def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float | None:
     if kind not in ("all_reduce", "broadcast"):
         return None
-    bandwidth, alpha = flat_path(nbytes, group, cluster)
+    bandwidth, alpha = flat_path(nbytes, group, cluster, kind)
     depth = math.ceil(math.log2(group.size))
     if kind == "all_reduce":
         return phase_time(2.0, nbytes, bandwidth, alpha, 2 * depth)
@@ -141,11 +144,15 @@ def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) 
 
 def sharp_time(nbytes: float, link: LinkLevel, nodes: int = 1) -> float:
     """All-reduce reduced in the switch of `link`: bus factor `sharp_all_reduce_factor`, two steps."""
-    return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes, nodes=nodes), link.latency_s, 2)
+    return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes, nodes=nodes, kind="all_reduce"),
+                      link.latency_s, 2)
 
 
-def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel, nodes: int = 1) -> float:
-    return phase_time(bus_factor(kind, n), nbytes, achieved(link, nbytes, nodes=nodes), link.latency_s,
+def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel, nodes: int = 1, scale_kind: str | None = None) -> float:
+    """A ring of `kind` over `n` ranks of one level; its fall-off with `nodes` is `scale_kind`'s (the collective
+    the ring is a phase of)."""
+    return phase_time(bus_factor(kind, n), nbytes, achieved(link, nbytes, nodes=nodes, kind=scale_kind or kind),
+                      link.latency_s,
                       ring_steps(kind, n))
 
 
@@ -178,9 +185,10 @@ def all_to_all_time(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> fl
     n, g = group.size, group.ranks_per_node
     if group.nodes == 1:
         return ring_time("all_to_all", nbytes, group, cluster)
-    remote_bw, alpha = flat_path(nbytes, group, cluster)
+    remote_bw, alpha = flat_path(nbytes, group, cluster, "all_to_all")
     local = (g - 1) / n * nbytes / achieved(cluster.intra_node, nbytes)
-    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes, nodes=group.nodes))
+    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes, nodes=group.nodes,
+                                                            kind="all_to_all"))
     return max(local, remote) + (n - 1) * alpha
 
 

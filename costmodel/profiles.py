@@ -236,10 +236,18 @@ class LinkLevel:
     """Optional multiplier on this level's achieved bandwidth against the number of nodes a collective's
     group spans (x = nodes, log-interpolated, clamped at the ends): the fabric's measured fall-off with
     scale (`costmodel.collectives` module docstring). None: 1 at every node count."""
+    collective_node_scaling: Mapping[str, EfficiencyCurve] = field(default_factory=dict, compare=False, hash=False)
+    """Optional per-collective `node_scaling` (key: the collective, e.g. `all_gather`), used for that collective
+    in place of `node_scaling`: measured fall-offs differ by collective (the Playbook's EFA cluster: all-reduce
+    362 -> 33 GB/s, all-gather 185 -> 11 GB/s from 2 to 64 nodes)."""
 
-    def scale_at(self, nodes: int) -> float:
-        """The `node_scaling` factor for a group spanning `nodes` nodes (1 inside one node or without a curve)."""
-        return self.node_scaling.at(nodes) if self.node_scaling is not None and nodes > 1 else 1.0
+    def scale_at(self, nodes: int, kind: str | None = None) -> float:
+        """The `node_scaling` factor (`kind`'s own curve where the link has one) for a group spanning `nodes`
+        nodes (1 inside one node or without a curve)."""
+        if nodes <= 1:
+            return 1.0
+        curve = self.collective_node_scaling.get(kind, self.node_scaling) if kind else self.node_scaling
+        return curve.at(nodes) if curve is not None else 1.0
 
 
 @dataclass(frozen=True)
