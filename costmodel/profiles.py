@@ -162,6 +162,11 @@ class DeviceProfile:
     collective_call_overhead_s: float = 0.0
     """Host time a training framework (FSDP2, DTensor, DDP) spends per collective it issues, beyond the
     collective itself; 0 where absent."""
+    host_dispatch_s: float = 0.0
+    """Host (CPU) time the training framework spends per kernel it dispatches in eager mode (Python, autograd,
+    the launch): a chunk's forward or backward takes at least its kernel count times this, however short its
+    kernels (`costmodel.simulator.pricing`, the host-bound floor). 0: no floor (the shipped profiles; a
+    stack's value is fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
     communication_overlap: float = 1.0
     """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
     compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""

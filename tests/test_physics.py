@@ -278,3 +278,20 @@ def test_sc21_175b_fp16_zero3_needs_350_gb_without_offload_and_its_rings_grow_wi
     latency = {n: ring_latency("all_gather", CommGroup(n, 8), cluster) for n in (384, 768, 1536)}
     assert latency[768] == pytest.approx(672 * 1.9e-6 + 95 * 4e-6, rel=0.01)
     assert latency[1536] > 1.9 * latency[768] > 3.6 * latency[384]
+
+
+def test_a_host_slower_than_the_kernels_sets_the_chunk_time_and_tp_no_longer_helps():
+    """The host-bound floor (costmodel.simulator.pricing): with 1 ms of host time per kernel a tiny model's
+    chunk forward is its kernel count x 1 ms, and sharding it over tp shrinks the kernels, not the step."""
+    graph = tiny_decoder(layers=2)
+    base = load_cluster("dgx-h100")
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, host_dispatch_s=1e-3))
+    plain = price_step(graph, _strategy(seq=graph.seq_len), base)[0].stages[0].chunks
+    floored = price_step(graph, _strategy(seq=graph.seq_len), slow)[0].stages[0].chunks
+    for p, f in zip(plain, floored):
+        assert f.fwd_s >= p.fwd_s
+        if p.fwd_s > 0:
+            assert f.fwd_s == pytest.approx(round(f.fwd_s / 1e-3) * 1e-3)  # a whole number of dispatches
+            assert f.bwd_input_s + f.bwd_weight_s >= p.bwd_input_s + p.bwd_weight_s
+    one, two = (simulate(graph, _strategy(seq=graph.seq_len, tp=tp), slow).step_time_s for tp in (1, 2))
+    assert two >= 0.95 * one

@@ -9,6 +9,11 @@ every instance and every stage (`_UnitPricer.chunk`):
 - compute: sum over ops of `Pricer.op` at the op's local split (`costmodel.placement`) for one
   micro-batch; backward split into input gradient and weight gradient (half of a parametrized
   matmul's backward, its weight-gradient kernel);
+- host-bound floor: a chunk's forward (and its selective recompute) takes at least its kernels x the
+  device's `host_dispatch_s`, its backward at least its backward kernels x that (scaled up in proportion):
+  an eager framework dispatches each kernel from Python through autograd, and when the kernels are
+  shorter than that (small models, small micro-batches, TP shards) the GPU waits for the host. Summed per
+  chunk, not per kernel: the launch queue lets a long kernel hide the dispatch of the short ones after it;
 - recompute (`recompute_for(block)`): full -> the block's whole forward again in backward (its
   activation collectives too); selective -> the forward of the ops whose saved tensors it drops (all
   but matmuls, embeddings and losses); none -> 0;
@@ -112,7 +117,7 @@ from costmodel.memory import (
     model_state_bytes, stage_params, workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
-from costmodel.opcost import activation_itemsize, op_time
+from costmodel.opcost import activation_itemsize, backward_kernels, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
@@ -246,7 +251,8 @@ def price_step(
     validate_bounds(bounds, layers, n_stages)
     shape = activation_shape(graph, strategy)
     units = _UnitPricer(graph, strategy, pricer, groups, shape,
-                        activation_factor=cluster.device.activation_collective_factor)
+                        activation_factor=cluster.device.activation_collective_factor,
+                        host_dispatch_s=cluster.device.host_dispatch_s)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
     schedule, passes = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
@@ -278,9 +284,11 @@ class _UnitPricer:
     """Prices each segment of the graph once (`chunk(layer)`)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape,
-                 *, activation_factor: float = 1.0) -> None:
+                 *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0) -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
         self.activation_factor = activation_factor
+        self.host_dispatch_s = host_dispatch_s
+        """The device's `host_dispatch_s` (the host-bound floor of a chunk)."""
         """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
         self._chunks: dict[int, ChunkCost] = {}
         self._params: dict[int, int] = {}
@@ -316,12 +324,22 @@ class _UnitPricer:
         t = self.strategy.train
         placements = self._placements(layer)
         fwd = bwd_in = bwd_w = selective = 0.0
+        fwd_kernels = bwd_kernels = selective_kernels = 0
         cached = selective_cached([p.op for p in placements], t.attention)
         for p, kept in zip(placements, cached, strict=True):
             f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)
             fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
+            fwd_kernels += f > 0
+            bwd_kernels += backward_kernels(p.op) if bi + bw > 0 else 0
             if not kept:  # selective checkpointing recomputes it
                 selective += f
+                selective_kernels += f > 0
+        host = self.host_dispatch_s
+        if host > 0:  # the host-bound floor: the GPU cannot run kernels faster than the host dispatches them
+            fwd, selective = max(fwd, fwd_kernels * host), max(selective, selective_kernels * host)
+            if bwd_in + bwd_w < bwd_kernels * host:
+                scale = bwd_kernels * host / max(bwd_in + bwd_w, 1e-30)
+                bwd_in, bwd_w = (bwd_in * scale, bwd_w * scale) if bwd_in + bwd_w > 0 else (bwd_kernels * host, 0.0)
         fwd_comm, bwd_comm = self._comm(placements, "fwd"), self._comm(placements, "bwd")
         policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
         kept, recompute_bytes = placed_activations(placements, self.strategy, self.graph.batch, self.shape, policy)

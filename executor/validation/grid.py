@@ -7,7 +7,8 @@ A grid file is one JSON object: `model` (the short form of `executor.validation.
 `RunRecord`s; a crashed row is built without validation (it has nothing measured: `measured_*` of it fail).
 
 Pricing (`price_row`): the record planned as published (`RunRecord.pins`, no memory limit, so a configuration
-soap thinks too big is still priced; a pipeline with one micro-batch as GPipe, the same timeline as 1F1B) and simulated on the given cluster: step time, tokens/s per GPU and the
+soap thinks too big is still priced; a pipeline with fewer micro-batches than stages as GPipe: 1F1B's
+warm-up then holds every micro-batch, the same timeline) and simulated on the given cluster: step time, tokens/s per GPU and the
 simulated peak memory (allocated, GiB). Graphs are cached per (model, seq, precision) in `graphs`.
 
 Ranking (`group_scores`), per group of rows (a node count):
@@ -82,8 +83,8 @@ def price_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = 
     from planner.api import plan_report
 
     pins = record.pins()
-    if pins.get("pp", 1) > 1 and record.batch // (record.data_parallel * record.micro_batch) < 2:
-        pins["schedule"] = "GPipe"  # one micro-batch: 1F1B and GPipe are the same timeline, soap's 1F1B wants two
+    if pins.get("pp", 1) > 1 and record.batch // (record.data_parallel * record.micro_batch) < pins["pp"]:
+        pins["schedule"] = "GPipe"  # fewer micro-batches than stages: 1F1B's warm-up holds them all, GPipe's timeline
     try:
         report = plan_report(record.model_spec(), cluster=cluster, mem_limit_gib=1e6, **pins)
     except SoapError as err:

@@ -193,7 +193,7 @@ def read_records(path: str | Path, *, cluster: str | None = None, stack: str | N
     try:
         data = json.loads(text)
         rows = data.get("rows") if isinstance(data, dict) else data
-        defaults = {k: data[k] for k in FILE_DEFAULTS if isinstance(data, dict) and k in data}
+        defaults = {k: data[k] for k in FILE_DEFAULTS if isinstance(data, dict) and data.get(k) is not None}
         source = data.get("source") if isinstance(data, dict) else None
         if isinstance(data, dict) and rows is None:
             rows = [data]
