@@ -39,6 +39,13 @@ def test_grid_loader_reads_ran_and_crashed_rows_and_prices_one_as_published(tmp_
     assert a.tokens_per_s_per_gpu == pytest.approx(8 * 2 * 4 * 512 / (a.step_s * 8))
     assert a.peak_memory_gib > 0
     assert prices[1].plan.parallelism.sequence_parallel
+    # nanotron accumulates gradients locally beside TP and syncs once a step; soap's executor (FSDP2 beside TP)
+    # syncs every micro-batch: the row is priced as nanotron ran it, and not slower than soap's own way
+    assert prices[1].plan.strategy().train.accumulate_locally
+    from executor.validation.refit import simulate_on
+
+    own = simulate_on(prices[1].plan.plan, next(iter(graphs.values())), cluster).step_time_s
+    assert prices[1].step_s <= own
     # one micro-batch per pipeline: priced as GPipe (the same timeline as 1F1B)
     assert prices[2].plan.parallelism.pp == 2 and prices[2].plan.parallelism.schedule == "GPipe"
     (score,) = group_scores(ran, [p.tokens_per_s_per_gpu for p in prices])

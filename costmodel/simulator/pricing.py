@@ -437,7 +437,7 @@ def data_parallel_traffic(dims: ParallelDims, train: TrainingConfig) -> DataPara
     sharded = d.shard_degree > 1
     gathers = 2 if t.zero == 3 and sharded else 1 if t.zero == 2 and sharded else 0
     fsdp2 = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
-    every = (t.zero == 3 and sharded) or (d.pp == 1 and d.sync_degree > 1 and fsdp2)
+    every = (t.zero == 3 and sharded) or (d.pp == 1 and d.sync_degree > 1 and fsdp2 and not t.accumulate_locally)
     return DataParallelTraffic(gathers, every)
 
 

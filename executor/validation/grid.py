@@ -8,7 +8,9 @@ A grid file is one JSON object: `model` (the short form of `executor.validation.
 
 Pricing (`price_row`): the record planned as published (`RunRecord.pins`, no memory limit, so a configuration
 soap thinks too big is still priced; a pipeline with fewer micro-batches than stages as GPipe: 1F1B's
-warm-up then holds every micro-batch, the same timeline) and simulated on the given cluster: step time, tokens/s per GPU and the
+warm-up then holds every micro-batch, the same timeline; a stack that accumulates gradients locally across
+micro-batches, `LOCAL_ACCUMULATION_STACKS`, priced so: `as_run`) and simulated on the given cluster: step time,
+tokens/s per GPU and the
 simulated peak memory (allocated, GiB). Graphs are cached per (model, seq, precision) in `graphs`.
 
 Ranking (`group_scores`), per group of rows (a node count):
@@ -65,6 +67,33 @@ def load_grid(path: str | Path, *, cluster: str | None = None) -> tuple[list[Run
     return ran, [_record(row, data["model"], stack, cluster, False) for row in crashed]
 
 
+LOCAL_ACCUMULATION_STACKS = ("nanotron", "megatron-deepspeed", "megatron-lm", "nemo-te")
+"""Stacks whose data parallelism (ZeRO 0/1) accumulates gradients locally and syncs once per step, TP or not
+(Megatron's and nanotron's own DP); soap's executor runs DP beside TP on FSDP2, which syncs every micro-batch."""
+
+
+class StackPlan:
+    """A plan as another stack runs it: the plan's own strategy with `train` fields replaced (simulated through
+    `executor.validation.refit.simulate_on`, which reads `strategy()` and the plan's stages)."""
+
+    def __init__(self, plan: Any, **train: Any) -> None:
+        self.plan, self.train = plan, train
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.plan, name)
+
+    def strategy(self) -> Any:
+        from dataclasses import replace
+
+        strategy = self.plan.strategy()
+        return replace(strategy, train=replace(strategy.train, **self.train))
+
+
+def as_run(plan: Any, record: RunRecord) -> Any:
+    """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`), else the plan itself."""
+    return StackPlan(plan, accumulate_locally=True) if record.stack in LOCAL_ACCUMULATION_STACKS else plan
+
+
 @dataclass(frozen=True)
 class RowPrice:
     """One row as soap prices it on a cluster."""
@@ -89,7 +118,7 @@ def price_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = 
         report = plan_report(record.model_spec(), cluster=cluster, mem_limit_gib=1e6, **pins)
     except SoapError as err:
         raise SoapError(f"{record.name}: {err}") from None
-    plan = report.plan
+    plan = as_run(report.plan, record)
     graphs = {} if graphs is None else graphs
     key = (plan.model.config_hash, plan.seq_len, plan.parallelism.precision, cluster.name)
     if key not in graphs:
