@@ -12,7 +12,8 @@ model that ran on 1 to 64 nodes of 8 H100 (EFA between nodes), nanotron, global 
    collective's own s(N) fitted) calibrates `dgx-h100`'s links (same line rates: NVLink4 450 GB/s, 8 x 400 Gb/s
    per node; EFA's 3,200 Gb/s per p5 node is the same 50 GB/s per GPU).
 2. Every configuration that ran, priced as published (`executor.validation.grid.price_row`): nanotron's own TP
-   with sequence parallelism, 1F1B, ZeRO-0/1, no recompute, no compile, bf16.
+   with sequence parallelism, 1F1B, ZeRO-0/1, no recompute, no compile, bf16, gradients accumulated locally
+   and synced once per step (`TrainingConfig.accumulate_locally`).
 3. Per node count: Spearman's rank correlation of predicted vs measured tokens/s per GPU, and pick/best (the
    measured throughput of the configuration soap predicts fastest over the best measured), and their geometric
    means over node counts. Before (datasheet `dgx-h100`), collectives only, and after the full fit
@@ -207,15 +208,19 @@ def main() -> None:
         "",
         *slope_rows,
         "",
-        "Without TP a micro-batch costs almost nothing more, as soap says. With TP it costs tens of milliseconds "
-        "per micro-batch inside a node, growing with the TP degree and several-fold with a pipeline (per stage "
-        "layer), and up to a second or more at 32-64 nodes, where the measured throughput of most pipelined "
-        "configurations is 1-5% of soap's. The host floor fitted on one node covers part of it inside a node; "
-        "the rest is time per TP collective and per pipeline hand-off that grows with the job (synchronization "
-        "of the TP group's hosts, and latency of cross-node traffic on EFA at 32-64 nodes), which the collective "
-        "measurements cannot show (bandwidth only, message size not stated) and soap does not model. The full "
-        "fit can only stretch the terms it has (kernel launch, links), and the multipliers it needs are "
-        "outside physical bounds: a sign of that missing term, not a calibration.",
+        "Without TP a micro-batch costs almost nothing more, as soap says. Without a pipeline, TP's cost per "
+        "micro-batch is priced near what was measured (the host floor, and nanotron's gradients accumulated "
+        "locally: `TrainingConfig.accumulate_locally`; soap's own FSDP2 beside TP syncs every micro-batch, which "
+        "priced these rows 2-6x too dear). With TP and a pipeline together a micro-batch costs 3-6x soap's price "
+        "inside 16 nodes (about 6, 16 and 27 ms per stage layer at tp 2, 4, 8, against 1-3 for soap) and "
+        "10-100x at 32-64 nodes (0.5-1.3 s), where most pipelined configurations ran at 1-5% of soap's "
+        "prediction: time per TP collective and per pipeline hand-off that grows with the TP degree and the "
+        "job, which the collective measurements cannot show (bandwidth only, message size not stated) and "
+        "soap does not model (candidates: host synchronization at every pipeline hand-off, making host time "
+        "add to GPU time; TP and pipeline traffic contending on EFA at scale). That term decides the picks at "
+        "32-64 nodes. The full fit can only stretch the terms it has (kernel launch, links, kernel classes), "
+        "and the multipliers it needs are far outside physical bounds: a sign of the missing term, not a "
+        "calibration, and it ranks worse than the collectives-only profile.",
     ])
     print(body)
     if not args.dry_run:
