@@ -28,8 +28,9 @@ read by `costmodel.optimizer_step`), `concurrency_efficiency` (the share of its 
 kernels keep while N ranks of the node compute at once, read by the simulator's pricer),
 `communication_overlap` (the fraction of a collective's time the rank's compute can run beside it, read
 by `costmodel.simulator.step`), `activation_collective_factor` (TP/SP/CP/EP collectives in a step against
-their microbenchmark, read by `costmodel.simulator.pricing`) and `collective_call_overhead_us` (host time a training framework spends
-per collective it issues, read by the simulator's pricer). Absent, they are neutral (factor 1,
+their microbenchmark, read by `costmodel.simulator.pricing`), `collective_call_overhead_us` (host time a training framework spends
+per collective it issues, read by the simulator's pricer) and `host_dispatch_us` (host time per kernel an eager
+framework dispatches: the host-bound floor of a chunk, `costmodel.simulator.pricing`). Absent, they are neutral (factor 1,
 efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
 slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
