@@ -19,15 +19,20 @@ so a flat ring across nodes runs at bw*e = min(intra_bw * e_intra(S), g * inter_
 alpha = max(alpha_intra, alpha_inter) (each synchronous ring step waits for its slowest hop).
 
 Algorithms (`collective_cost` prices every applicable one and keeps the fastest):
-- ring (`ring_time`): steps 2(n-1) for all-reduce, n-1 for the others except send/recv (1 step).
+- ring (`ring_time`): steps 2(n-1) for all-reduce, n-1 for the others except send/recv (1 step). Across
+  nodes the steps that cross a node boundary (N-1 per pass over the ring; 2 passes for all-reduce) take the
+  inter-node alpha and the rest the intra-node alpha (`ring_latency`, NCCL's tuner): a ring's latency grows
+  with its group, so a 768-rank all-gather costs 672 x 1.9 + 95 x 4 = 1.66 ms on DGX A100 nodes before a byte
+  of bandwidth (FSDP/ZeRO-3 pays it per unit gathered, `costmodel.simulator.pricing`).
 - tree (`tree_time`, all-reduce and broadcast): NCCL's double binary tree, bandwidth factor 2 for
   all-reduce (reduce up, broadcast down) and 1 for broadcast, 2*ceil(log2 n) (all-reduce) or
   ceil(log2 n) (broadcast) latency steps.
-- hierarchical (`hierarchical_time`, N > 1 and g > 1): all-reduce = intra-node reduce-scatter(S) ->
-  inter-node all-reduce(S/g) among the N ranks holding the same shard -> intra-node all-gather(S);
-  reduce-scatter = intra RS(S) -> inter RS(S/g); all-gather = inter AG(S/g) -> intra AG(S). Each
-  inter-node phase runs g concurrent groups of N ranks (one rank per node), each on its own per-GPU
-  NIC share.
+- hierarchical (`hierarchical_time`, all-reduce, N > 1 and g > 1): intra-node reduce-scatter(S) ->
+  inter-node all-reduce(S/g) among the N ranks holding the same shard -> intra-node all-gather(S) (the
+  shape of NCCL's tree and NVLS-tree across nodes). The inter-node phase runs g concurrent groups of N
+  ranks (one rank per node), each on its own per-GPU NIC share. All-gather and reduce-scatter have no
+  such algorithm in NCCL for more than one GPU per node (ring only; PAT, NCCL 2.23, needs one rank per
+  node): across nodes they are rings.
 - SHARP (`sharp_time`, all-reduce inside a node whose intra link has `sharp`, e.g. NVLS; or the
   inter-node phase of the hierarchical algorithm when the inter link has it): the reduction happens in
   the switch, so the bus factor 2(n-1)/n becomes the link's `sharp_all_reduce_factor` (~1, from a
@@ -48,7 +53,10 @@ more nodes (congestion, adaptive routing, rail and spine oversubscription, strag
 Playbook's EFA cluster the all-reduce bus bandwidth falls 362 -> 33 GB/s from 2 to 64 nodes. The inter-node
 level may carry a measured curve s(N) (x = nodes spanned, log-interpolated), and every inter-node term of
 a group spanning N nodes runs at bw * e(S) * s(N): the flat ring's NIC share, the hierarchical algorithm's
-inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve s = 1. `soap calibrate
+inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve s = 1. A collective's own
+curve (`LinkLevel.collective_node_scaling`, e.g. all-gather's, which on that cluster falls 185 -> 11 GB/s)
+replaces s(N) for it; the inter-node phase of a hierarchical algorithm falls off as the collective it
+belongs to (the hierarchical all-reduce's inter-node all-reduce on S/g is an all-reduce). `soap calibrate
 --from-nccl-tests` fits e(S), alpha and s(N) from nccl-tests logs (`costmodel.calibration.nccl_tests`).
 
 A group of size 1 or zero bytes costs 0.
@@ -109,30 +117,43 @@ def phase_time(factor: float, nbytes: float, bandwidth: float, latency_s: float,
     return factor * nbytes / bandwidth + steps * latency_s
 
 
-def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1) -> float:
-    """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message, in a group spanning
-    `nodes` nodes (the link's `node_scaling`)."""
-    return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes)
+def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1, kind: str | None = None) -> float:
+    """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message of collective `kind`, in a
+    group spanning `nodes` nodes (the link's `node_scaling`, `kind`'s own where the link has one)."""
+    return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes, kind)
 
 
-def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> tuple[float, float]:
-    """(achieved bandwidth, per-step latency) of a flat algorithm over `group`."""
+def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec, kind: str | None = None) -> tuple[float, float]:
+    """(achieved bandwidth, per-step latency) of a flat algorithm of `kind` over `group` (the tree's steps: every
+    level of a tree across nodes waits for its slowest hop)."""
     intra, inter = cluster.intra_node, cluster.inter_node
     if group.nodes == 1:
         return achieved(intra, nbytes), intra.latency_s
-    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, group.nodes))
+    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, group.nodes, kind))
     return bandwidth, max(intra.latency_s, inter.latency_s)
 
 
+def ring_latency(kind: str, group: CommGroup, cluster: ClusterSpec) -> float:
+    """The ring's latency term: of its steps, those that cross a node boundary at the inter-node alpha and the
+    rest at the intra-node alpha (NCCL's tuner, src/graph/tuning.cc: (nsteps - nInterSteps) x intraLat +
+    nInterSteps x interLat; a ring over N nodes enters each node once: N - 1 inter-node steps per pass)."""
+    steps = ring_steps(kind, group.size)
+    if group.nodes == 1:
+        return steps * cluster.intra_node.latency_s
+    passes = 2 if kind == "all_reduce" else 1
+    inter = min(steps, passes * (group.nodes - 1))
+    return (steps - inter) * cluster.intra_node.latency_s + inter * cluster.inter_node.latency_s
+
+
 def ring_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float:
-    bandwidth, alpha = flat_path(nbytes, group, cluster)
-    return phase_time(bus_factor(kind, group.size), nbytes, bandwidth, alpha, ring_steps(kind, group.size))
+    bandwidth, _ = flat_path(nbytes, group, cluster, kind)
+    return phase_time(bus_factor(kind, group.size), nbytes, bandwidth, 0.0, 0) + ring_latency(kind, group, cluster)
 
 
 def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float | None:
     if kind not in ("all_reduce", "broadcast"):
         return None
-    bandwidth, alpha = flat_path(nbytes, group, cluster)
+    bandwidth, alpha = flat_path(nbytes, group, cluster, kind)
     depth = math.ceil(math.log2(group.size))
     if kind == "all_reduce":
         return phase_time(2.0, nbytes, bandwidth, alpha, 2 * depth)
@@ -141,11 +162,15 @@ def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) 
 
 def sharp_time(nbytes: float, link: LinkLevel, nodes: int = 1) -> float:
     """All-reduce reduced in the switch of `link`: bus factor `sharp_all_reduce_factor`, two steps."""
-    return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes, nodes=nodes), link.latency_s, 2)
+    return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes, nodes=nodes, kind="all_reduce"),
+                      link.latency_s, 2)
 
 
-def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel, nodes: int = 1) -> float:
-    return phase_time(bus_factor(kind, n), nbytes, achieved(link, nbytes, nodes=nodes), link.latency_s,
+def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel, nodes: int = 1, scale_kind: str | None = None) -> float:
+    """A ring of `kind` over `n` ranks of one level; its fall-off with `nodes` is `scale_kind`'s (the collective
+    the ring is a phase of)."""
+    return phase_time(bus_factor(kind, n), nbytes, achieved(link, nbytes, nodes=nodes, kind=scale_kind or kind),
+                      link.latency_s,
                       ring_steps(kind, n))
 
 
@@ -159,28 +184,25 @@ def _inter(kind: str, nbytes: float, nodes: int, cluster: ClusterSpec) -> float:
 
 def hierarchical_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float | None:
     g, nodes = group.ranks_per_node, group.nodes
-    if nodes == 1 or g == 1 or kind not in ("all_reduce", "reduce_scatter", "all_gather"):
+    if nodes == 1 or g == 1 or kind != "all_reduce":
         return None
     shard = nbytes / g
     intra = cluster.intra_node
-    if kind == "all_reduce":
-        return (
-            _level_ring("reduce_scatter", nbytes, g, intra)
-            + _inter("all_reduce", shard, nodes, cluster)
-            + _level_ring("all_gather", nbytes, g, intra)
-        )
-    if kind == "reduce_scatter":
-        return _level_ring("reduce_scatter", nbytes, g, intra) + _inter("reduce_scatter", shard, nodes, cluster)
-    return _inter("all_gather", shard, nodes, cluster) + _level_ring("all_gather", nbytes, g, intra)
+    return (
+        _level_ring("reduce_scatter", nbytes, g, intra)
+        + _inter("all_reduce", shard, nodes, cluster)
+        + _level_ring("all_gather", nbytes, g, intra)
+    )
 
 
 def all_to_all_time(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> float:
     n, g = group.size, group.ranks_per_node
     if group.nodes == 1:
         return ring_time("all_to_all", nbytes, group, cluster)
-    remote_bw, alpha = flat_path(nbytes, group, cluster)
+    remote_bw, alpha = flat_path(nbytes, group, cluster, "all_to_all")
     local = (g - 1) / n * nbytes / achieved(cluster.intra_node, nbytes)
-    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes, nodes=group.nodes))
+    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes, nodes=group.nodes,
+                                                            kind="all_to_all"))
     return max(local, remote) + (n - 1) * alpha
 
 

@@ -28,8 +28,9 @@ read by `costmodel.optimizer_step`), `concurrency_efficiency` (the share of its 
 kernels keep while N ranks of the node compute at once, read by the simulator's pricer),
 `communication_overlap` (the fraction of a collective's time the rank's compute can run beside it, read
 by `costmodel.simulator.step`), `activation_collective_factor` (TP/SP/CP/EP collectives in a step against
-their microbenchmark, read by `costmodel.simulator.pricing`) and `collective_call_overhead_us` (host time a training framework spends
-per collective it issues, read by the simulator's pricer). Absent, they are neutral (factor 1,
+their microbenchmark, read by `costmodel.simulator.pricing`), `collective_call_overhead_us` (host time a training framework spends
+per collective it issues, read by the simulator's pricer) and `host_dispatch_us` (host time per kernel an eager
+framework dispatches: the host-bound floor of a chunk, `costmodel.simulator.pricing`). Absent, they are neutral (factor 1,
 efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
 slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
@@ -162,6 +163,11 @@ class DeviceProfile:
     collective_call_overhead_s: float = 0.0
     """Host time a training framework (FSDP2, DTensor, DDP) spends per collective it issues, beyond the
     collective itself; 0 where absent."""
+    host_dispatch_s: float = 0.0
+    """Host (CPU) time the training framework spends per kernel it dispatches in eager mode (Python, autograd,
+    the launch): a chunk's forward or backward takes at least its kernel count times this, however short its
+    kernels (`costmodel.simulator.pricing`, the host-bound floor). 0: no floor (the shipped profiles; a
+    stack's value is fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
     communication_overlap: float = 1.0
     """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
     compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""
@@ -236,10 +242,18 @@ class LinkLevel:
     """Optional multiplier on this level's achieved bandwidth against the number of nodes a collective's
     group spans (x = nodes, log-interpolated, clamped at the ends): the fabric's measured fall-off with
     scale (`costmodel.collectives` module docstring). None: 1 at every node count."""
+    collective_node_scaling: Mapping[str, EfficiencyCurve] = field(default_factory=dict, compare=False, hash=False)
+    """Optional per-collective `node_scaling` (key: the collective, e.g. `all_gather`), used for that collective
+    in place of `node_scaling`: measured fall-offs differ by collective (the Playbook's EFA cluster: all-reduce
+    362 -> 33 GB/s, all-gather 185 -> 11 GB/s from 2 to 64 nodes)."""
 
-    def scale_at(self, nodes: int) -> float:
-        """The `node_scaling` factor for a group spanning `nodes` nodes (1 inside one node or without a curve)."""
-        return self.node_scaling.at(nodes) if self.node_scaling is not None and nodes > 1 else 1.0
+    def scale_at(self, nodes: int, kind: str | None = None) -> float:
+        """The `node_scaling` factor (`kind`'s own curve where the link has one) for a group spanning `nodes`
+        nodes (1 inside one node or without a curve)."""
+        if nodes <= 1:
+            return 1.0
+        curve = self.collective_node_scaling.get(kind, self.node_scaling) if kind else self.node_scaling
+        return curve.at(nodes) if curve is not None else 1.0
 
 
 @dataclass(frozen=True)

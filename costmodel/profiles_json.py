@@ -90,7 +90,7 @@ class _Reader:
             raise self.fail(f"{path}.value", f"must be {'positive' if positive else 'non-negative'}, got {value}")
         return float(value), self.text(data, "source", path)
 
-    def curve(self, data: Any, path: str) -> EfficiencyCurve:
+    def curve(self, data: Any, path: str, top: float = 1.0) -> EfficiencyCurve:
         self.obj(data, path, {"points", "source"}, {"fit", "notes"})
         points = data["points"]
         if not isinstance(points, list) or not points:
@@ -105,8 +105,8 @@ class _Reader:
             x, eff = float(pair[0]), float(pair[1])
             if x <= 0:
                 raise self.fail(f"{path}.points[{i}]", f"x must be positive, got {x}")
-            if not 0 < eff <= 1:
-                raise self.fail(f"{path}.points[{i}]", f"efficiency must be in (0, 1], got {eff}")
+            if not 0 < eff <= top:
+                raise self.fail(f"{path}.points[{i}]", f"efficiency must be in (0, {top:g}], got {eff}")
             if parsed and x <= parsed[-1][0]:
                 raise self.fail(f"{path}.points[{i}]", f"x must increase, got {x} after {parsed[-1][0]}")
             parsed.append((x, eff))
@@ -159,7 +159,7 @@ _DEVICE_REQUIRED = {
     "matmul_efficiency", "memory_efficiency", "kernel_overhead_us", "context_overhead_gib", "host_link_gbps",
 }
 _DEVICE_STEP_FIELDS = ("optimizer_factors", "concurrency_efficiency", "communication_overlap",
-                       "collective_call_overhead_us", "activation_collective_factor")
+                       "collective_call_overhead_us", "activation_collective_factor", "host_dispatch_us")
 """Optional device fields about a rank inside a training step (`costmodel.profiles` module docstring)."""
 MAX_STEP_FACTOR = 1000.0
 """Bound on a fitted step multiplier (`activation_collective_factor`): beyond it the profile is wrong."""
@@ -240,6 +240,10 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
     if "collective_call_overhead_us" in data:
         call_overhead, sources["collective_call_overhead_us"] = r.number(
             data["collective_call_overhead_us"], "collective_call_overhead_us", positive=False)
+    host_dispatch = 0.0
+    if "host_dispatch_us" in data:
+        host_dispatch, sources["host_dispatch_us"] = r.number(data["host_dispatch_us"], "host_dispatch_us",
+                                                              positive=False)
     activation_factor = 1.0
     if "activation_collective_factor" in data:
         activation_factor, sources["activation_collective_factor"] = r.number(
@@ -279,6 +283,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         concurrency_efficiency=concurrency,
         communication_overlap=overlap,
         collective_call_overhead_s=call_overhead * 1e-6,
+        host_dispatch_s=host_dispatch * 1e-6,
         activation_collective_factor=activation_factor,
         allocator_reserve_fraction=reserve,
         sources=sources,
@@ -288,7 +293,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
 def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
     from costmodel.collectives import COLLECTIVES
 
-    r.obj(data, path, _LINK_REQUIRED, {"fit", "notes", "collective_factors", "node_scaling"})
+    r.obj(data, path, _LINK_REQUIRED, {"fit", "notes", "collective_factors", "node_scaling", "collective_node_scaling"})
     bandwidth, bw_src = r.number(data["bandwidth_gbps"], f"{path}.bandwidth_gbps")
     latency, lat_src = r.number(data["latency_us"], f"{path}.latency_us", positive=False)
     sources = {"bandwidth_gbps": bw_src, "latency_us": lat_src}
@@ -313,19 +318,34 @@ def _link_from_json(r: _Reader, data: Any, path: str) -> LinkLevel:
         collective_factors=collective_factors,
         sources=sources,
         extras={k: data[k] for k in ("fit", "notes") if k in data},
-        node_scaling=_node_scaling(r, data, path),
+        node_scaling=_node_scaling(r, data.get("node_scaling"), f"{path}.node_scaling"),
+        collective_node_scaling=_collective_node_scaling(r, data, path, COLLECTIVES),
     )
 
 
-def _node_scaling(r: _Reader, data: dict, path: str) -> EfficiencyCurve | None:
-    """A link's `node_scaling` curve: node counts >= 2 against bandwidth factors in (0, 2]."""
-    if "node_scaling" not in data:
+def _node_scaling(r: _Reader, data: Any, path: str) -> EfficiencyCurve | None:
+    """A `node_scaling` curve: node counts >= 2 against bandwidth factors in (0, 2]."""
+    if data is None:
         return None
-    curve = r.curve(data["node_scaling"], f"{path}.node_scaling")
+    curve = r.curve(data, path, top=2.0)
     for nodes, factor in curve.points:
         if nodes < 2 or not 0 < factor <= 2:
-            raise r.fail(f"{path}.node_scaling.points", f"need nodes >= 2 and a factor in (0, 2], got [{nodes:g}, {factor:g}]")
+            raise r.fail(f"{path}.points", f"need nodes >= 2 and a factor in (0, 2], got [{nodes:g}, {factor:g}]")
     return curve
+
+
+def _collective_node_scaling(r: _Reader, data: dict, path: str, kinds: tuple[str, ...]) -> dict[str, EfficiencyCurve]:
+    """A link's `collective_node_scaling`: {collective: node_scaling curve}."""
+    table = data.get("collective_node_scaling", {})
+    where = f"{path}.collective_node_scaling"
+    if not isinstance(table, dict):
+        raise r.fail(where, "must be an object {collective: curve}")
+    out = {}
+    for kind, curve in table.items():
+        if kind not in kinds:
+            raise r.fail(f"{where}.{kind}", f"unknown collective; choose one of {', '.join(kinds)}")
+        out[kind] = _node_scaling(r, curve, f"{where}.{kind}")
+    return out
 
 
 def cluster_from_json(data: Any, origin: str, device_by_name: Callable[[str], DeviceProfile]) -> ClusterSpec:
@@ -415,6 +435,8 @@ def device_to_dict(device: DeviceProfile) -> dict:
         out["concurrency_efficiency"] = _curve_dict(device.concurrency_efficiency)
     if device.communication_overlap != 1.0 or "communication_overlap" in device.sources:
         out["communication_overlap"] = _number(device.communication_overlap, src("communication_overlap"))
+    if device.host_dispatch_s or "host_dispatch_us" in device.sources:
+        out["host_dispatch_us"] = _number(device.host_dispatch_s * 1e6, src("host_dispatch_us"))
     if device.collective_call_overhead_s or "collective_call_overhead_us" in device.sources:
         out["collective_call_overhead_us"] = _number(device.collective_call_overhead_s * 1e6,
                                                      src("collective_call_overhead_us"))
@@ -442,6 +464,8 @@ def _link_dict(link: LinkLevel) -> dict:
         out["collective_factors"] = _factor_table_dict(link.collective_factors, link.sources.get("collective_factors"))
     if link.node_scaling is not None:
         out["node_scaling"] = _curve_dict(link.node_scaling)
+    if link.collective_node_scaling:
+        out["collective_node_scaling"] = {k: _curve_dict(c) for k, c in sorted(link.collective_node_scaling.items())}
     notes = link.extras.get("notes")
     fit = dict(link.extras.get("fit", {}))
     if link.sharp_all_reduce_factor != 1.0:

@@ -159,6 +159,10 @@ class TrainingConfig:
     """Optimizer state (and step) on the CPU."""
     attention: str = "sdpa"
     compile: bool = False
+    accumulate_locally: bool = False
+    """Gradients accumulate on each rank across a step's micro-batches and are synchronized once, whatever
+    the engine (how Megatron-LM and nanotron run ZeRO 0/1, and DDP under no_sync); False: the executor's
+    rule (`costmodel.simulator.pricing.data_parallel_traffic`). Set to price another stack's run as it ran."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1 or self.micro_batch < 1:

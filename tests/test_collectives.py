@@ -56,14 +56,23 @@ def test_group_spanning_nodes_is_bounded_by_the_shared_nics():
     # one rank per node: the rank's own NIC share, 50 GB/s, inter-node latency
     two_nodes = collective_cost("all_gather", size, CommGroup(2, 1), c)
     assert two_nodes.seconds == pytest.approx(0.5 * size / (50 * GB) + 1 * 5e-6)
-    # 4 ranks per node on 2 nodes: the flat ring gets 4 NIC shares (200 GB/s) but the hierarchical
-    # algorithm is priced too: intra all-gather after an inter all-gather of a quarter of the data
+    # 4 ranks per node on 2 nodes: the ring gets 4 NIC shares (200 GB/s); of its 7 steps one crosses
+    # nodes (inter-node alpha), 6 stay inside (intra-node alpha). NCCL has no hierarchical all-gather.
     cost = collective_cost("all_gather", size, CommGroup(8, 4), c)
-    ring = 7 / 8 * size / (200 * GB) + 7 * 5e-6
-    hier = (0.5 * size / 4 / (50 * GB) + 5e-6) + (3 / 4 * size / (400 * GB) + 3 * 1e-6)
+    ring = 7 / 8 * size / (200 * GB) + 6 * 1e-6 + 1 * 5e-6
     assert dict(cost.alternatives)["ring"] == pytest.approx(ring)
-    assert dict(cost.alternatives)["hierarchical"] == pytest.approx(hier)
-    assert cost.seconds == pytest.approx(min(ring, hier))
+    assert "hierarchical" not in dict(cost.alternatives)
+    assert cost.seconds == pytest.approx(ring)
+
+
+def test_ring_latency_grows_with_the_ranks_it_passes_through():
+    """768 ranks on 96 nodes of 8: 672 intra-node and 95 inter-node steps per all-gather (NCCL's tuner),
+    2 x that for an all-reduce's ring; a tiny message costs that latency and nothing else."""
+    c = flat_cluster()
+    group = CommGroup(768, 8)
+    tiny = collective_cost("all_gather", 768.0, group, c)
+    assert dict(tiny.alternatives)["ring"] == pytest.approx(672 * 1e-6 + 95 * 5e-6, rel=1e-3)
+    assert collective_time("all_gather", 768.0, CommGroup(1536, 8), c) > 1.9 * tiny.seconds
 
 
 def test_hierarchical_all_reduce_is_rs_then_inter_all_reduce_then_ag():

@@ -81,16 +81,37 @@ def _step(cluster, dp):
 def test_a_fabric_that_slows_with_scale_slows_a_128_gpu_step_but_not_a_one_node_step(fitted, known):
     base, _ = known
     fabric = fitted.cluster
-    assert _step(fabric, 128) > _step(dataclasses.replace(fabric, inter_node=dataclasses.replace(
-        fabric.inter_node, node_scaling=None)), 128)
-    assert _step(fabric, 8) == pytest.approx(_step(dataclasses.replace(fabric, inter_node=dataclasses.replace(
-        fabric.inter_node, node_scaling=None)), 8))
+    flat = dataclasses.replace(fabric, inter_node=dataclasses.replace(fabric.inter_node, node_scaling=None,
+                                                                     collective_node_scaling={}))
+    assert _step(fabric, 128) > _step(flat, 128)
+    assert _step(fabric, 8) == pytest.approx(_step(flat, 8))
     assert _step(fabric, 128) > _step(base, 128)
 
 
 def test_the_fitted_profile_survives_its_json_round_trip(fitted):
     again = cluster_from_dict(json.loads(json.dumps(cluster_to_dict(fitted.cluster))))
     assert again.inter_node.node_scaling.points == fitted.cluster.inter_node.node_scaling.points
+    own = fitted.cluster.inter_node.collective_node_scaling
+    assert own and {k: c.points for k, c in again.inter_node.collective_node_scaling.items()} == \
+        {k: c.points for k, c in own.items()}
+
+
+def test_a_bus_bandwidth_table_is_fitted_as_logs_with_each_collective_falling_off_on_its_own():
+    """The Playbook's figure as a user would give it: median busbw per collective and node count, no sizes."""
+    from costmodel.calibration.nccl_tests import logs_from_bus_bandwidth
+    from costmodel.collectives import CommGroup, bus_factor, collective_time
+
+    table = {"all_reduce": {1: 436e9, 2: 362e9, 8: 100e9, 64: 33e9},
+             "all_gather": {1: 250e9, 2: 185e9, 8: 69e9, 64: 11e9}}
+    logs = logs_from_bus_bandwidth(table, ranks_per_node=8, source="figure")
+    assert len(logs) == 8 and all(size >= 16 * 2**20 for log in logs for size, _ in log.rows)
+    fit = fit_nccl_logs(logs, load_cluster("dgx-h100"), bandwidth_only=True)
+    inter = fit.cluster.inter_node
+    assert inter.scale_at(64, "all_gather") < inter.scale_at(64, "all_reduce")
+    for kind, nodes in (("all_gather", 8), ("all_gather", 64), ("all_reduce", 64)):
+        group, size = CommGroup(8 * nodes, 8), 2**30
+        busbw = bus_factor(kind, group.size) * size / collective_time(kind, size, group, fit.cluster)
+        assert busbw == pytest.approx(table[kind][nodes], rel=0.1), (kind, nodes)
 
 
 @pytest.mark.parametrize("name,collective,ranks,nodes", [

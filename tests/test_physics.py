@@ -254,3 +254,44 @@ def test_gpt2_on_8_h100s_has_a_launch_floor():
     step = simulate(graph, strategy, cluster).step_time_s
     assert kernels > 300
     assert step >= kernels * device.kernel_overhead_s
+
+
+def test_sc21_175b_fp16_zero3_needs_350_gb_without_offload_and_its_rings_grow_with_the_ranks(tmp_path):
+    """The worked example of costmodel.simulator.pricing: a 175B GPT, fp16, full recompute, batch 1,536 on
+    768 A100 80GB. Soap's FSDP2 ZeRO-3 without offload keeps autocast's fp16 copy of every matmul weight
+    (350 GB per GPU), the tp8 x pp16 plan fits in 80; its gathers' ring latency doubles with the ranks."""
+    import tracer
+    from costmodel.collectives import CommGroup, ring_latency
+    from executor.validation.refit import simulate_on
+    from planner.api import plan_report
+
+    path = _gpt2_config(tmp_path, layers=96, hidden=12288, heads=96, vocab=51200, positions=2048)
+    graph = tracer.trace(str(path), seq_len=2048)
+    cluster = load_cluster("dgx-a100-80g")
+    common = dict(gpus=768, cluster=cluster, graph=graph, seq_len=2048, global_batch=1536, precision="fp16",
+                  recompute="full", mem_limit_gib=1e6)
+    zero3 = plan_report(str(path), dp=768, tp=1, pp=1, zero=3, micro_batch=1, **common).plan
+    three_d = plan_report(str(path), tp=8, pp=16, dp=6, zero=1, micro_batch=1, schedule="1F1B", **common).plan
+    peak = {name: max(m.at_peak.total for m in simulate_on(p, graph, cluster).memory) / 2**30
+            for name, p in (("zero3", zero3), ("3d", three_d))}
+    assert peak["zero3"] > 300 > 80 > peak["3d"]
+    latency = {n: ring_latency("all_gather", CommGroup(n, 8), cluster) for n in (384, 768, 1536)}
+    assert latency[768] == pytest.approx(672 * 1.9e-6 + 95 * 4e-6, rel=0.01)
+    assert latency[1536] > 1.9 * latency[768] > 3.6 * latency[384]
+
+
+def test_a_host_slower_than_the_kernels_sets_the_chunk_time_and_tp_no_longer_helps():
+    """The host-bound floor (costmodel.simulator.pricing): with 1 ms of host time per kernel a tiny model's
+    chunk forward is its kernel count x 1 ms, and sharding it over tp shrinks the kernels, not the step."""
+    graph = tiny_decoder(layers=2)
+    base = load_cluster("dgx-h100")
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, host_dispatch_s=1e-3))
+    plain = price_step(graph, _strategy(seq=graph.seq_len), base)[0].stages[0].chunks
+    floored = price_step(graph, _strategy(seq=graph.seq_len), slow)[0].stages[0].chunks
+    for p, f in zip(plain, floored):
+        assert f.fwd_s >= p.fwd_s
+        if p.fwd_s > 0:
+            assert f.fwd_s == pytest.approx(round(f.fwd_s / 1e-3) * 1e-3)  # a whole number of dispatches
+            assert f.bwd_input_s + f.bwd_weight_s >= p.bwd_input_s + p.bwd_weight_s
+    one, two = (simulate(graph, _strategy(seq=graph.seq_len, tp=tp), slow).step_time_s for tp in (1, 2))
+    assert two >= 0.95 * one

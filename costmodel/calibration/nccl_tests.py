@@ -14,7 +14,10 @@ fastest algorithm) with the line rates `bw` kept from the given cluster (a datas
 - the intra-node level from the one-node logs: latency alpha and efficiency e(S);
 - the inter-node level from the logs of the fewest nodes N0 > 1: alpha and e(S), with s(N0) = 1;
 - the inter-node `node_scaling` s(N) for every larger node count N: the factor that makes the median of
-  log(predicted / measured) over the bandwidth-bound rows (S >= `BANDWIDTH_BOUND_BYTES`) zero.
+  log(predicted / measured) over the bandwidth-bound rows (S >= `BANDWIDTH_BOUND_BYTES`) zero;
+- where the logs hold more than one collective across nodes, each collective's own curve
+  (`collective_node_scaling`) the same way on its logs alone, at every node count from N0 (in (0, 2]: the
+  level's e(S) is fitted on all collectives together).
 alpha and e(S) are found on the model itself (`_fit_level`): coordinate descent (`SWEEPS` sweeps of a
 golden-section search per parameter) on log alpha and the log efficiencies, minimizing the squared log
 errors of every row (rows between `LATENCY_BOUND_BYTES` and `MIN_CURVE_BYTES` left out: neither latency nor
@@ -22,6 +25,12 @@ bandwidth rules them), efficiencies kept in [`MIN_EFFICIENCY`, 1] and s(N) in [`
 does not speed up with scale; a log that says so is clamped, and the per-log error shows it). The
 efficiency points are `CURVE_POINTS` log-spaced sizes from the smallest per-node shard of a logged size
 (the hierarchical algorithms' inter-node phase runs on S / g) to the largest logged size.
+
+Bandwidth tables (`logs_from_bus_bandwidth`). A cluster's measurements published as bus bandwidth per node count
+(a figure: GB/s against nodes, message size not stated) become logs the same fit reads: one log per collective
+and node count, its rows at `TABLE_SIZES` (all bandwidth-bound) at t = factor(kind, n) x S / busbw, the bus
+bandwidth taken as it is at every size. Such logs fix the bandwidth terms (e(S) at large S and s(N)) and
+leave alpha and the small-message efficiencies as the given cluster has them.
 
 Reported (`NcclFit.errors`): per log, the mean absolute error of the fitted model's times against the
 measured ones over the rows from `MIN_CURVE_BYTES` up. Every fitted number's source names its logs.
@@ -32,6 +41,7 @@ from __future__ import annotations
 import datetime
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,6 +61,12 @@ CURVE_POINTS = 10
 SWEEPS = 4
 GOLDEN_STEPS = 18
 MIN_EFFICIENCY = 1e-3
+MAX_KIND_SCALE = 2.0
+"""A collective's own fall-off curve may sit above the shared one (up to the profile loader's bound): the level's
+e(S) is fitted on every collective together, and one collective may run faster than their median."""
+TABLE_SIZES = (64 * 2**20, 256 * 2**20, 2**30)
+"""Sizes of the rows a bus-bandwidth table becomes (`logs_from_bus_bandwidth`): bandwidth-bound, from
+`BANDWIDTH_BOUND_BYTES` up."""
 
 _PREFIX = re.compile(r"^(\[\d+,\d+\]<std(?:out|err)>:|\d+:\s)")
 _RANK = re.compile(r"^#\s+Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)\s+device\s+(\d+)")
@@ -229,29 +245,70 @@ def _fit_level(cluster: ClusterSpec, level: str, logs: list[NcclLog], source: st
                                                efficiency=curve, sources=sources))
 
 
-def _fit_scale(cluster: ClusterSpec, logs: list[NcclLog]) -> float:
-    """s(N) for logs of one node count: the factor zeroing the median log ratio of their bandwidth-bound rows."""
-    rows = [(log, size, seconds) for log in logs for size, seconds in log.rows if size >= BANDWIDTH_BOUND_BYTES]
-    if not rows:
-        rows = [(log, size, seconds) for log in logs for size, seconds in log.rows[-3:]]
-    low, high = math.log(MIN_EFFICIENCY), 0.0
-
-    def bias(log_scale: float) -> float:
-        curve = EfficiencyCurve(((2.0, math.exp(log_scale)),), source="-")
-        trial = _with_level(cluster, "inter_node", replace(cluster.inter_node, node_scaling=curve))
-        return float(np.median([math.log(collective_time(log.collective, size, log.group, trial) / seconds)
-                                for log, size, seconds in rows]))
-
+def _bias_zero(bias: Callable[[float], float], low: float, high: float) -> float:
+    """exp of the x in [low, high] (logs) where the decreasing `bias` crosses 0 (clamped to the ends)."""
     if bias(high) >= 0:
-        return 1.0
-    for _ in range(40):  # predicted time falls as the scale grows: bisect for the zero of the bias
+        return math.exp(high)
+    if bias(low) <= 0:
+        return math.exp(low)
+    for _ in range(40):
         mid = (low + high) / 2
         low, high = (mid, high) if bias(mid) > 0 else (low, mid)
     return float(math.exp((low + high) / 2))
 
 
-def fit_nccl_logs(logs: list[NcclLog], cluster: ClusterSpec, *, name: str | None = None) -> NcclFit:
-    """Fit `cluster`'s network to `logs` (module docstring); the fitted cluster is named `name`."""
+def _median_log_ratio(cluster: ClusterSpec, rows: list[tuple[NcclLog, float, float]]) -> float:
+    return float(np.median([math.log(collective_time(log.collective, size, log.group, cluster) / seconds)
+                            for log, size, seconds in rows]))
+
+
+def _bandwidth_rows(logs: list[NcclLog]) -> list[tuple[NcclLog, float, float]]:
+    rows = [(log, size, seconds) for log in logs for size, seconds in log.rows if size >= BANDWIDTH_BOUND_BYTES]
+    return rows or [(log, size, seconds) for log in logs for size, seconds in log.rows[-3:]]
+
+
+def _fit_scale(cluster: ClusterSpec, logs: list[NcclLog], kind: str | None = None, high: float = 1.0) -> float:
+    """s(N) for logs of one node count: the factor zeroing the median log ratio of their bandwidth-bound rows;
+    with `kind`, that collective's own curve (`LinkLevel.collective_node_scaling`), up to `high`."""
+    rows = _bandwidth_rows(logs)
+
+    def bias(log_scale: float) -> float:
+        curve = EfficiencyCurve(((2.0, math.exp(log_scale)),), source="-")
+        link = cluster.inter_node
+        if kind is None:
+            link = replace(link, node_scaling=curve)
+        else:
+            link = replace(link, collective_node_scaling={**link.collective_node_scaling, kind: curve})
+        return _median_log_ratio(_with_level(cluster, "inter_node", link), rows)
+
+    return _bias_zero(bias, math.log(MIN_EFFICIENCY), math.log(high))
+
+
+def _fit_level_bandwidth(cluster: ClusterSpec, level: str, logs: list[NcclLog], source: str) -> ClusterSpec:
+    """One factor on `level`'s e(S) (its shape and alpha kept): the factor zeroing the median log ratio of the
+    bandwidth-bound rows, the efficiencies kept in [MIN_EFFICIENCY, 1]. For logs that give bandwidth only."""
+    link: LinkLevel = getattr(cluster, level)
+    rows = _bandwidth_rows(logs)
+
+    def scaled(factor: float) -> LinkLevel:
+        points = tuple((x, float(f"{min(max(e * factor, MIN_EFFICIENCY), 1.0):.4g}")) for x, e in link.efficiency.points)
+        return replace(link, efficiency=EfficiencyCurve(points, source=f"{link.efficiency.source}; scaled by "
+                                                        f"{factor:.4g}, {source}"))
+
+    def bias(log_factor: float) -> float:
+        return _median_log_ratio(_with_level(cluster, level, scaled(math.exp(log_factor))), rows)
+
+    top = -math.log(min(e for _, e in link.efficiency.points))
+    factor = _bias_zero(bias, math.log(MIN_EFFICIENCY), top)
+    return _with_level(cluster, level, scaled(factor))
+
+
+def fit_nccl_logs(logs: list[NcclLog], cluster: ClusterSpec, *, name: str | None = None,
+                  bandwidth_only: bool = False) -> NcclFit:
+    """Fit `cluster`'s network to `logs` (module docstring); the fitted cluster is named `name`. `bandwidth_only`:
+    the logs hold bandwidth-bound rows only (`logs_from_bus_bandwidth`), so each level's e(S) is scaled by
+    one factor and alpha kept."""
+    fit_level = _fit_level_bandwidth if bandwidth_only else _fit_level
     if not logs:
         raise SoapError("--from-nccl-tests needs at least one log")
     stamp = datetime.date.today().isoformat()
@@ -264,14 +321,14 @@ def fit_nccl_logs(logs: list[NcclLog], cluster: ClusterSpec, *, name: str | None
             raise SoapError(f"{log.path}: {log.ranks_per_node} ranks per node, but {cluster.name} has "
                             f"{cluster.domain_size} GPUs per node; pass the matching --cluster")
     fitted = replace(cluster, name=name or f"{cluster.name}-nccl",
-                     inter_node=replace(cluster.inter_node, node_scaling=None))
+                     inter_node=replace(cluster.inter_node, node_scaling=None, collective_node_scaling={}))
     one_node = [log for log in logs if log.nodes == 1]
     if one_node:
-        fitted = _fit_level(fitted, "intra_node", one_node, named(one_node))
+        fitted = fit_level(fitted, "intra_node", one_node, named(one_node))
     spanning = sorted({log.nodes for log in logs if log.nodes > 1})
     if spanning:
         base = [log for log in logs if log.nodes == spanning[0]]
-        fitted = _fit_level(fitted, "inter_node", base, named(base))
+        fitted = fit_level(fitted, "inter_node", base, named(base))
         scale = [(float(spanning[0]), 1.0)]
         for nodes in spanning[1:]:
             scale.append((float(nodes), float(f"{_fit_scale(fitted, [log for log in logs if log.nodes == nodes]):.4g}")))
@@ -280,8 +337,41 @@ def fit_nccl_logs(logs: list[NcclLog], cluster: ClusterSpec, *, name: str | None
             curve = EfficiencyCurve(tuple(scale), source=named(chosen) + "; x = nodes spanned, factor on the "
                                     f"inter-node bandwidth relative to {spanning[0]} nodes")
             fitted = _with_level(fitted, "inter_node", replace(fitted.inter_node, node_scaling=curve))
+        kinds = sorted({log.collective for log in logs if log.nodes > 1})
+        if len(kinds) > 1:
+            own = {}
+            for kind in kinds:
+                points = []
+                for nodes in spanning:
+                    chosen = [log for log in logs if log.nodes == nodes and log.collective == kind]
+                    if chosen:
+                        points.append((float(nodes), float(f"{_fit_scale(fitted, chosen, kind, MAX_KIND_SCALE):.4g}")))
+                if points:
+                    chosen = [log for log in logs if log.nodes > 1 and log.collective == kind]
+                    own[kind] = EfficiencyCurve(tuple(points), source=named(chosen) + f"; x = nodes spanned, {kind}'s "
+                                                f"factor on the inter-node bandwidth (in place of node_scaling)")
+            fitted = _with_level(fitted, "inter_node", replace(fitted.inter_node, collective_node_scaling=own))
     errors = {log.path: (fit_error_pct(log, cluster), fit_error_pct(log, fitted)) for log in logs}
     return NcclFit(cluster=fitted, errors=errors)
+
+
+def logs_from_bus_bandwidth(table: dict[str, dict[int, float]], *, ranks_per_node: int,
+                            source: str = "table") -> list[NcclLog]:
+    """Logs from measured bus bandwidth (module docstring): `table[collective][nodes]` in bytes/s."""
+    from costmodel.collectives import bus_factor
+
+    logs = []
+    for kind, by_nodes in table.items():
+        if kind not in BINARIES.values():
+            raise SoapError(f"{source}: unknown collective {kind!r}")
+        for nodes, busbw in sorted(by_nodes.items()):
+            if busbw <= 0:
+                raise SoapError(f"{source}: {kind} at {nodes} nodes: bus bandwidth must be positive, got {busbw}")
+            n = nodes * ranks_per_node
+            rows = tuple((float(size), bus_factor(kind, n) * size / busbw) for size in TABLE_SIZES)
+            logs.append(NcclLog(path=f"{source}:{kind}@{nodes}x{ranks_per_node}", collective=kind, ranks=n,
+                                ranks_per_node=ranks_per_node, rows=rows))
+    return logs
 
 
 def write_log(path: str | Path, kind: str, cluster: ClusterSpec, *, nodes: int, ranks_per_node: int,

@@ -9,6 +9,11 @@ every instance and every stage (`_UnitPricer.chunk`):
 - compute: sum over ops of `Pricer.op` at the op's local split (`costmodel.placement`) for one
   micro-batch; backward split into input gradient and weight gradient (half of a parametrized
   matmul's backward, its weight-gradient kernel);
+- host-bound floor: a chunk's forward (and its selective recompute) takes at least its kernels x the
+  device's `host_dispatch_s`, its backward at least its backward kernels x that (scaled up in proportion):
+  an eager framework dispatches each kernel from Python through autograd, and when the kernels are
+  shorter than that (small models, small micro-batches, TP shards) the GPU waits for the host. Summed per
+  chunk, not per kernel: the launch queue lets a long kernel hide the dispatch of the short ones after it;
 - recompute (`recompute_for(block)`): full -> the block's whole forward again in backward (its
   activation collectives too); selective -> the forward of the ops whose saved tensors it drops (all
   but matmuls, embeddings and losses); none -> 0;
@@ -43,7 +48,28 @@ every instance and every stage (`_UnitPricer.chunk`):
   micro-batch 1 over hundreds of nodes the step is communication-bound: llama-3-8b (8.0e9 parameters)
   on 512 H100s (g = 8, B = 50 GB/s, N = 64) moves 8.0e9 x 8 x 63/64 / 400e9 = 0.158 s per micro-batch
   at line rate, about its compute at seq 2048 (tests/test_physics.py holds the simulator and the
-  estimator above it);
+  estimator above it). Each collective also pays its ring's latency, which grows with the group
+  (`collectives.ring_latency`: NCCL gathers and reduce-scatters across nodes are rings, no hierarchical
+  variant), so thousands of ranks make every per-unit call latency-bound at small units;
+- worked example, the SC'21 comparison (Narayanan et al., "Efficient Large-Scale Language Model Training
+  on GPU Clusters", ZeRO-3 vs PTD-P): a 175B GPT (96 layers, hidden 12288, seq 2048, global batch 1,536,
+  fp16, full recompute) on 384 / 768 / 1,536 A100 80GB (`dgx-a100-80g`: 8 per node, 8 x 200 Gb/s IB,
+  B = 25 GB/s per GPU). Measured: DeepSpeed's ZeRO-3 fell 144 -> 88 -> 44 TFLOP/s per GPU (its step time
+  stayed near 65 s from 768 to 1,536 GPUs) while tp8 x pp16 x dp held 153 -> 149 -> 141. Soap's arithmetic
+  for its own executor (FSDP2, one gather per block), micro-batch 1: a block holds p = 1.81e9 parameters,
+  3.6 GB gathered at 2 bytes; per micro-batch 96 x (2 gathers + 1 fp32 reduce-scatter) move
+  175e9 x 8 B x (N-1)/N through 8 NICs: 7.0 s at line rate (7.8 s at the profile's 0.9 efficiency),
+  plus 288 ring latencies of 672 x 1.9 + 95 x 4 us = 1.66 ms at 768 ranks (0.5 s; 1.0 s at 1,536), against
+  11.7 s of compute: the step is compute-bound and scales with the GPUs (simulated 47.2 / 23.6 / 11.8 s;
+  tp8 pp16: 59.2 / 30.7 / 16.5 s), so soap still ranks ZeRO-3 above the 3-D plan. Memory does not
+  change that: fp16 on FSDP2 gathers fp32 and autocast keeps each matmul weight's 16-bit copy from forward
+  to backward (`costmodel.memory`), 2 x 175e9 B = 350 GB per GPU without offload (the 3-D plan: about
+  20 GB; tests/test_physics.py), but with the optimizer offloaded the planner fits it in 27.6 GB at
+  24.1 s per step on 768 GPUs. The published collapse is DeepSpeed 2021's, not this
+  arithmetic: it gathered each parameter tensor on its own (12 per layer, a bias shard of 64 bytes at
+  1,536 ranks), 96 x 12 x 3 = 3,456 latency-bound rings per micro-batch, each (n-1) steps: at about 10 us
+  a step that is 3,456 x 1,535 x 10 us = 53 s at 1,536 ranks, the measured order. Soap's executor gathers
+  per block, so it does not price that stack;
 - activations: what `memory.activation_parts` says one micro-batch keeps, per group of ops sharing a
   split; the recompute window (the dropped tensors, re-materialized while the chunk's backward runs)
   is the none set less the kept set. With full recomputation only the block input is kept. Under
@@ -91,7 +117,7 @@ from costmodel.memory import (
     model_state_bytes, stage_params, workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
-from costmodel.opcost import activation_itemsize, op_time
+from costmodel.opcost import activation_itemsize, backward_kernels, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
@@ -225,7 +251,8 @@ def price_step(
     validate_bounds(bounds, layers, n_stages)
     shape = activation_shape(graph, strategy)
     units = _UnitPricer(graph, strategy, pricer, groups, shape,
-                        activation_factor=cluster.device.activation_collective_factor)
+                        activation_factor=cluster.device.activation_collective_factor,
+                        host_dispatch_s=cluster.device.host_dispatch_s)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
     schedule, passes = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
@@ -257,9 +284,11 @@ class _UnitPricer:
     """Prices each segment of the graph once (`chunk(layer)`)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape,
-                 *, activation_factor: float = 1.0) -> None:
+                 *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0) -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
         self.activation_factor = activation_factor
+        self.host_dispatch_s = host_dispatch_s
+        """The device's `host_dispatch_s` (the host-bound floor of a chunk)."""
         """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
         self._chunks: dict[int, ChunkCost] = {}
         self._params: dict[int, int] = {}
@@ -295,12 +324,22 @@ class _UnitPricer:
         t = self.strategy.train
         placements = self._placements(layer)
         fwd = bwd_in = bwd_w = selective = 0.0
+        fwd_kernels = bwd_kernels = selective_kernels = 0
         cached = selective_cached([p.op for p in placements], t.attention)
         for p, kept in zip(placements, cached, strict=True):
             f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)
             fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
+            fwd_kernels += f > 0
+            bwd_kernels += backward_kernels(p.op) if bi + bw > 0 else 0
             if not kept:  # selective checkpointing recomputes it
                 selective += f
+                selective_kernels += f > 0
+        host = self.host_dispatch_s
+        if host > 0:  # the host-bound floor: the GPU cannot run kernels faster than the host dispatches them
+            fwd, selective = max(fwd, fwd_kernels * host), max(selective, selective_kernels * host)
+            if bwd_in + bwd_w < bwd_kernels * host:
+                scale = bwd_kernels * host / max(bwd_in + bwd_w, 1e-30)
+                bwd_in, bwd_w = (bwd_in * scale, bwd_w * scale) if bwd_in + bwd_w > 0 else (bwd_kernels * host, 0.0)
         fwd_comm, bwd_comm = self._comm(placements, "fwd"), self._comm(placements, "bwd")
         policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
         kept, recompute_bytes = placed_activations(placements, self.strategy, self.graph.batch, self.shape, policy)
@@ -398,7 +437,7 @@ def data_parallel_traffic(dims: ParallelDims, train: TrainingConfig) -> DataPara
     sharded = d.shard_degree > 1
     gathers = 2 if t.zero == 3 and sharded else 1 if t.zero == 2 and sharded else 0
     fsdp2 = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
-    every = (t.zero == 3 and sharded) or (d.pp == 1 and d.sync_degree > 1 and fsdp2)
+    every = (t.zero == 3 and sharded) or (d.pp == 1 and d.sync_degree > 1 and fsdp2 and not t.accumulate_locally)
     return DataParallelTraffic(gathers, every)
 
 

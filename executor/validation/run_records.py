@@ -148,7 +148,8 @@ class RunRecord(BaseModel):
 
 def hf_config(model: dict[str, Any], *, seq: int) -> Any:
     """An HF PretrainedConfig from an inline dict: HF's own fields (with `model_type`), or the short form of
-    published tables (a llama-style decoder; `mlp` naming "squared-relu" makes it Nemotron's non-gated MLP)."""
+    published tables (a llama-style decoder; `mlp` naming "squared-relu" makes it Nemotron's non-gated MLP;
+    `tie_word_embeddings` as stated, untied when absent)."""
     from transformers import AutoConfig
 
     fields = {k: v for k, v in model.items() if k not in ("name", "arch_source")}
@@ -163,7 +164,8 @@ def hf_config(model: dict[str, Any], *, seq: int) -> Any:
         raise SoapError(f"the model needs `model_type` (an HF config) or the short form's {', '.join(sorted(missing))}")
     common = dict(hidden_size=fields["hidden"], intermediate_size=fields["ffn"], num_hidden_layers=fields["layers"],
                   num_attention_heads=fields["heads"], num_key_value_heads=fields.get("kv_heads", fields["heads"]),
-                  vocab_size=fields["vocab"], max_position_embeddings=max(seq, 4096), tie_word_embeddings=False)
+                  vocab_size=fields["vocab"], max_position_embeddings=max(seq, 4096),
+                  tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)))
     mlp = str(fields.get("mlp", "gated-silu"))
     if "squared-relu" in mlp:
         return AutoConfig.for_model("nemotron", hidden_act="relu2", **common)
@@ -191,7 +193,7 @@ def read_records(path: str | Path, *, cluster: str | None = None, stack: str | N
     try:
         data = json.loads(text)
         rows = data.get("rows") if isinstance(data, dict) else data
-        defaults = {k: data[k] for k in FILE_DEFAULTS if isinstance(data, dict) and k in data}
+        defaults = {k: data[k] for k in FILE_DEFAULTS if isinstance(data, dict) and data.get(k) is not None}
         source = data.get("source") if isinstance(data, dict) else None
         if isinstance(data, dict) and rows is None:
             rows = [data]

@@ -1,0 +1,185 @@
+"""A measured grid of one model's configurations on one cluster: load it, price each row as published, and
+judge the ranking (the Ultra-Scale Playbook's 1B grid, ../shared/published-runs/nanotron-playbook-1b-h100.json).
+
+A grid file is one JSON object: `model` (the short form of `executor.validation.run_records.hf_config`),
+`stack`, `rows` (configurations that ran: `tokens_per_s_per_gpu`, `memory_gb` as published) and
+`crashed_or_oom.rows` (configurations that did not run, no measurement). `load_grid` reads both as
+`RunRecord`s; a crashed row is built without validation (it has nothing measured: `measured_*` of it fail).
+
+Pricing (`price_row`): the record planned as published (`RunRecord.pins`, no memory limit, so a configuration
+soap thinks too big is still priced; a pipeline with fewer micro-batches than stages as GPipe: 1F1B's
+warm-up then holds every micro-batch, the same timeline; a stack that accumulates gradients locally across
+micro-batches, `LOCAL_ACCUMULATION_STACKS`, priced so: `as_run`) and simulated on the given cluster: step time,
+tokens/s per GPU and the
+simulated peak memory (allocated, GiB). Graphs are cached per (model, seq, precision) in `graphs`.
+
+Ranking (`group_scores`), per group of rows (a node count):
+- Spearman's rank correlation of predicted against measured tokens/s per GPU;
+- pick/best = measured tokens/s of the row predicted fastest / the best measured tokens/s in the group:
+  what a user who ran soap's choice would get, against what the best configuration in the grid gave.
+`geometric_mean` summarises either over groups.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from costmodel.profiles import ClusterSpec
+from executor.validation.run_records import RunRecord
+from tracer.errors import SoapError
+
+GB = 1e9
+
+
+def _record(row: dict[str, Any], model: dict[str, Any], stack: str, cluster: str | None,
+            validate: bool) -> RunRecord:
+    fields = {k: v for k, v in row.items() if v is not None}  # unknown keys (nodes, published_mfu_pct) are kept
+    fields.update(model=model, stack=stack, cluster=row.get("cluster") or cluster)
+    if row.get("memory_gb"):
+        fields["memory_gib"] = row["memory_gb"] * GB / 2**30
+    if not validate:
+        defaults = {name: f.default for name, f in RunRecord.model_fields.items() if not f.is_required()}
+        return RunRecord.model_construct(**{**defaults, **fields})
+    return RunRecord.model_validate(fields)
+
+
+def load_grid(path: str | Path, *, cluster: str | None = None) -> tuple[list[RunRecord], list[RunRecord]]:
+    """(rows that ran, rows that crashed or ran out of memory) of a grid file (module docstring), every row
+    with the file's model and stack; `cluster` names the soap cluster profile for rows that state none. The
+    published `memory_gb` becomes `memory_gib` (GB / 1.074; the grid does not say allocated or reserved)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SoapError(f"cannot read grid {path}: {err}") from None
+    if not isinstance(data, dict) or "model" not in data or not data.get("rows"):
+        raise SoapError(f"{path}: a grid needs `model` and `rows`")
+    stack = data.get("stack", "torch-native")
+    crashed = (data.get("crashed_or_oom") or {}).get("rows", [])
+    ran = [_record(row, data["model"], stack, cluster, True) for row in data["rows"]]
+    return ran, [_record(row, data["model"], stack, cluster, False) for row in crashed]
+
+
+LOCAL_ACCUMULATION_STACKS = ("nanotron", "megatron-deepspeed", "megatron-lm", "nemo-te")
+"""Stacks whose data parallelism (ZeRO 0/1) accumulates gradients locally and syncs once per step, TP or not
+(Megatron's and nanotron's own DP); soap's executor runs DP beside TP on FSDP2, which syncs every micro-batch."""
+
+
+class StackPlan:
+    """A plan as another stack runs it: the plan's own strategy with `train` fields replaced (simulated through
+    `executor.validation.refit.simulate_on`, which reads `strategy()` and the plan's stages)."""
+
+    def __init__(self, plan: Any, **train: Any) -> None:
+        self.plan, self.train = plan, train
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.plan, name)
+
+    def strategy(self) -> Any:
+        from dataclasses import replace
+
+        strategy = self.plan.strategy()
+        return replace(strategy, train=replace(strategy.train, **self.train))
+
+
+def as_run(plan: Any, record: RunRecord) -> Any:
+    """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`), else the plan itself."""
+    return StackPlan(plan, accumulate_locally=True) if record.stack in LOCAL_ACCUMULATION_STACKS else plan
+
+
+@dataclass(frozen=True)
+class RowPrice:
+    """One row as soap prices it on a cluster."""
+
+    name: str
+    step_s: float
+    tokens_per_s_per_gpu: float
+    peak_memory_gib: float
+    """Simulated peak per GPU (allocated), the largest over pipeline stages."""
+    plan: Any
+
+
+def price_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = None) -> RowPrice:
+    """Plan `record` as published on `cluster` and simulate it (module docstring)."""
+    from executor.validation.refit import simulate_on, trace_plan_model
+    from planner.api import plan_report
+
+    pins = record.pins()
+    if pins.get("pp", 1) > 1 and record.batch // (record.data_parallel * record.micro_batch) < pins["pp"]:
+        pins["schedule"] = "GPipe"  # fewer micro-batches than stages: 1F1B's warm-up holds them all, GPipe's timeline
+    try:
+        report = plan_report(record.model_spec(), cluster=cluster, mem_limit_gib=1e6, **pins)
+    except SoapError as err:
+        raise SoapError(f"{record.name}: {err}") from None
+    plan = as_run(report.plan, record)
+    graphs = {} if graphs is None else graphs
+    key = (plan.model.config_hash, plan.seq_len, plan.parallelism.precision, cluster.name)
+    if key not in graphs:
+        graphs[key] = trace_plan_model(plan, cluster)
+    sim = simulate_on(plan, graphs[key], cluster)
+    tokens = record.batch * record.seq / (sim.step_time_s * record.gpus)
+    memory = max(m.at_peak.total for m in sim.memory) / 2**30
+    return RowPrice(name=record.name, step_s=sim.step_time_s, tokens_per_s_per_gpu=tokens, peak_memory_gib=memory,
+                    plan=plan)
+
+
+def prepare_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = None) -> Any:
+    """`record` priced on `cluster` and its step split into the parts `soap calibrate --from-runs` fits
+    (`executor.validation.external.Prepared`)."""
+    from executor.validation.external import Prepared, step_terms
+
+    graphs = {} if graphs is None else graphs
+    price = price_row(record, cluster, graphs=graphs)
+    plan = price.plan
+    graph = graphs[(plan.model.config_hash, plan.seq_len, plan.parallelism.precision, cluster.name)]
+    parts, _ = step_terms(plan, graph, cluster)
+    return Prepared(record=record, plan=plan, graph=graph, cluster=cluster, parts=parts)
+
+
+def spearman(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank); nan under 3 rows."""
+    if len(predicted) < 3:
+        return float("nan")
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(predicted, measured).statistic)
+
+
+@dataclass(frozen=True)
+class GroupScore:
+    group: str
+    rows: int
+    spearman: float
+    pick_best: float
+    picked: str
+    best: str
+
+
+def group_scores(records: Sequence[RunRecord], predicted: Sequence[float],
+                 key: Callable[[RunRecord], Any] = lambda r: getattr(r, "nodes", r.gpus)) -> list[GroupScore]:
+    """Per group (`key`, default the record's node count), rank correlation and pick/best (module docstring);
+    `predicted` is tokens/s per GPU in the order of `records`."""
+    groups: dict[Any, list[int]] = {}
+    for i, record in enumerate(records):
+        groups.setdefault(key(record), []).append(i)
+    out = []
+    for group, index in sorted(groups.items()):
+        pred = [predicted[i] for i in index]
+        meas = [records[i].measured_tokens_per_s_per_gpu for i in index]
+        pick, best = int(np.argmax(pred)), int(np.argmax(meas))
+        out.append(GroupScore(group=str(group), rows=len(index), spearman=spearman(pred, meas),
+                              pick_best=meas[pick] / meas[best], picked=records[index[pick]].name,
+                              best=records[index[best]].name))
+    return out
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    kept = [v for v in values if v > 0 and math.isfinite(v)]
+    return float(math.exp(np.mean(np.log(kept)))) if kept else float("nan")

@@ -1,0 +1,59 @@
+"""The grid loader of `executor.validation.grid`: a grid file's rows that ran and crashed, one priced as published."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from costmodel.profiles import load_cluster
+from executor.validation.grid import group_scores, load_grid, price_row
+
+PLAYBOOK = Path(__file__).resolve().parents[2] / "shared" / "published-runs" / "nanotron-playbook-1b-h100.json"
+
+
+def _row(name: str, tp: int, pp: int, dp: int, zero: int, mb: int, ga: int, tokens: float | None) -> dict:
+    row = {"name": name, "gpus": 8, "nodes": 1, "tp": tp, "pp": pp, "cp": 1, "dp": dp, "zero": zero,
+           "micro_batch": mb, "grad_accum": ga, "global_batch": dp * mb * ga, "seq": 512,
+           "sequence_parallel": tp > 1, "pp_schedule": "1F1B" if pp > 1 else None, "precision": "bf16",
+           "recompute": "none", "torch_compile": False}
+    if tokens:
+        row.update(tokens_per_s_per_gpu=tokens, memory_gb=10.0)
+    return row
+
+
+def test_grid_loader_reads_ran_and_crashed_rows_and_prices_one_as_published(tmp_path):
+    grid = {"stack": "nanotron", "model": {"hidden": 256, "ffn": 1024, "layers": 2, "heads": 4, "kv_heads": 4,
+                                           "vocab": 1024, "mlp": "gated-silu", "tie_word_embeddings": True},
+            "rows": [_row("a", 1, 1, 8, 0, 2, 4, 9000.0), _row("b", 2, 1, 4, 0, 4, 4, 8000.0),
+                     _row("c", 1, 2, 4, 1, 4, 1, 7000.0)],
+            "crashed_or_oom": {"rows": [_row("d", 1, 2, 4, 1, 64, 1, None)]}}
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(grid))
+    ran, crashed = load_grid(path, cluster="dgx-h100")
+    assert [r.name for r in ran] == ["a", "b", "c"] and [r.name for r in crashed] == ["d"]
+    assert ran[0].stack == "nanotron" and ran[0].memory_gib == pytest.approx(10.0 * 1e9 / 2**30)
+    cluster, graphs = load_cluster("dgx-h100"), {}
+    prices = [price_row(r, cluster, graphs=graphs) for r in ran]
+    a = prices[0]
+    assert a.plan.parallelism.dp == 8 and a.plan.parallelism.grad_accum == 4
+    assert a.tokens_per_s_per_gpu == pytest.approx(8 * 2 * 4 * 512 / (a.step_s * 8))
+    assert a.peak_memory_gib > 0
+    assert prices[1].plan.parallelism.sequence_parallel
+    # nanotron accumulates gradients locally beside TP and syncs once a step; soap's executor (FSDP2 beside TP)
+    # syncs every micro-batch: the row is priced as nanotron ran it, and not slower than soap's own way
+    assert prices[1].plan.strategy().train.accumulate_locally
+    from executor.validation.refit import simulate_on
+
+    own = simulate_on(prices[1].plan.plan, next(iter(graphs.values())), cluster).step_time_s
+    assert prices[1].step_s <= own
+    # one micro-batch per pipeline: priced as GPipe (the same timeline as 1F1B)
+    assert prices[2].plan.parallelism.pp == 2 and prices[2].plan.parallelism.schedule == "GPipe"
+    (score,) = group_scores(ran, [p.tokens_per_s_per_gpu for p in prices])
+    assert score.rows == 3 and 0 < score.pick_best <= 1
+
+
+@pytest.mark.skipif(not PLAYBOOK.exists(), reason="the published-runs corpus is not checked out beside the repo")
+def test_playbook_grid_file_loads():
+    ran, crashed = load_grid(PLAYBOOK, cluster="dgx-h100")
+    assert len(ran) == 527 and len(crashed) == 266
+    assert {r.nodes for r in ran} == {1, 2, 4, 8, 16, 32, 64}
