@@ -13,7 +13,6 @@ The margin the search keeps by default is `DEFAULT_MARGIN`; the table shows what
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,38 +28,25 @@ GIB = 2**30
 
 
 def predicted_peaks(max_nodes: int) -> list[dict]:
-    from executor.validation.run_records import RunRecord
-    from planner.api import plan_report
+    from costmodel.profiles import load_cluster
+    from executor.validation.grid import load_grid, price_row
     from tracer.errors import SoapError
 
-    data = json.loads(GRID.read_text())
-    keep = set(RunRecord.model_fields) - {"memory_gib", "memory_kind"}
-    out = []
-    for status, rows in (("ran", data["rows"]), ("crashed", data["crashed_or_oom"]["rows"])):
-        for row in rows:
-            if row["nodes"] > max_nodes:
+    cluster, graphs, out = load_cluster(CLUSTER), {}, []
+    ran, crashed = load_grid(GRID)
+    for status, records in (("ran", ran), ("crashed", crashed)):
+        for record in records:
+            nodes = record.gpus // 8
+            if nodes > max_nodes:
                 continue
-            record = RunRecord.model_validate({**{k: v for k, v in row.items() if k in keep and v is not None},
-                                               "model": data["model"], "stack": "nanotron",
-                                               # a crashed row measured nothing; the record needs a figure to load
-                                               "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu") or 1.0})
-            try:
-                try:
-                    report = plan_report(record.model_spec(), cluster=CLUSTER, mem_limit_gib=1e6, **record.pins())
-                except SoapError as err:
-                    if "micro-batches per schedule run" not in str(err):
-                        raise
-                    # 1F1B with fewer micro-batches than stages (torch's Schedule1F1B refuses it; nanotron runs it)
-                    # is GPipe's timeline: each micro-batch's forward through every stage, then its backward
-                    gpipe = record.model_copy(update={"pp_schedule": "GPipe"})
-                    report = plan_report(gpipe.model_spec(), cluster=CLUSTER, mem_limit_gib=1e6, **gpipe.pins())
-                peak = report.chosen.peak_memory_bytes / GIB
-            except Exception as err:  # a configuration soap cannot express is reported, not dropped silently
-                out.append(dict(name=row["name"], status=status, nodes=row["nodes"], error=str(err)[:160]))
+            try:  # priced as published; 1F1B with fewer micro-batches than stages as GPipe (the same timeline)
+                price = price_row(record, cluster, graphs=graphs)
+            except SoapError as err:  # refused by the plan rules: reported, not dropped
+                out.append(dict(name=record.name, status=status, nodes=nodes, error=str(err)[:160]))
                 continue
-            out.append(dict(name=row["name"], status=status, nodes=row["nodes"], predicted_gib=peak,
-                            measured_gb=row.get("memory_gb")))
-            print(f"{status} {row['name']}: {peak:.1f} GiB", file=sys.stderr)
+            out.append(dict(name=record.name, status=status, nodes=nodes, predicted_gib=price.peak_memory_gib,
+                            measured_gb=record.memory_gib * 1.074 if record.memory_gib else None))
+            print(f"{status} {record.name}: {price.peak_memory_gib:.1f} GiB", file=sys.stderr)
     return out
 
 

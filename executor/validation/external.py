@@ -462,18 +462,10 @@ class GroupRank:
     """Measured tokens/s of the run predicted fastest over the best measured run of the group."""
 
 
-def _spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    if len(a) < 3:
-        return None
-    ra = np.argsort(np.argsort(a)).astype(float)
-    rb = np.argsort(np.argsort(b)).astype(float)
-    if ra.std() == 0 or rb.std() == 0:
-        return None
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def group_ranks(prepared: Sequence[Prepared], predictions: Sequence[Prediction]) -> list[GroupRank]:
     """Per group of two or more runs sharing model, cluster and GPU count: rank correlation and pick/best."""
+    from executor.validation.grid import spearman
+
     by_name = {q.name: q for q in predictions}
     groups: dict[str, list[Prediction]] = {}
     for p in prepared:
@@ -488,7 +480,8 @@ def group_ranks(prepared: Sequence[Prepared], predictions: Sequence[Prediction])
         measured = [q.measured_tokens for q in members]
         predicted = [q.predicted_tokens for q in members]
         pick = members[int(np.argmax(predicted))].measured_tokens
-        out.append(GroupRank(group=key, runs=len(members), spearman=_spearman(predicted, measured),
+        rho = spearman(predicted, measured) if len(members) >= 3 and len(set(predicted)) > 1 else None
+        out.append(GroupRank(group=key, runs=len(members), spearman=rho,
                              pick_over_best=pick / max(measured)))
     return out
 

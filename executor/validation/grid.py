@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+import numpy as np
+
 from costmodel.profiles import ClusterSpec
 from executor.validation.run_records import RunRecord
 from tracer.errors import SoapError
@@ -147,9 +149,22 @@ def spearman(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """Spearman's rank correlation (ties get their mean rank); nan under 3 rows."""
     if len(predicted) < 3:
         return float("nan")
-    from scipy.stats import spearmanr
+    a, b = _mean_ranks(predicted), _mean_ranks(measured)
+    if a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(a, b)[0, 1])
 
-    return float(spearmanr(predicted, measured).statistic)
+
+def _mean_ranks(values: Sequence[float]) -> np.ndarray:
+    """Ranks 0..n-1, tied values sharing their mean rank (numpy only: scipy is no dependency)."""
+    x = np.asarray(values, dtype=float)
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    for value in np.unique(x):
+        tied = x == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
 
 
 @dataclass(frozen=True)
