@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 
-import numpy as np
-
 from costmodel.profiles import ClusterSpec
 from executor.validation.run_records import RunRecord
 from tracer.errors import SoapError
