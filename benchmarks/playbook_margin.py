@@ -74,7 +74,7 @@ def markdown(rows: list[dict], device_gib: float, elapsed: float) -> str:
                      f"{refused_ran} of {all_ran} |")
     worst = sorted(ran, key=lambda r: r["predicted_gib"], reverse=True)[:5]
     lines += ["", "The ran configurations predicted highest (predicted GiB / published GB, whose kind the source "
-              "does not state): " + "; ".join(f"{r['name']} {r['predicted_gib']:.1f} / {r['measured_gb']}" for r in worst)
+              "does not state): " + "; ".join(f"{r['name']} {r['predicted_gib']:.1f} / {r['measured_gb']:.1f}" for r in worst)
               + "."]
     errors = [r["predicted_gib"] / r["measured_gb"] - 1 for r in ran if r.get("measured_gb")]
     if errors:

@@ -392,6 +392,12 @@ def _nvlink_domain(r: _Reader, data: dict) -> int | None:
     return None if domain == node else domain
 
 
+def _us(seconds: float) -> float:
+    """Seconds as the microseconds a profile stores, to 12 significant digits: x 1e6 then / 1e6 on reading
+    must give back the same float (5.31 us read is 5.309999999999999e-06 s, which x 1e6 is 5.309999999999999)."""
+    return float(f"{seconds * 1e6:.12g}")
+
+
 def _number(value: float, source: str | None) -> dict:
     return {"value": value, "source": source or NOT_RECORDED}
 
@@ -415,7 +421,7 @@ def device_to_dict(device: DeviceProfile) -> dict:
         "memory_bandwidth_gbps": _number(device.memory_bandwidth / 1e9, src("memory_bandwidth_gbps")),
         "matmul_efficiency": _curve_dict(device.matmul_efficiency),
         "memory_efficiency": _curve_dict(device.memory_efficiency),
-        "kernel_overhead_us": _number(device.kernel_overhead_s * 1e6, src("kernel_overhead_us")),
+        "kernel_overhead_us": _number(_us(device.kernel_overhead_s), src("kernel_overhead_us")),
         "context_overhead_gib": _number(device.context_bytes / GIB, src("context_overhead_gib")),
         "host_link_gbps": _number(device.host_bandwidth / 1e9, src("host_link_gbps")),
     }
@@ -436,9 +442,9 @@ def device_to_dict(device: DeviceProfile) -> dict:
     if device.communication_overlap != 1.0 or "communication_overlap" in device.sources:
         out["communication_overlap"] = _number(device.communication_overlap, src("communication_overlap"))
     if device.host_dispatch_s or "host_dispatch_us" in device.sources:
-        out["host_dispatch_us"] = _number(device.host_dispatch_s * 1e6, src("host_dispatch_us"))
+        out["host_dispatch_us"] = _number(_us(device.host_dispatch_s), src("host_dispatch_us"))
     if device.collective_call_overhead_s or "collective_call_overhead_us" in device.sources:
-        out["collective_call_overhead_us"] = _number(device.collective_call_overhead_s * 1e6,
+        out["collective_call_overhead_us"] = _number(_us(device.collective_call_overhead_s),
                                                      src("collective_call_overhead_us"))
     if device.activation_collective_factor != 1.0 or "activation_collective_factor" in device.sources:
         out["activation_collective_factor"] = _number(device.activation_collective_factor,
@@ -456,7 +462,7 @@ def _factor_table_dict(table: dict[str, FactorCurve], source: str | None) -> dic
 def _link_dict(link: LinkLevel) -> dict:
     out = {
         "bandwidth_gbps": _number(link.bandwidth / 1e9, link.sources.get("bandwidth_gbps")),
-        "latency_us": _number(link.latency_s * 1e6, link.sources.get("latency_us")),
+        "latency_us": _number(_us(link.latency_s), link.sources.get("latency_us")),
         "efficiency": _curve_dict(link.efficiency),
         "sharp": link.sharp,
     }
