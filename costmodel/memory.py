@@ -48,7 +48,9 @@ inside each matmul; so its state is bf16's (fp32 master, fp32 gradients, fp32 op
   given; without them every parameter is assumed to sit in square matrices of side
   `ADAFACTOR_ASSUMED_SIDE` (8 / side bytes per element), an approximation.
 - Optimizer-step scalars (torch keeps one `step` value per parameter tensor) are not counted.
-- Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit and fp8.
+- Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit and fp8 (PEFT's
+  frozen base weights among them, `costmodel.peft`). QLoRA's 4-bit base weights (`quantized`, bytes
+  by `costmodel.peft.nf4_bytes`) are weights only too, held whole on every rank.
 - Sharded terms are ceil(bytes / d); zero 2 and 3 shard only over d > 1 (with d = 1 they hold the zero
   0 row).
 
@@ -107,6 +109,7 @@ from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
+from costmodel.peft import dequantize_buffer_bytes, is_quantized, nf4_bytes
 from costmodel.placement import (is_expert, linear_style, moe_blocks, replicated_in_moe, replicated_kv_projections,
                                  vocab_parallel_ops)
 from costmodel.profiles import DeviceProfile
@@ -212,12 +215,14 @@ def model_state_bytes(
     frozen: int = 0,
     pipeline: bool = False,
     fsdp: bool = False,
+    quantized: int = 0,
 ) -> StateBytes:
     """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding
     (the module docstring's table).
 
     `params` counts trainable elements (their shapes in `param_shapes`, for adafactor); `frozen`
-    elements add weights only; `pipeline` (pp > 1): FSDP2's gradients accumulate unsharded; `fsdp`: the
+    elements add weights only, and so do `quantized` bytes (QLoRA's 4-bit base weights); `pipeline`
+    (pp > 1): FSDP2's gradients accumulate unsharded; `fsdp`: the
     executor runs data parallelism on FSDP2 (`costmodel.strategy.runs_on_fsdp2`: tp, a pipeline or
     offload), where zero 0/1 hold the zero-2 row (FSDP2 without resharding over dp_shard)."""
     _check_state_args(precision, optimizer, zero, dp_shard)
@@ -225,6 +230,14 @@ def model_state_bytes(
         zero = 2
     state = optimizer_state_bytes(params, precision=precision, optimizer=optimizer, param_shapes=param_shapes)
     frozen_bytes = frozen * FROZEN_WEIGHT_BYTES[precision]
+    state_bytes = _model_state_bytes(params, precision=precision, zero=zero, dp_shard=dp_shard, state=state,
+                                     offload_optimizer=offload_optimizer, frozen_bytes=frozen_bytes, pipeline=pipeline)
+    return StateBytes(weights=state_bytes.weights + quantized, grads=state_bytes.grads,
+                      optimizer=state_bytes.optimizer, offloaded=state_bytes.offloaded)
+
+
+def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int, state: int, offload_optimizer: bool,
+                       frozen_bytes: int, pipeline: bool) -> StateBytes:
     if offload_optimizer:
         host = math.ceil(params * (FSDP_MASTER_BYTES + FSDP_GRAD_BYTES) / dp_shard) + math.ceil(state / dp_shard)
         gathered = 0 if zero == 3 else params * fsdp_param_bytes(precision)
@@ -268,6 +281,10 @@ class ParamSet:
     """Local shapes of the trainable tensors, one entry per instance (for adafactor)."""
     largest_unit: int
     """Elements of the largest FSDP unit: one block instance, or all non-block parameters."""
+    quantized_bytes: int = 0
+    """Bytes of QLoRA's 4-bit base weights (`costmodel.peft.nf4_bytes`, per tensor)."""
+    largest_quantized: int = 0
+    """Elements of the largest 4-bit weight (its dequantized copy is a transient buffer)."""
 
 
 def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert_parallel: int = 1,
@@ -322,7 +339,7 @@ def stage_params(
         degrees = parameter_degrees(ops, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                                     vocab_parallel=vocab_parallel)
     seen: set[str] = set()
-    trainable = frozen = 0
+    trainable = frozen = quantized = largest_quantized = 0
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
     for op in ops:
@@ -340,12 +357,23 @@ def stage_params(
                 shapes.extend([shape] * count)
             elif p.dtype in FLOAT_DTYPES:
                 frozen += local * count
-    return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0))
+            elif is_quantized(p.dtype):
+                quantized += nf4_bytes(local) * count
+                largest_quantized = max(largest_quantized, local)
+    return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0), quantized, largest_quantized)
 
 
 def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False,
                  fsdp: bool = False) -> int:
-    """Communication buffers (see the module docstring); `fsdp` as in `model_state_bytes`."""
+    """Communication buffers (see the module docstring); `fsdp` as in `model_state_bytes`; plus QLoRA's
+    dequantized weight (`costmodel.peft.dequantize_buffer_bytes`)."""
+    dequantized = dequantize_buffer_bytes(params.largest_quantized, precision) if params.largest_quantized else 0
+    return dequantized + _communication_buffer_bytes(params=params, precision=precision, zero=zero, dp=dp,
+                                                     dp_shard=dp_shard, offload=offload, fsdp=fsdp)
+
+
+def _communication_buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool,
+                                fsdp: bool) -> int:
     if fsdp and zero < 2:
         zero = 2
     if offload:
@@ -409,6 +437,7 @@ def estimate_memory(
         offload_optimizer=train.offload_optimizer,
         param_shapes=params.shapes,
         frozen=params.frozen,
+        quantized=params.quantized_bytes,
     )
     activations = in_flight_microbatches * activation_bytes(
         ops,

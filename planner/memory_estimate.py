@@ -135,6 +135,8 @@ class MemoryTables:
             frozen=int(sum(counts[u] * alone[u].frozen for u in blocks)) + outside.frozen,
             shapes=tuple(s for u in blocks for s in alone[u].shapes * int(counts[u])) + outside.shapes if shapes else (),
             largest_unit=max([alone[u].largest_unit for u in blocks] + [outside.largest_unit]),
+            quantized_bytes=int(sum(counts[u] * alone[u].quantized_bytes for u in blocks)) + outside.quantized_bytes,
+            largest_quantized=max([alone[u].largest_quantized for u in blocks] + [outside.largest_quantized]),
         )
 
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
@@ -145,15 +147,15 @@ class MemoryTables:
         Memoized: it reads none of the micro-batching and recompute choices."""
         adafactor = optimizer == "adafactor"
         state = []
-        same: dict[tuple[int, int], object] = {}  # stages holding as many parameters hold as much state
+        same: dict[tuple[int, int, int], object] = {}  # stages holding as many parameters hold as much state
         for s in range(len(bounds) - 1):
             params = self.held(bounds, (s,), tp, ep, vocab, adafactor)
-            key = (params.trainable, params.frozen)
+            key = (params.trainable, params.frozen, params.quantized_bytes)
             if adafactor or key not in same:
                 same[key] = model_state_bytes(
                     params.trainable, precision=precision, optimizer=optimizer, zero=zero, dp_shard=dp_shard,
                     offload_optimizer=offload, param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
-                    pipeline=pipeline, fsdp=fsdp)
+                    pipeline=pipeline, fsdp=fsdp, quantized=params.quantized_bytes)
             state.append(same[key])
         out = []
         for mine in rank_stages(schedule, pp, v):
