@@ -129,7 +129,7 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
     loss_fn = ScaledTokenLoss()
     watch.activity("in building and parallelizing the model (process groups, sharding, initial weights)",
                    warmup=True)
-    model = build_meta_model(plan.model.config, plan.model.task)
+    model = build_meta_model(plan.model.config, plan.model.task, plan=plan)
     vocab = model.config.vocab_size
     parallel = parallelize(model, plan, seed=config.seed, weights=config.weights, loss_fn=loss_fn, device=device)
     watch.set_stages(parallel.stage_indices)

@@ -69,6 +69,8 @@ def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int |
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise SoapError(f"seq-len must be a positive integer, got {seq_len}")
     dtype_name = _dtype_name(dtype)
+    if peft is not None and dtype_name.startswith("autocast-"):  # PEFT runs its 16-bit base without autocast
+        dtype_name = dtype_name.removeprefix("autocast-")
     disk_key = _disk_key(model, task=task, batch=batch, seq_len=seq_len, frontend=frontend,
                          trust_remote_code=trust_remote_code, dtype=dtype_name,
                          **({"peft": peft.to_dict()} if peft else {})) if persistent_cache else None

@@ -13,6 +13,9 @@ adapters trainable), so the graph carries what the cost model prices:
   `costmodel.peft`), since bitsandbytes cannot quantize meta tensors: the graph is traced as LoRA and
   the base weights of the targets are re-typed (`quantized_base`).
 
+A PEFT run holds its base in the compute dtype and its adapters in fp32, without autocast
+(executor/peft.py), so `tracer.trace(peft=...)` traces an autocast regime as the plain 16-bit model.
+
 `default targets`: peft's "all-linear", i.e. every linear (and GPT-2 Conv1D) of the model but the output
 head: the attention and MLP projections of each architecture, as peft picks them.
 """
@@ -103,12 +106,15 @@ def lora_config(spec: PeftSpec) -> Any:
 
 def apply_lora(model: Any, spec: PeftSpec) -> Any:
     """Inject `spec`'s adapters into `model` in place (module FQNs unchanged, a target's base linear
-    becomes `<target>.base_layer`) and freeze everything else; returns `model`."""
+    becomes `<target>.base_layer`), in fp32 whatever the model's dtype (peft's `autocast_adapter_dtype`),
+    and freeze everything else; returns `model`."""
     try:
         from peft import inject_adapter_in_model
     except ImportError:
         raise SoapError("PEFT needs the peft package; install soap[peft]") from None
     import warnings
+
+    import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # GPT-2's Conv1D: peft sets fan_in_fan_out itself and says so
@@ -117,6 +123,9 @@ def apply_lora(model: Any, spec: PeftSpec) -> Any:
         except ValueError as exc:
             raise SoapError(f"--lora-targets: {str(exc).splitlines()[0]}; name modules of this model, "
                             "e.g. q_proj,v_proj") from None
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:  # peft's autocast_adapter_dtype
+            param.data = param.data.float()
     return model
 
 
