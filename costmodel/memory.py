@@ -216,6 +216,7 @@ def model_state_bytes(
     pipeline: bool = False,
     fsdp: bool = False,
     quantized: int = 0,
+    autocast: bool = True,
 ) -> StateBytes:
     """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding
     (the module docstring's table).
@@ -224,20 +225,24 @@ def model_state_bytes(
     elements add weights only, and so do `quantized` bytes (QLoRA's 4-bit base weights); `pipeline`
     (pp > 1): FSDP2's gradients accumulate unsharded; `fsdp`: the
     executor runs data parallelism on FSDP2 (`costmodel.strategy.runs_on_fsdp2`: tp, a pipeline or
-    offload), where zero 0/1 hold the zero-2 row (FSDP2 without resharding over dp_shard)."""
+    offload), where zero 0/1 hold the zero-2 row (FSDP2 without resharding over dp_shard); `autocast`:
+    a 16-bit run autocasts its fp32 trainable weights (False for PEFT, `TrainingConfig.peft`: its fp32
+    adapters compute in fp32 beside a 16-bit base, so no 16-bit copy of them lives, 4 bytes per element
+    instead of 6 without FSDP)."""
     _check_state_args(precision, optimizer, zero, dp_shard)
     if fsdp and zero < 2:
         zero = 2
     state = optimizer_state_bytes(params, precision=precision, optimizer=optimizer, param_shapes=param_shapes)
     frozen_bytes = frozen * FROZEN_WEIGHT_BYTES[precision]
     state_bytes = _model_state_bytes(params, precision=precision, zero=zero, dp_shard=dp_shard, state=state,
-                                     offload_optimizer=offload_optimizer, frozen_bytes=frozen_bytes, pipeline=pipeline)
+                                     offload_optimizer=offload_optimizer, frozen_bytes=frozen_bytes, pipeline=pipeline,
+                                     autocast=autocast)
     return StateBytes(weights=state_bytes.weights + quantized, grads=state_bytes.grads,
                       optimizer=state_bytes.optimizer, offloaded=state_bytes.offloaded)
 
 
 def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int, state: int, offload_optimizer: bool,
-                       frozen_bytes: int, pipeline: bool) -> StateBytes:
+                       frozen_bytes: int, pipeline: bool, autocast: bool) -> StateBytes:
     if offload_optimizer:
         host = math.ceil(params * (FSDP_MASTER_BYTES + FSDP_GRAD_BYTES) / dp_shard) + math.ceil(state / dp_shard)
         gathered = 0 if zero == 3 else params * fsdp_param_bytes(precision)
@@ -247,7 +252,7 @@ def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int,
     if zero >= 2 and dp_shard > 1:  # FSDP2
         master = math.ceil(params * FSDP_MASTER_BYTES / dp_shard)
         gathered = params * fsdp_param_bytes(precision) if zero == 2 else 0
-        autocast_copy = params * AUTOCAST_COPY_BYTES if precision == "fp16" else 0
+        autocast_copy = params * AUTOCAST_COPY_BYTES if precision == "fp16" and autocast else 0
         grads = params * FSDP_GRAD_BYTES if pipeline else math.ceil(params * FSDP_GRAD_BYTES / dp_shard)
         frozen_local = frozen_bytes if zero == 2 else math.ceil(frozen_bytes / dp_shard)
         return StateBytes(weights=master + gathered + autocast_copy + frozen_local, grads=grads,
@@ -257,7 +262,7 @@ def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int,
         return math.ceil(nbytes / dp_shard) if zero >= stage else nbytes
 
     return StateBytes(
-        weights=shard(params * WEIGHT_BYTES[precision] + frozen_bytes, 3),
+        weights=shard(params * (WEIGHT_BYTES[precision] if autocast else GRAD_BYTES[precision]) + frozen_bytes, 3),
         grads=shard(params * GRAD_BYTES[precision], 2),
         optimizer=optimizer_local,
         offloaded=0,
@@ -438,6 +443,7 @@ def estimate_memory(
         param_shapes=params.shapes,
         frozen=params.frozen,
         quantized=params.quantized_bytes,
+        autocast=train.peft is None,
     )
     activations = in_flight_microbatches * activation_bytes(
         ops,

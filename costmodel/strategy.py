@@ -159,6 +159,9 @@ class TrainingConfig:
     """Optimizer state (and step) on the CPU."""
     attention: str = "sdpa"
     compile: bool = False
+    peft: str | None = None
+    """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
+    run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1 or self.micro_batch < 1:

@@ -139,6 +139,7 @@ def normalize_for_tp(model: nn.Module) -> None:
                     new.weight.copy_(module.weight.t())
                     if has_bias:
                         new.bias.copy_(module.bias)
+        new.requires_grad_(module.weight.requires_grad)  # a frozen (PEFT base) weight stays frozen
         setattr(parent, name, new)
     model.soap_checkpoint_keys = {**getattr(model, "soap_checkpoint_keys", {}), **renames}  # idempotent
 

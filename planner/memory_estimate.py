@@ -141,7 +141,8 @@ class MemoryTables:
 
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
                              vocab: bool, precision: str, optimizer: str, zero: int, dp_shard: int, dp_sync: int,
-                             offload: bool, fsdp: bool, pipeline: bool) -> tuple[tuple[int, int, int, int, int], ...]:
+                             offload: bool, fsdp: bool, pipeline: bool, autocast: bool = True
+                             ) -> tuple[tuple[int, int, int, int, int], ...]:
         """Each pipeline rank's (weights, grads, optimizer, buffers, host) bytes: model state per stage on the
         engine the executor runs, summed over the rank's stages, and buffers over the rank's parameters.
         Memoized: it reads none of the micro-batching and recompute choices."""
@@ -155,7 +156,7 @@ class MemoryTables:
                 same[key] = model_state_bytes(
                     params.trainable, precision=precision, optimizer=optimizer, zero=zero, dp_shard=dp_shard,
                     offload_optimizer=offload, param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
-                    pipeline=pipeline, fsdp=fsdp, quantized=params.quantized_bytes)
+                    pipeline=pipeline, fsdp=fsdp, quantized=params.quantized_bytes, autocast=autocast)
             state.append(same[key])
         out = []
         for mine in rank_stages(schedule, pp, v):
@@ -181,7 +182,7 @@ class MemoryTables:
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,
-                                d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1)
+                                d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1, t.peft is None)
         workspace = workspace_bytes(device)
         worst: MemoryBreakdown | None = None
         for (weights, grads, optimizer, buffers, host), peak in zip(ranks, activations):

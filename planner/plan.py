@@ -299,6 +299,7 @@ class Plan(_Strict):
             offload_optimizer=p.offload_optimizer,
             attention=p.attention,
             compile=p.compile,
+            peft=self.model.peft.method if self.model.peft else None,
         )
         return Strategy(dims=dims, train=train, op_splits=self.op_splits())
 

@@ -473,7 +473,7 @@ def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, 
         num_microbatches=head.num_microbatches, grad_accum=head.grad_accum, schedule=head.schedule,
         virtual_stages=head.virtual_stages, zero=mesh.zero, sequence_parallel=mesh.dims.tp > 1,
         recompute=recompute, precision=head.precision, optimizer=head.optimizer, offload_optimizer=offload,
-        compile=bool(req.pins.compile),
+        compile=bool(req.pins.compile), peft=req.peft,
     )
 
 
