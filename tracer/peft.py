@@ -119,7 +119,9 @@ def apply_lora(model: Any, spec: PeftSpec) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # GPT-2's Conv1D: peft sets fan_in_fan_out itself and says so
         try:
-            inject_adapter_in_model(lora_config(spec), model)
+            # on meta, peft builds the adapters there too instead of allocating and initializing them
+            on_meta = next(model.parameters()).device.type == "meta"
+            inject_adapter_in_model(lora_config(spec), model, low_cpu_mem_usage=on_meta)
         except ValueError as exc:
             raise SoapError(f"--lora-targets: {str(exc).splitlines()[0]}; name modules of this model, "
                             "e.g. q_proj,v_proj") from None
