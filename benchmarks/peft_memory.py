@@ -103,18 +103,28 @@ def _state_tensors(model: Any) -> list:
 
 def measure(plan: Any) -> dict[str, int]:
     """One step of `plan` in this process (see the module docstring); bytes per term."""
-    import torch
     import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='soap-pg-')}", rank=0,
+                                world_size=1)
+    try:
+        return _measure(plan)
+    finally:
+        if owned:  # the test suite runs on in this process
+            dist.destroy_process_group()
+
+
+def _measure(plan: Any) -> dict[str, int]:
+    import torch
 
     from executor.api import parallelize
     from executor.data import ScaledTokenLoss, TokenSource
     from executor.data_parallel import build_optimizer
     from executor.model import build_meta_model
 
-    if not dist.is_initialized():
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='soap-pg-')}", rank=0,
-                                world_size=1)
     cpu = torch.device("cpu")
     parallel = parallelize(build_meta_model(plan.model.config, plan.model.task, plan=plan), plan, seed=0, device=cpu)
     model = parallel.model
