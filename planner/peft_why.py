@@ -43,7 +43,7 @@ def peft_sentence(request: PlanRequest, graph: OpGraph, *, task: str | None) -> 
     limit = request.memory_limit
     floor = full_training_floor(request, task)
     gpus = request.space.gpus
-    head = (f"{spec.method.upper() if spec.method == 'qlora' else 'LoRA'} ({spec.describe()}) trains "
+    head = (f"PEFT {spec.describe()} trains "
             f"{graph.params_trainable / 1e6:,.1f}M parameters ({share:.2%} of {graph.params_total / 1e9:.2f}B): the "
             "frozen base weights keep no gradients or optimizer state")
     if floor is None:
