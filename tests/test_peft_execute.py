@@ -8,6 +8,7 @@ so CI runs QLoRA in one process only (here and in tests/test_peft.py)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -124,3 +125,21 @@ def test_the_saved_adapter_reloads_with_peft_and_gives_the_trained_logits(family
     tolerance = 1e-5 if method == "lora" else 1e-3
     assert torch.allclose(reloaded, trained, atol=tolerance), (reloaded - trained).abs().max()
     assert torch.allclose(merged, reloaded, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_qlora_trains_on_a_gpu_as_planned():
+    """Where a GPU is lent: a QLoRA plan (bf16 compute, NF4 base through bitsandbytes' CUDA kernels) trains."""
+    import torch
+    import torch.distributed as dist
+
+    from executor.train import RunConfig, train
+
+    plan = make_plan("llama", micro_batch=4, precision="bf16", peft={**LORA, "method": "qlora"})
+    init_single_process_group()
+    try:
+        result = train(plan, RunConfig(progress=False, **RUN))
+    finally:
+        dist.destroy_process_group()
+    assert torch.cuda.is_available() and all(math.isfinite(x) for x in result.losses)
+    assert result.losses[-1] < result.losses[0]
