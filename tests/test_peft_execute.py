@@ -22,6 +22,7 @@ RUN = {"steps": 3, "lr": 1e-2}
 LORA = {"method": "lora", "rank": 4, "alpha": 8.0}
 CASES_2 = {  # name: (family, peft, plan)
     "ddp": ("llama", LORA, dict(dp_replicate=2, micro_batch=2)),
+    "ddp-zero1": ("llama", LORA, dict(dp_shard=2, zero=1, micro_batch=2)),  # ZeroRedundancyOptimizer
     "fsdp-zero3-recompute-full": ("llama", LORA, dict(dp_shard=2, zero=3, micro_batch=2, recompute="full")),
     "pp2": ("llama", LORA, dict(pp=2, micro_batch=1, num_microbatches=4)),
     "gpt2-fsdp-zero2-bf16": ("gpt2", LORA, dict(dp_shard=2, zero=2, micro_batch=2, precision="bf16")),
