@@ -123,3 +123,33 @@ def test_plan_json_carries_the_peft_settings_and_old_plans_still_load():
     with pytest.raises(Exception, match="under model.peft"):
         make_plan("llama", tp=2, peft={"method": "lora", "rank": 4, "alpha": 8.0})
     assert math.isfinite(again.seq_len)
+
+
+def test_a_frozen_linear_computes_its_input_gradient_only_and_the_adapters_add_their_matmuls():
+    import tracer
+    from costmodel.opcost import backward_kernels, op_time
+    from costmodel.profiles import load_cluster
+    from tracer.ir import OpKind
+
+    fields = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    full, lora = tracer.trace(config, seq_len=16), tracer.trace(config, seq_len=16, peft={"rank": 4})
+    qlora = tracer.trace(config, seq_len=16, peft={"method": "qlora", "rank": 4})
+    ops = {op.module_fqn.split(".", 3)[-1]: op for op in lora.ops_of("model.layers") if op.kind is OpKind.MATMUL}
+    base, a, b = ops["self_attn.q_proj.base_layer"], ops["self_attn.q_proj.lora_A.default"], ops["self_attn.q_proj.lora_B.default"]
+    assert not base.params[0].trainable and base.bwd_flops == base.fwd_flops and backward_kernels(base) == 1
+    assert a.params[0].trainable and a.params[0].shape == (4, 64) and b.params[0].shape == (64, 4)
+    assert not base.saved  # no input kept for a weight gradient (lora_A keeps it)
+    # 7 targets per layer: r x (in + out) each
+    per_layer = 4 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 3)
+    assert lora.params_trainable == 2 * per_layer and lora.params_total == full.params_total + 2 * per_layer
+    assert lora.bwd_flops < full.bwd_flops and lora.activation_bytes < full.activation_bytes
+    device = load_cluster("dgx-h100").device
+    q_op = next(op for op in qlora.ops if op.module_fqn == base.module_fqn and op.kind is OpKind.MATMUL)
+    assert q_op.params[0].dtype == "nf4"
+    plain, dequantizing = (op_time(op, device=device, precision="bf16", micro_batch=1, batch_traced=1)
+                           for op in (base, q_op))
+    assert dequantizing.fwd_s > plain.fwd_s and dequantizing.bwd_s > plain.bwd_s
