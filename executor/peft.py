@@ -5,14 +5,15 @@ peft), and as the cost model prices it (costmodel/peft.py):
 1. `inject` (first in `executor.api.parallelize`, on the meta model): under bf16/fp16 the whole model
    is cast to the compute dtype, then `tracer.peft.apply_lora` injects the adapters (peft's
    `inject_adapter_in_model`: module FQNs unchanged, everything but the adapters frozen) and keeps the
-   adapters in fp32 (peft's `autocast_adapter_dtype`). The run has no autocast (`uses_autocast`): the
+   adapters in fp32 (peft's `autocast_adapter_dtype`). The run has no autocast (`executor.precision.runtime_for`): the
    base computes in its own dtype, the adapters in fp32 (peft casts their input), so the frozen weights
    hold 2 bytes per element and autocast keeps no copy of them. Pipeline split, recompute and FSDP2
    (frozen and trainable parameters in one unit; FSDP2 checks one dtype over the trainable ones only)
    then apply as to any model.
 2. `init_source` (materialization): the base weights come from the seeded init or a checkpoint (a
    checkpoint of the base model names `q_proj.weight` where the adapted model has
-   `q_proj.base_layer.weight`, `executor.model.CheckpointWeights` reads either); the adapters start as peft starts them: A Kaiming-uniform (seeded per
+   `q_proj.base_layer.weight`, `executor.model.CheckpointWeights` reads either); the adapters start as
+   peft starts them: A Kaiming-uniform (seeded per
    FQN, as every soap parameter), B zero, so the adapted model equals its base at step 0.
 3. `quantize_base` (QLoRA, after materialization, before DDP): each adapted module's base linear becomes a
    bitsandbytes `Linear4bit` (NF4, double quantization, compute dtype = the run's), its weight quantized
@@ -33,10 +34,6 @@ from tracer.errors import SoapError
 from tracer.peft import apply_lora
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def is_peft(plan: Plan) -> bool:
-    return plan.model.peft is not None
 
 
 def compute_dtype(plan: Plan) -> torch.dtype:

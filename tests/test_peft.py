@@ -139,7 +139,8 @@ def test_a_frozen_linear_computes_its_input_gradient_only_and_the_adapters_add_t
     full, lora = tracer.trace(config, seq_len=16), tracer.trace(config, seq_len=16, peft={"rank": 4})
     qlora = tracer.trace(config, seq_len=16, peft={"method": "qlora", "rank": 4})
     ops = {op.module_fqn.split(".", 3)[-1]: op for op in lora.ops_of("model.layers") if op.kind is OpKind.MATMUL}
-    base, a, b = ops["self_attn.q_proj.base_layer"], ops["self_attn.q_proj.lora_A.default"], ops["self_attn.q_proj.lora_B.default"]
+    base = ops["self_attn.q_proj.base_layer"]
+    a, b = ops["self_attn.q_proj.lora_A.default"], ops["self_attn.q_proj.lora_B.default"]
     assert not base.params[0].trainable and base.bwd_flops == base.fwd_flops and backward_kernels(base) == 1
     assert a.params[0].trainable and a.params[0].shape == (4, 64) and b.params[0].shape == (64, 4)
     assert not base.saved  # no input kept for a weight gradient (lora_A keeps it)

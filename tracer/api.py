@@ -159,7 +159,14 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     torch_dtype = torch.float32 if is_autocast(dtype) else getattr(torch, dtype)
     from tracer.peft import apply_lora, quantized_base, target_base_weights
 
-    adapted = (lambda m: apply_lora(m, peft)) if peft is not None else (lambda m: m)  # noqa: E731
+    def adapted(model: Any) -> Any:
+        if peft is None:
+            return model
+        import copy
+
+        # a user's module may come back as given: the adapters go into a copy, never into the user's model
+        return apply_lora(copy.deepcopy(model) if spec.module is not None else model, peft)
+
     key = (_spec_key(spec), peft) if spec.module is None else None
     full = None
     if key not in _SKELETONS:

@@ -147,7 +147,8 @@ def render(plan, path: Path) -> dict[Path, str]:
               f"# launch: accelerate launch --config_file {path} train.py"
               + (" --machine_rank $NODE_RANK" if nodes(plan) > 1 else "") + "\n"
               f"# TrainingArguments fields: {args_path}\n"
-              + (f"# PEFT: model = get_peft_model(model, LoraConfig(**LoraConfig fields of {peft_path}))\n" if peft else ""))
+              + (f"# PEFT: model = get_peft_model(model, LoraConfig(**LoraConfig fields of {peft_path}))\n"
+                 if peft else ""))
     files = {
         path: header + yaml.safe_dump(config(plan), sort_keys=True),
         args_path: json.dumps(training_arguments(plan), indent=2, sort_keys=True) + "\n",

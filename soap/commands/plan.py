@@ -58,7 +58,8 @@ def add_peft_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, metavar="R", help="adapter rank (default 8)")
     p.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scaling alpha (default 16)")
     p.add_argument("--lora-targets", metavar="M,...",
-                   help="module names that get adapters (default: peft's all-linear, the attention and MLP projections)")
+                   help="module names that get adapters (default: peft's all-linear, the attention and MLP "
+                   "projections)")
     p.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
 
 
