@@ -49,8 +49,12 @@ inside each matmul; so its state is bf16's (fp32 master, fp32 gradients, fp32 op
   `ADAFACTOR_ASSUMED_SIDE` (8 / side bytes per element), an approximation.
 - Optimizer-step scalars (torch keeps one `step` value per parameter tensor) are not counted.
 - Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit and fp8 (PEFT's
-  frozen base weights among them, `costmodel.peft`). QLoRA's 4-bit base weights (`quantized`, bytes
-  by `costmodel.peft.nf4_bytes`) are weights only too, held whole on every rank.
+  frozen base weights among them, `costmodel.peft`). Under FSDP2 they are sharded like the rest: ZeRO 3
+  holds their shard (the gathered unit is a buffer), ZeRO 2 their shard and their gathered copy (frozen
+  buffers such as rotary `inv_freq`, which FSDP does not shard, are counted alike: a few bytes over).
+  With offload they are counted on the device (FSDP's CPUOffloadPolicy moves a PEFT run's frozen base
+  to the host too, so this over-counts a LoRA run with offload). QLoRA's 4-bit base weights
+  (`quantized`, bytes by `costmodel.peft.nf4_bytes`) are weights only too, held whole on every rank.
 - Sharded terms are ceil(bytes / d); zero 2 and 3 shard only over d > 1 (with d = 1 they hold the zero
   0 row).
 
@@ -75,10 +79,10 @@ Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parall
 - ZeRO 0/1 (DDP): none; the reducer's buckets are the gradients (`gradient_as_bucket_view`).
 - ZeRO 2 over dp_shard > 1 (FSDP2 without resharding after forward; its gathered parameters are in the
   weights term): during backward the unsharded fp32 gradients of one unit and their reduce-scatter
-  input (2 x largest unit x 4).
+  input (2 x largest unit's trainable elements x 4).
 - ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at compute width (the
-  current unit and the prefetched next one, 2x) plus that unit's fp32 gradients before their
-  reduce-scatter.
+  current unit and the prefetched next one, 2x) plus the fp32 gradients of the largest unit's trainable
+  elements before their reduce-scatter (with PEFT only the adapters have gradients).
 - Offload (FSDP2 on every rank, even alone): ZeRO 3, the zero-3 term above at `fsdp_param_bytes`
   whatever dp_shard; otherwise the unsharded fp32 gradients of one unit and their reduce-scatter
   input before the copy to the host (2 x largest unit x 4).
@@ -254,7 +258,7 @@ def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int,
         gathered = params * fsdp_param_bytes(precision) if zero == 2 else 0
         autocast_copy = params * AUTOCAST_COPY_BYTES if precision == "fp16" and autocast else 0
         grads = params * FSDP_GRAD_BYTES if pipeline else math.ceil(params * FSDP_GRAD_BYTES / dp_shard)
-        frozen_local = frozen_bytes if zero == 2 else math.ceil(frozen_bytes / dp_shard)
+        frozen_local = math.ceil(frozen_bytes / dp_shard) + (frozen_bytes if zero == 2 else 0)
         return StateBytes(weights=master + gathered + autocast_copy + frozen_local, grads=grads,
                           optimizer=optimizer_local, offloaded=0)
 
@@ -288,6 +292,8 @@ class ParamSet:
     """Elements of the largest FSDP unit: one block instance, or all non-block parameters."""
     quantized_bytes: int = 0
     """Bytes of QLoRA's 4-bit base weights (`costmodel.peft.nf4_bytes`, per tensor)."""
+    largest_trainable_unit: int | None = None
+    """Trainable elements of the unit with the most (what FSDP reduce-scatters); None: `largest_unit`."""
     largest_quantized: int = 0
     """Elements of the largest 4-bit weight (its dequantized copy is a transient buffer)."""
 
@@ -347,6 +353,7 @@ def stage_params(
     trainable = frozen = quantized = largest_quantized = 0
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
+    trainable_units: dict[str | None, int] = {}
     for op in ops:
         count = 1 if op.block_id is None else block_counts.get(op.block_id, 1)
         for p in op.params:
@@ -357,6 +364,7 @@ def stage_params(
             local = math.ceil(p.numel / degree)
             units[op.block_id] = units.get(op.block_id, 0) + local
             if p.trainable:
+                trainable_units[op.block_id] = trainable_units.get(op.block_id, 0) + local
                 trainable += local * count
                 shape = (math.ceil(p.shape[0] / degree), *p.shape[1:]) if p.shape else ()
                 shapes.extend([shape] * count)
@@ -365,7 +373,9 @@ def stage_params(
             elif is_quantized(p.dtype):
                 quantized += nf4_bytes(local) * count
                 largest_quantized = max(largest_quantized, local)
-    return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0), quantized, largest_quantized)
+    return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0), quantized_bytes=quantized,
+                    largest_quantized=largest_quantized,
+                    largest_trainable_unit=max(trainable_units.values(), default=0))
 
 
 def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False,
@@ -381,14 +391,15 @@ def _communication_buffer_bytes(*, params: ParamSet, precision: str, zero: int, 
                                 fsdp: bool) -> int:
     if fsdp and zero < 2:
         zero = 2
+    graded = params.largest_unit if params.largest_trainable_unit is None else params.largest_trainable_unit
     if offload:
         if zero == 3:
-            return params.largest_unit * (2 * fsdp_param_bytes(precision) + FSDP_GRAD_BYTES)
-        return 2 * params.largest_unit * FSDP_GRAD_BYTES
+            return params.largest_unit * 2 * fsdp_param_bytes(precision) + graded * FSDP_GRAD_BYTES
+        return 2 * graded * FSDP_GRAD_BYTES
     if zero == 3 and dp_shard > 1:
-        return params.largest_unit * (2 * activation_itemsize(precision) + 4)
+        return params.largest_unit * 2 * activation_itemsize(precision) + graded * 4
     if zero == 2 and dp_shard > 1 and dp > 1:
-        return 2 * params.largest_unit * FSDP_GRAD_BYTES
+        return 2 * graded * FSDP_GRAD_BYTES
     return 0
 
 

@@ -137,6 +137,8 @@ class MemoryTables:
             largest_unit=max([alone[u].largest_unit for u in blocks] + [outside.largest_unit]),
             quantized_bytes=int(sum(counts[u] * alone[u].quantized_bytes for u in blocks)) + outside.quantized_bytes,
             largest_quantized=max([alone[u].largest_quantized for u in blocks] + [outside.largest_quantized]),
+            largest_trainable_unit=max([alone[u].largest_trainable_unit or 0 for u in blocks]
+                                       + [outside.largest_trainable_unit or 0]),
         )
 
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
