@@ -120,4 +120,9 @@ def quantize_base(model: nn.Module, plan: Plan) -> None:
                                              compress_statistics=True)
         if bias is not None:
             quantized.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-        module.base_layer = quantized.to(weight.device)
+        try:
+            module.base_layer = quantized.to(weight.device)
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            raise SoapError(f"bitsandbytes {getattr(bnb, '__version__', '?')} cannot quantize 4-bit weights on "
+                            f"{weight.device.type} ({str(exc).splitlines()[0]}); run --peft qlora where it can, "
+                            "or plan --peft lora") from None
