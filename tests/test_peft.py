@@ -155,3 +155,22 @@ def test_a_frozen_linear_computes_its_input_gradient_only_and_the_adapters_add_t
     plain, dequantizing = (op_time(op, device=device, precision="bf16", micro_batch=1, batch_traced=1)
                            for op in (base, q_op))
     assert dequantizing.fwd_s > plain.fwd_s and dequantizing.bwd_s > plain.bwd_s
+
+
+def test_execute_says_in_one_line_what_a_qlora_plan_lacks(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from soap.cli import main
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from exec_helpers import make_plan
+
+    plan_file = tmp_path / "plan.json"
+    make_plan("llama", peft={"method": "qlora", "rank": 4, "alpha": 8.0}).save(plan_file)
+    assert main(["execute", str(plan_file), "--merge"]) == 2
+    assert "--merge" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert main(["execute", str(plan_file)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this QLoRA plan needs bitsandbytes"), err
