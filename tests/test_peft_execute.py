@@ -26,6 +26,7 @@ CASES_2 = {  # name: (family, peft, plan)
     "fsdp-zero3-recompute-full": ("llama", LORA, dict(dp_shard=2, zero=3, micro_batch=2, recompute="full")),
     "pp2": ("llama", LORA, dict(pp=2, micro_batch=1, num_microbatches=4)),
     "gpt2-fsdp-zero2-bf16": ("gpt2", LORA, dict(dp_shard=2, zero=2, micro_batch=2, precision="bf16")),
+    "gpt2-pp2-tied": ("gpt2", LORA, dict(pp=2, micro_batch=1, num_microbatches=4)),  # a frozen tied pair
 }
 CASES_4 = {"fsdp-x-pp": ("llama", LORA, dict(dp_shard=2, zero=2, pp=2, micro_batch=1, num_microbatches=2))}
 
