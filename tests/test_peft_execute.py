@@ -1,10 +1,9 @@
-"""PEFT runs as planned (issue 31): LoRA under DDP, FSDP2, a pipeline and recompute, on 2 and 4 gloo ranks,
-gives the losses of one process; the adapter `--save-hf` writes (LoRA, and QLoRA over bitsandbytes' CPU
-backend) reloads with peft and gives the trained model's logits, and the merged model gives them too.
+"""PEFT runs as planned (issue 31): LoRA under DDP (and ZeRO-1), FSDP2, pipelines (a frozen tied pair
+across stages too) and recompute, on 2 and 4 gloo ranks, and QLoRA under DDP (bitsandbytes' CPU backend),
+give the losses of one process; the adapter `--save-hf` writes reloads with peft and gives the trained
+model's logits, and the merged model gives them too.
 
-One group of 2 ranks and one of 4 (multi-process tests cost most of CI's time). QLoRA under DDP matched
-one process too when run (2 ranks, 3 steps), but bitsandbytes' CPU 4-bit matmuls make it the slowest case,
-so CI runs QLoRA in one process only (here and in tests/test_peft.py)."""
+One group of 2 ranks and one of 4 (multi-process tests cost most of CI's time)."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from exec_helpers import init_single_process_group, make_plan, spawn_cases  # no
 
 RUN = {"steps": 3, "lr": 1e-2}
 LORA = {"method": "lora", "rank": 4, "alpha": 8.0}
+QLORA = {**LORA, "method": "qlora"}
 CASES_2 = {  # name: (family, peft, plan)
     "ddp": ("llama", LORA, dict(dp_replicate=2, micro_batch=2)),
     "ddp-zero1": ("llama", LORA, dict(dp_shard=2, zero=1, micro_batch=2)),  # ZeroRedundancyOptimizer
@@ -27,6 +27,7 @@ CASES_2 = {  # name: (family, peft, plan)
     "pp2": ("llama", LORA, dict(pp=2, micro_batch=1, num_microbatches=4)),
     "gpt2-fsdp-zero2-bf16": ("gpt2", LORA, dict(dp_shard=2, zero=2, micro_batch=2, precision="bf16")),
     "gpt2-pp2-tied": ("gpt2", LORA, dict(pp=2, micro_batch=1, num_microbatches=4)),  # a frozen tied pair
+    "qlora-ddp": ("llama", QLORA, dict(dp_replicate=2, micro_batch=2)),  # bitsandbytes' CPU backend
 }
 CASES_4 = {"fsdp-x-pp": ("llama", LORA, dict(dp_shard=2, zero=2, pp=2, micro_batch=1, num_microbatches=2))}
 
