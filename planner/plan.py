@@ -258,7 +258,8 @@ class Plan(_Strict):
         if reason:
             raise ValueError(reason)
         reason = peft_violation(self.model.peft.method if self.model.peft else None, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
-                                zero=p.zero, offload=p.offload_optimizer, precision=p.precision, compile=p.compile)
+                                zero=p.zero, offload=p.offload_optimizer, precision=p.precision, compile=p.compile,
+                                recompute=p.recompute)
         if reason:
             raise ValueError(f"parallelism under model.peft: {reason}")
         if p.pp > 1:

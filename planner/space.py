@@ -234,7 +234,7 @@ def validate_pins(req: SpaceRequest) -> None:
     if reason:
         raise SoapError(reason)
     reason = peft_violation(req.peft, ep=p.ep or 1, zero=p.zero or 0, offload=bool(p.offload),
-                            compile=bool(p.compile), precision=p.precision or "bf16")
+                            compile=bool(p.compile), precision=p.precision or "bf16", recompute=p.recompute or "none")
     if reason:
         raise SoapError(f"--peft {req.peft}: {reason}")
     if p.dp is not None and req.global_batch % p.dp:
@@ -446,7 +446,7 @@ def recompute_choices(req: SpaceRequest) -> tuple[str, ...]:
     if req.pins.recompute:
         return (req.pins.recompute,)
     return tuple(r for r in RECOMPUTE if recompute_violation(recompute=r, encoder_decoder=req.dims.is_encoder_decoder)
-                 is None)
+                 is None and peft_violation(req.peft, recompute=r) is None)
 
 
 def offload_choices(req: SpaceRequest) -> tuple[bool, ...]:

@@ -89,6 +89,7 @@ def test_tensor_context_and_expert_parallelism_are_refused_with_adapters():
     assert "pp=2" in peft_violation("qlora", pp=2)
     assert "zero=3" in peft_violation("qlora", zero=3) and "offload" in peft_violation("qlora", offload=True)
     assert "fp8" in peft_violation("lora", precision="fp8") and "compile" in peft_violation("lora", compile=True)
+    assert "selective" in peft_violation("qlora", recompute="selective") and not peft_violation("lora", recompute="full")
 
 
 def test_a_pinned_tp_under_peft_is_one_error_line():
