@@ -35,7 +35,7 @@ CASES = [(family, precision, method) for family in FAMILIES for precision in ("f
          for method in ("lora", "qlora")]
 RECOMPUTE_CASES = [(family, "fp32", method, policy) for family in FAMILIES
                    for method, policy in (("lora", "full"), ("qlora", "full"), ("lora", "selective"))]
-"""Recomputation under PEFT, recorded (not yet held by a test: full recompute is under-predicted, see the table)."""
+"""Recomputation under PEFT, recorded (not held by a test: its step peak is under-predicted, see the table)."""
 
 
 def plan_case(family: str, precision: str, method: str, recompute: str = "none") -> Any:
@@ -185,10 +185,11 @@ def main() -> int:
     body = ("A LoRA and a QLoRA step (rank 8, alpha 16, all-linear; 2 x 128 tokens, one rank, no recompute unless "
             "named) measured by live storages on CPU against soap's per-term prediction (`benchmarks/peft_memory.py`; "
             "step_peak: the forward and backward's peak of new storages against activations + buffers + grads). "
-            "Without recompute every term is within 5% (tests/test_peft.py holds two cases). Under full recompute "
-            "the step peak is under-predicted (the recompute window of an adapted block is larger than soap's rule "
-            "gives: open); QLoRA under selective recompute is refused by the planner (its policy does not see "
-            "bitsandbytes' matmuls), so it is not in the table.\n\n"
+            "Without recompute every term is within 5% (tests/test_peft.py holds two cases). Under recompute the "
+            "step peak is under-predicted by 5-16%: open, not traced to its cause; the same comparison for full "
+            "training (no adapters) is within 5% under full recompute, but there the gradient term, counted whole "
+            "though only part of it is live at the peak, may hide a like gap. QLoRA under selective recompute is "
+            "refused by the planner (its policy does not see bitsandbytes' matmuls), so it is not in the table.\n\n"
             + "\n".join(lines))
     update_section("peft-memory", "PEFT memory: LoRA and QLoRA steps against the prediction", body)
     return 0
