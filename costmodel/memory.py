@@ -48,7 +48,13 @@ inside each matmul; so its state is bf16's (fp32 master, fp32 gradients, fp32 op
   given; without them every parameter is assumed to sit in square matrices of side
   `ADAFACTOR_ASSUMED_SIDE` (8 / side bytes per element), an approximation.
 - Optimizer-step scalars (torch keeps one `step` value per parameter tensor) are not counted.
-- Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit and fp8.
+- Frozen parameters (`frozen`) have weights only: 4 bytes in fp32/tf32, 2 in 16-bit and fp8 (PEFT's
+  frozen base weights among them, `costmodel.peft`). Under FSDP2 they are sharded like the rest: ZeRO 3
+  holds their shard (the gathered unit is a buffer), ZeRO 2 their shard and their gathered copy (frozen
+  buffers such as rotary `inv_freq`, which FSDP does not shard, are counted alike: a few bytes over).
+  With offload they are counted on the device (FSDP's CPUOffloadPolicy moves a PEFT run's frozen base
+  to the host too, so this over-counts a LoRA run with offload). QLoRA's 4-bit base weights
+  (`quantized`, bytes by `costmodel.peft.nf4_bytes`) are weights only too, held whole on every rank.
 - Sharded terms are ceil(bytes / d); zero 2 and 3 shard only over d > 1 (with d = 1 they hold the zero
   0 row).
 
@@ -73,10 +79,10 @@ Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parall
 - ZeRO 0/1 (DDP): none; the reducer's buckets are the gradients (`gradient_as_bucket_view`).
 - ZeRO 2 over dp_shard > 1 (FSDP2 without resharding after forward; its gathered parameters are in the
   weights term): during backward the unsharded fp32 gradients of one unit and their reduce-scatter
-  input (2 x largest unit x 4).
+  input (2 x largest unit's trainable elements x 4).
 - ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at compute width (the
-  current unit and the prefetched next one, 2x) plus that unit's fp32 gradients before their
-  reduce-scatter.
+  current unit and the prefetched next one, 2x) plus the fp32 gradients of the largest unit's trainable
+  elements before their reduce-scatter (with PEFT only the adapters have gradients).
 - Offload (FSDP2 on every rank, even alone): ZeRO 3, the zero-3 term above at `fsdp_param_bytes`
   whatever dp_shard; otherwise the unsharded fp32 gradients of one unit and their reduce-scatter
   input before the copy to the host (2 x largest unit x 4).
@@ -107,6 +113,7 @@ from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
 from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
+from costmodel.peft import dequantize_buffer_bytes, is_quantized, nf4_bytes
 from costmodel.placement import (is_expert, linear_style, moe_blocks, replicated_in_moe, replicated_kv_projections,
                                  vocab_parallel_ops)
 from costmodel.profiles import DeviceProfile
@@ -212,19 +219,34 @@ def model_state_bytes(
     frozen: int = 0,
     pipeline: bool = False,
     fsdp: bool = False,
+    quantized: int = 0,
+    autocast: bool = True,
 ) -> StateBytes:
     """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding
     (the module docstring's table).
 
     `params` counts trainable elements (their shapes in `param_shapes`, for adafactor); `frozen`
-    elements add weights only; `pipeline` (pp > 1): FSDP2's gradients accumulate unsharded; `fsdp`: the
+    elements add weights only, and so do `quantized` bytes (QLoRA's 4-bit base weights); `pipeline`
+    (pp > 1): FSDP2's gradients accumulate unsharded; `fsdp`: the
     executor runs data parallelism on FSDP2 (`costmodel.strategy.runs_on_fsdp2`: tp, a pipeline or
-    offload), where zero 0/1 hold the zero-2 row (FSDP2 without resharding over dp_shard)."""
+    offload), where zero 0/1 hold the zero-2 row (FSDP2 without resharding over dp_shard); `autocast`:
+    a 16-bit run autocasts its fp32 trainable weights (False for PEFT, `TrainingConfig.peft`: its fp32
+    adapters compute in fp32 beside a 16-bit base, so no 16-bit copy of them lives, 4 bytes per element
+    instead of 6 without FSDP)."""
     _check_state_args(precision, optimizer, zero, dp_shard)
     if fsdp and zero < 2:
         zero = 2
     state = optimizer_state_bytes(params, precision=precision, optimizer=optimizer, param_shapes=param_shapes)
     frozen_bytes = frozen * FROZEN_WEIGHT_BYTES[precision]
+    state_bytes = _model_state_bytes(params, precision=precision, zero=zero, dp_shard=dp_shard, state=state,
+                                     offload_optimizer=offload_optimizer, frozen_bytes=frozen_bytes, pipeline=pipeline,
+                                     autocast=autocast)
+    return StateBytes(weights=state_bytes.weights + quantized, grads=state_bytes.grads,
+                      optimizer=state_bytes.optimizer, offloaded=state_bytes.offloaded)
+
+
+def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int, state: int, offload_optimizer: bool,
+                       frozen_bytes: int, pipeline: bool, autocast: bool) -> StateBytes:
     if offload_optimizer:
         host = math.ceil(params * (FSDP_MASTER_BYTES + FSDP_GRAD_BYTES) / dp_shard) + math.ceil(state / dp_shard)
         gathered = 0 if zero == 3 else params * fsdp_param_bytes(precision)
@@ -234,9 +256,9 @@ def model_state_bytes(
     if zero >= 2 and dp_shard > 1:  # FSDP2
         master = math.ceil(params * FSDP_MASTER_BYTES / dp_shard)
         gathered = params * fsdp_param_bytes(precision) if zero == 2 else 0
-        autocast_copy = params * AUTOCAST_COPY_BYTES if precision == "fp16" else 0
+        autocast_copy = params * AUTOCAST_COPY_BYTES if precision == "fp16" and autocast else 0
         grads = params * FSDP_GRAD_BYTES if pipeline else math.ceil(params * FSDP_GRAD_BYTES / dp_shard)
-        frozen_local = frozen_bytes if zero == 2 else math.ceil(frozen_bytes / dp_shard)
+        frozen_local = math.ceil(frozen_bytes / dp_shard) + (frozen_bytes if zero == 2 else 0)
         return StateBytes(weights=master + gathered + autocast_copy + frozen_local, grads=grads,
                           optimizer=optimizer_local, offloaded=0)
 
@@ -244,7 +266,7 @@ def model_state_bytes(
         return math.ceil(nbytes / dp_shard) if zero >= stage else nbytes
 
     return StateBytes(
-        weights=shard(params * WEIGHT_BYTES[precision] + frozen_bytes, 3),
+        weights=shard(params * (WEIGHT_BYTES[precision] if autocast else GRAD_BYTES[precision]) + frozen_bytes, 3),
         grads=shard(params * GRAD_BYTES[precision], 2),
         optimizer=optimizer_local,
         offloaded=0,
@@ -268,6 +290,12 @@ class ParamSet:
     """Local shapes of the trainable tensors, one entry per instance (for adafactor)."""
     largest_unit: int
     """Elements of the largest FSDP unit: one block instance, or all non-block parameters."""
+    quantized_bytes: int = 0
+    """Bytes of QLoRA's 4-bit base weights (`costmodel.peft.nf4_bytes`, per tensor)."""
+    largest_trainable_unit: int | None = None
+    """Trainable elements of the unit with the most (what FSDP reduce-scatters); None: `largest_unit`."""
+    largest_quantized: int = 0
+    """Elements of the largest 4-bit weight (its dequantized copy is a transient buffer)."""
 
 
 def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert_parallel: int = 1,
@@ -322,9 +350,10 @@ def stage_params(
         degrees = parameter_degrees(ops, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                                     vocab_parallel=vocab_parallel)
     seen: set[str] = set()
-    trainable = frozen = 0
+    trainable = frozen = quantized = largest_quantized = 0
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
+    trainable_units: dict[str | None, int] = {}
     for op in ops:
         count = 1 if op.block_id is None else block_counts.get(op.block_id, 1)
         for p in op.params:
@@ -335,27 +364,42 @@ def stage_params(
             local = math.ceil(p.numel / degree)
             units[op.block_id] = units.get(op.block_id, 0) + local
             if p.trainable:
+                trainable_units[op.block_id] = trainable_units.get(op.block_id, 0) + local
                 trainable += local * count
                 shape = (math.ceil(p.shape[0] / degree), *p.shape[1:]) if p.shape else ()
                 shapes.extend([shape] * count)
             elif p.dtype in FLOAT_DTYPES:
                 frozen += local * count
-    return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0))
+            elif is_quantized(p.dtype):
+                quantized += nf4_bytes(local) * count
+                largest_quantized = max(largest_quantized, local)
+    return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0), quantized_bytes=quantized,
+                    largest_quantized=largest_quantized,
+                    largest_trainable_unit=max(trainable_units.values(), default=0))
 
 
 def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False,
                  fsdp: bool = False) -> int:
-    """Communication buffers (see the module docstring); `fsdp` as in `model_state_bytes`."""
+    """Communication buffers (see the module docstring); `fsdp` as in `model_state_bytes`; plus QLoRA's
+    dequantized weight (`costmodel.peft.dequantize_buffer_bytes`)."""
+    dequantized = dequantize_buffer_bytes(params.largest_quantized, precision) if params.largest_quantized else 0
+    return dequantized + _communication_buffer_bytes(params=params, precision=precision, zero=zero, dp=dp,
+                                                     dp_shard=dp_shard, offload=offload, fsdp=fsdp)
+
+
+def _communication_buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool,
+                                fsdp: bool) -> int:
     if fsdp and zero < 2:
         zero = 2
+    graded = params.largest_unit if params.largest_trainable_unit is None else params.largest_trainable_unit
     if offload:
         if zero == 3:
-            return params.largest_unit * (2 * fsdp_param_bytes(precision) + FSDP_GRAD_BYTES)
-        return 2 * params.largest_unit * FSDP_GRAD_BYTES
+            return params.largest_unit * 2 * fsdp_param_bytes(precision) + graded * FSDP_GRAD_BYTES
+        return 2 * graded * FSDP_GRAD_BYTES
     if zero == 3 and dp_shard > 1:
-        return params.largest_unit * (2 * activation_itemsize(precision) + 4)
+        return params.largest_unit * 2 * activation_itemsize(precision) + graded * 4
     if zero == 2 and dp_shard > 1 and dp > 1:
-        return 2 * params.largest_unit * FSDP_GRAD_BYTES
+        return 2 * graded * FSDP_GRAD_BYTES
     return 0
 
 
@@ -409,6 +453,8 @@ def estimate_memory(
         offload_optimizer=train.offload_optimizer,
         param_shapes=params.shapes,
         frozen=params.frozen,
+        quantized=params.quantized_bytes,
+        autocast=train.peft is None,
     )
     activations = in_flight_microbatches * activation_bytes(
         ops,

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from costmodel.profiles import DeviceProfile
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
+from tracer.peft import QLORA_BASE_DTYPE
 
 MATMUL_LIKE = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
@@ -335,4 +336,9 @@ def op_time(
     )
     fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile)
     bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile)
+    if any(p.dtype == QLORA_BASE_DTYPE for p in op.params):
+        from costmodel.peft import dequantize_time  # it reads this module's widths
+
+        dequantize_fwd, dequantize_bwd = dequantize_time(op, device=device, precision=precision)
+        fwd_s, bwd_s = fwd_s + dequantize_fwd, bwd_s + dequantize_bwd
     return OpCost(fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd_flops, bwd_flops=bwd_flops, bytes_moved=nbytes, fwd_bound=bound)

@@ -169,3 +169,44 @@ def model_violation(*, tp: int, pp: int, cp: int, ep: int = 1, num_layers: int, 
     if ep > 1 and (num_experts <= 1 or num_experts % ep):
         return f"ep={ep} does not divide the model's {num_experts} experts; pick a divisor of {num_experts}"
     return None
+
+
+PEFT_SPLITS = ("tp", "cp", "ep")
+"""Degrees soap's executor has not run with LoRA adapters (each must be 1 under --peft)."""
+QLORA_SPLITS = ("pp",)
+"""Further degrees QLoRA's 4-bit weights do not run under in soap's executor."""
+
+
+def peft_violation(method: str | None, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0,
+                   offload: bool = False, precision: str = "bf16", compile: bool = False,
+                   recompute: str = "none") -> str | None:
+    """Why soap's executor cannot fine-tune with PEFT `method` (lora, qlora; None: full training) under
+    these choices, or None. LoRA runs under DP, FSDP2 (every ZeRO stage, frozen and trainable parameters in
+    one unit), pipelines and recompute, each held to one process by tests/test_peft_execute.py; tensor,
+    context and expert parallelism with adapters, fp8's float8 Linear layers (which replace the base
+    linears peft wraps) and torch.compile of adapted blocks are not executed, so they are refused. QLoRA's
+    bitsandbytes 4-bit weights (`Params4bit`) are not DTensors: they run on DDP only (ZeRO 0/1), without
+    a pipeline or offload; and not under selective recompute, whose policy caches every other aten matmul
+    output: bitsandbytes' 4-bit matmul is none, so the run caches other tensors than soap prices
+    (measured: 45% less than predicted, benchmarks/peft_memory.py)."""
+    if method is None:
+        return None
+    degrees = {"tp": tp, "cp": cp, "ep": ep, "pp": pp}
+    split = [f"{name}={degrees[name]}" for name in PEFT_SPLITS + (QLORA_SPLITS if method == "qlora" else ())
+             if degrees[name] > 1]
+    if split:
+        return (f"{', '.join(split)}: soap's executor runs {method} with data parallelism"
+                + (", ZeRO 0/1 and recompute" if method == "qlora" else ", FSDP, pipelines and recompute")
+                + " only; set " + " and ".join(s.split("=")[0] for s in split) + " to 1")
+    if precision == "fp8":
+        return f"precision fp8: its float8 Linear layers replace the linears {method} adapts; use bf16"
+    if compile:
+        return f"compile: soap's executor does not compile {method}-adapted blocks; plan it with --no-compile"
+    if method == "qlora" and recompute == "selective":
+        return ("recompute selective: its policy does not see bitsandbytes' 4-bit matmuls, so QLoRA caches "
+                "other tensors than soap prices; use --recompute full or none")
+    if method == "qlora" and (zero >= 2 or offload):
+        what = f"zero={zero}" if zero >= 2 else "offload"
+        return (f"{what}: QLoRA's 4-bit weights (bitsandbytes) do not shard with FSDP2 in soap's executor; "
+                "use --zero 0 or 1 and --no-offload")
+    return None

@@ -163,6 +163,9 @@ class TrainingConfig:
     """Gradients accumulate on each rank across a step's micro-batches and are synchronized once, whatever
     the engine (how Megatron-LM and nanotron run ZeRO 0/1, and DDP under no_sync); False: the executor's
     rule (`costmodel.simulator.pricing.data_parallel_traffic`). Set to price another stack's run as it ran."""
+    peft: str | None = None
+    """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
+    run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1 or self.micro_batch < 1:

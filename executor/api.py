@@ -28,6 +28,7 @@ from torch import nn
 from costmodel.memory_activations import SELECTIVE_MATMUL_PERIOD
 from costmodel.plan_rules import SPLIT_BACKWARD_SCHEDULES
 from costmodel.strategy import shards_vocabulary
+from executor import peft
 from executor import precision as precision_mod
 from executor.context_parallel import apply_cp
 from executor.data_parallel import apply_ddp, apply_expert_ddp, apply_fsdp, uses_ddp, uses_fsdp
@@ -134,6 +135,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = mesh or build_mesh(plan, device.type)
+    peft.inject(model, plan)
     normalize_for_tp(model)
     on_meta = next(model.parameters()).device.type == "meta"
     template = model if p.pp > 1 else copy.deepcopy(model) if on_meta else None
@@ -148,6 +150,8 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     elif device.type != "cpu":
         for part in parts:
             part.to(device)
+    for part in parts:
+        peft.quantize_base(part, plan)
     if p.ep > 1:
         for part in parts:
             tag_expert_parameters(part)

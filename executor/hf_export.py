@@ -75,10 +75,15 @@ def _persistent_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def save_hf(directory: str | Path, parallel: Any) -> Path | None:
+def save_hf(directory: str | Path, parallel: Any, *, merge: bool = False) -> Path | None:
     """Write the trained `parallel` model (an `executor.api.ParallelModel`) as an HF directory; call on
-    every rank. Rank 0 writes and returns the directory; the other ranks return None."""
+    every rank. Rank 0 writes and returns the directory; the other ranks return None. A PEFT plan writes
+    its adapter and base (and with `merge` the merged model, `executor.peft_export`)."""
     state = full_local_state(parallel.parts)
+    if parallel.plan.model.peft is not None and parallel.plan.model.peft.method == "qlora":
+        from executor.peft_export import dequantized_base
+
+        state = dequantized_base(state, parallel.parts)
     stages = tuple(parallel.stage_indices)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, stages)
@@ -91,7 +96,7 @@ def save_hf(directory: str | Path, parallel: Any) -> Path | None:
         for part in gathered or []:
             for fqn, value in part.items():
                 merged.setdefault(fqn, value)
-        written = write_hf_directory(directory, merged, parallel.plan)
+        written = write_hf_directory(directory, merged, parallel.plan, merge=merge)
     dist.barrier()
     return written
 
@@ -182,21 +187,31 @@ def _invert(pieces: list[tuple[str, Any]], tensors: dict[str, torch.Tensor], sha
     return flat.reshape(shape)
 
 
-def write_hf_directory(directory: str | Path, tensors: dict[str, torch.Tensor], plan: Any) -> Path:
+def write_hf_directory(directory: str | Path, tensors: dict[str, torch.Tensor], plan: Any, *,
+                       merge: bool = False) -> Path:
     """Write `config.json` and `model.safetensors` of `tensors` ({soap FQN: full tensor}, trained with
-    `plan`) into `directory`."""
+    `plan`) into `directory`; a PEFT plan's adapter, base and (`merge`) merged model instead
+    (`executor.peft_export`)."""
+    if plan.model.peft is not None:
+        from executor.peft_export import write_peft_directory
+
+        return write_peft_directory(directory, tensors, plan, merge=merge)
+    template, hf_model = _meta_models(plan)
+    return write_model(directory, hf_state_dict(tensors, template, hf_model), template.config, hf_model)
+
+
+def write_model(directory: str | Path, state: dict[str, torch.Tensor], hf_config: Any, hf_model: nn.Module) -> Path:
+    """Write `state` ({HF key: tensor}) as `config.json` and `model.safetensors` into `directory`."""
     from safetensors.torch import save_file
 
     from tracer.files import permissions_for_new_file, write_atomic
 
-    template, hf_model = _meta_models(plan)
-    state = hf_state_dict(tensors, template, hf_model)
     root = Path(directory)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SoapError(f"cannot create {root}: {exc.strerror}") from None
-    config = template.config.to_dict()
+    config = hf_config.to_dict()
     config["use_cache"] = True
     config["architectures"] = [type(hf_model).__name__]
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")

@@ -38,8 +38,10 @@ from tracer.errors import SoapError
 TRAINABLE_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
 
 
-def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
-    """The plan's model on the meta device (no memory), through the tracer's builder, normalized for TP."""
+def build_meta_model(config: dict[str, Any], task: str, *, plan: Any = None) -> nn.Module:
+    """The plan's model on the meta device (no memory), through the tracer's builder, normalized for TP;
+    with a PEFT `plan`, its adapters are injected first (`executor.peft.inject`), so they wrap the modules
+    peft finds in the HF model (GPT-2's fused c_attn as one)."""
     import transformers
 
     import tracer
@@ -57,6 +59,10 @@ def build_meta_model(config: dict[str, Any], task: str) -> nn.Module:
         raise SoapError(f"cannot rebuild the {model_type} config from the plan: {exc}") from None
     hf_config.use_cache = False
     model = tracer.build_model(tracer.resolve_spec(hf_config, task=task), device="meta")
+    if plan is not None:
+        from executor.peft import inject
+
+        inject(model, plan)
     normalize_for_tp(model)
     return model
 
@@ -113,7 +119,7 @@ def normalize_for_tp(model: nn.Module) -> None:
         device = module.weight.device
         has_bias = module.bias is not None
         if name == "c_attn" and n_out == 3 * n_in:
-            new: nn.Module = FusedQKV(n_in, bias=has_bias, device=device)
+            new: nn.Module = FusedQKV(n_in, bias=has_bias, device=device).to(module.weight.dtype)
             for i, part in enumerate(("q", "k", "v")):
                 cols = slice(i * n_in, (i + 1) * n_in)
                 renames[f"{fqn}.{part}.weight"] = (f"{fqn}.weight", lambda w, c=cols: w[:, c].t())
@@ -126,13 +132,14 @@ def normalize_for_tp(model: nn.Module) -> None:
                         if has_bias:
                             linear.bias.copy_(module.bias[cols])
         else:
-            new = nn.Linear(n_in, n_out, bias=has_bias, device=device)
+            new = nn.Linear(n_in, n_out, bias=has_bias, device=device, dtype=module.weight.dtype)
             renames[f"{fqn}.weight"] = (f"{fqn}.weight", lambda w: w.t())
             if device.type != "meta":
                 with torch.no_grad():
                     new.weight.copy_(module.weight.t())
                     if has_bias:
                         new.bias.copy_(module.bias)
+        new.requires_grad_(module.weight.requires_grad)  # a frozen (PEFT base) weight stays frozen
         setattr(parent, name, new)
     model.soap_checkpoint_keys = {**getattr(model, "soap_checkpoint_keys", {}), **renames}  # idempotent
 
@@ -182,7 +189,8 @@ class CheckpointWeights:
 
     def tensor(self, fqn: str) -> torch.Tensor:
         key, transform = self.renames.get(fqn, (fqn, lambda t: t))
-        for candidate in (key, key.partition(".")[2]):  # checkpoints saved from the base model lack the prefix
+        # checkpoints saved from the base model lack the prefix; a base model's has no PEFT `base_layer`
+        for candidate in (key, key.partition(".")[2], key.replace(".base_layer", "")):
             if candidate in self.key_to_file:
                 return transform(self.key_to_file[candidate].get_tensor(candidate)).contiguous()
         raise SoapError(f"--weights: the checkpoint has no tensor {key!r}; is it a checkpoint of this model?")
@@ -215,8 +223,11 @@ def materialize(model: nn.Module, template: nn.Module, device: torch.device, *, 
     model.to_empty(device=device)
     for module, name, owner, owner_name in tied:
         setattr(module, name, getattr(owner, owner_name))
+    from executor.peft import init_source
+
     source: Any = (CheckpointWeights(weights_dir, getattr(template, "soap_checkpoint_keys", {}))
                    if weights_dir else SeededInit(template, seed))
+    source = init_source(source, template, seed=seed)
     aliases = tied_aliases(template)
     seen: set[int] = set()
     with torch.no_grad():

@@ -307,9 +307,13 @@ class TiedAcrossStages:
     first and the last stage on pipeline rank 0)."""
 
     def sum_gradients(self) -> None:
+        # a frozen tied pair (a PEFT run's embedding and head) has no gradient on any rank
         for param in self.params:
-            dist.all_reduce(_local(param.grad), group=self.group)
+            if param.requires_grad:
+                dist.all_reduce(_local(param.grad), group=self.group)
         for first, last in self.local_pairs:
+            if not first.requires_grad:
+                continue
             total = _local(first.grad)
             total.add_(_local(last.grad))
             _local(last.grad).copy_(total)

@@ -65,8 +65,10 @@ def runtime_for(plan: Plan, device: torch.device, *, fsdp: bool) -> PrecisionRun
     if p.precision in ("tf32", "bf16", "fp8"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    # a PEFT model holds its base in the compute dtype and its adapters in fp32, without autocast (executor.peft)
+    autocast = plan.model.peft is None
     if p.precision in ("bf16", "fp8") and not fsdp:
-        return PrecisionRuntime(device.type, torch.bfloat16)
+        return PrecisionRuntime(device.type, torch.bfloat16 if autocast else None)
     if p.precision == "fp16":
         if fsdp or (dist.is_initialized() and dist.get_world_size() > 1):
             scaler: Any = _mesh_grouped_scaler()(device.type)
@@ -74,7 +76,7 @@ def runtime_for(plan: Plan, device: torch.device, *, fsdp: bool) -> PrecisionRun
             scaler = torch.amp.GradScaler(device.type)
         # the scale is created on first use; a pipeline rank without the loss never scales anything itself
         scaler.scale(torch.zeros((), device=device))
-        return PrecisionRuntime(device.type, torch.float16, scaler)
+        return PrecisionRuntime(device.type, torch.float16 if autocast else None, scaler)
     return PrecisionRuntime(device.type)
 
 

@@ -64,6 +64,8 @@ class RunConfig:
     save_hf: str | None = None
     """After the last step, write the trained model here as a transformers-loadable directory
     (`executor.hf_export.save_hf`); None: don't."""
+    merge: bool = False
+    """With `save_hf` and a PEFT plan: also write the model with its adapters merged (`DIR/merged`)."""
     progress: bool = True
     """Show the progress bar (rank 0, stderr)."""
     timeout_s: float | None = None
@@ -129,7 +131,7 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
     loss_fn = ScaledTokenLoss()
     watch.activity("in building and parallelizing the model (process groups, sharding, initial weights)",
                    warmup=True)
-    model = build_meta_model(plan.model.config, plan.model.task)
+    model = build_meta_model(plan.model.config, plan.model.task, plan=plan)
     vocab = model.config.vocab_size
     parallel = parallelize(model, plan, seed=config.seed, weights=config.weights, loss_fn=loss_fn, device=device)
     watch.set_stages(parallel.stage_indices)
@@ -165,7 +167,7 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
                 save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers, run=run_record(plan))
     if config.save_hf:
         watch.activity("in gathering the trained model and writing it as an HF directory (--save-hf)", warmup=True)
-        save_hf(config.save_hf, parallel)
+        save_hf(config.save_hf, parallel, merge=config.merge)
     watch.activity("on all_gather of the ranks' peak memory after the last step")
     memory, memory_source = _peak_memory_gib(device)
     reserved = _gather_gib(torch.cuda.max_memory_reserved(device), device) if device.type == "cuda" else None

@@ -25,6 +25,7 @@ from planner.report import PlanReport
 from planner.space import Pins, SpaceRequest, validate_pins
 from tracer.errors import SoapError
 from tracer.ir import OpGraph
+from tracer.peft import PeftSpec
 
 GIB = 2**30
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -93,10 +94,12 @@ def resolve_cluster(cluster: str | ClusterSpec, gpus_per_node: int | None) -> Cl
 def make_request(
     model: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", gpus_per_node: int | None = None,
     task: str | None = None, global_batch: int | None = None, seq_len: int | None = None,
-    mem_limit_gib: float | None = None, graph: OpGraph | None = None, trust_remote_code: bool = False, **pins: Any,
+    mem_limit_gib: float | None = None, graph: OpGraph | None = None, trust_remote_code: bool = False,
+    peft: Any = None, **pins: Any,
 ) -> PlanRequest:
     """Resolve, default and validate a request. The model's dimensions come from its config, or from
-    `graph` (a plain nn.Module has no config, so it is traced first)."""
+    `graph` (a plain nn.Module has no config, so it is traced first). `peft`: LoRA/QLoRA settings
+    (`tracer.peft.PeftSpec.from_value`: "lora", "qlora" or a dict of method, rank, alpha, targets, dropout)."""
     from tracer.api import model_dims
 
     unknown = sorted(set(pins) - set(PIN_NAMES))
@@ -104,7 +107,7 @@ def make_request(
         raise SoapError(f"unknown pin {unknown[0]!r}; pins are {', '.join(PIN_NAMES)}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise SoapError(f"--gpus={gpus!r} must be a positive integer")
-    ref = model_ref(model, task=task, trust_remote_code=trust_remote_code)
+    ref = replace(model_ref(model, task=task, trust_remote_code=trust_remote_code), peft=PeftSpec.from_value(peft))
     cluster_spec = resolve_cluster(cluster, gpus_per_node)
     seq = request_seq_len(ref, seq_len=seq_len, task=task)
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
@@ -121,7 +124,7 @@ def make_request(
         raise SoapError("a module without a config must be traced before planning; pass graph=tracer.trace(module)")
     space = SpaceRequest(
         gpus=gpus, gpus_per_node=cluster_spec.gpus_per_node, tp_across_nodes=cluster_spec.tp_across_nodes,
-        nvlink_domain=cluster_spec.nvlink_domain,
+        nvlink_domain=cluster_spec.nvlink_domain, peft=ref.peft.method if ref.peft else None,
         dims=dims, seq_len=seq, global_batch=batch, precisions=tuple(cluster_spec.device.peak_flops),
         pins=Pins(**{k: _switch(k, v) for k, v in pins.items() if v is not None}),
     )
@@ -143,7 +146,7 @@ def plan_report(
         progress("tracing", 0, None)
     if graph is None and model_ref(model, task=kwargs.get("task"), trust_remote_code=trust).config is None:
         graph = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=kwargs.get("seq_len"),
-                             trust_remote_code=trust)
+                             trust_remote_code=trust, peft=kwargs.get("peft"))
     request = make_request(model, gpus=gpus, cluster=cluster, graph=graph, **kwargs)
     trace = None
     if graph is None:
@@ -159,7 +162,8 @@ def plan_report(
 def plan(model_or_spec: Any, *, gpus: int, cluster: str | ClusterSpec = "dgx-h100", **pins: Any) -> Plan:
     """The fastest plan that fits; keyword pins (tp=, pp=, dp=, cp=, zero=, ep=, micro_batch=, grad_accum=,
     recompute=, schedule=, virtual_stages=, precision=, optimizer=, offload=, compile=) fix dimensions, and
-    gpus_per_node=, task=, global_batch=, seq_len=, mem_limit_gib=, time_budget_s=, seed= and graph= are
+    gpus_per_node=, task=, global_batch=, seq_len=, mem_limit_gib=, time_budget_s=, seed=, graph= and peft=
+    ("lora", "qlora" or {"method": ..., "rank": ..., "alpha": ..., "targets": [...], "dropout": ...}) are
     passed through. `ep` is the expert-parallel degree (torchtitan's expert_parallel_degree), `virtual_stages`
     the pipeline stages per rank, `offload` the optimizer state and step on the CPU and `compile` torch.compile
     per block: True/False (or "on"/"off"); left out, the search decides them. A pin no plan can honour is

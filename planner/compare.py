@@ -49,6 +49,7 @@ from planner.model_ref import ModelRef, model_ref
 from planner.prices import Price
 from planner.report import PlanReport, contract, describe
 from tracer.errors import SoapError
+from tracer.peft import PeftSpec
 from tracer.ir import OpGraph
 
 KNEE_GAIN = 1.6
@@ -227,7 +228,9 @@ def compare(model: Any, *, clusters: Sequence[str], prices: Mapping[str, Price],
     if missing:
         raise SoapError(f"no price for {', '.join(missing)}; give it as --price {missing[0]}=USD_PER_GPU_HOUR")
     trust = bool(kwargs.get("trust_remote_code", False))
-    ref = model_ref(model, task=kwargs.get("task"), trust_remote_code=trust)
+    # the shared graphs are of the model that trains: with --peft, its adapters injected
+    ref = replace(model_ref(model, task=kwargs.get("task"), trust_remote_code=trust),
+                  peft=PeftSpec.from_value(kwargs.get("peft")))
     seq_len = request_seq_len(ref, seq_len=kwargs.get("seq_len"), task=kwargs.get("task"))
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise SoapError(f"--seq-len={seq_len!r} must be a positive integer")
@@ -236,7 +239,7 @@ def compare(model: Any, *, clusters: Sequence[str], prices: Mapping[str, Price],
         import tracer
 
         shared.graphs["float32"] = tracer.trace(model, task=kwargs.get("task"), batch=1, seq_len=seq_len,
-                                                trust_remote_code=trust)
+                                                trust_remote_code=trust, peft=ref.peft)
 
     results = []
     for name in clusters:

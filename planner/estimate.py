@@ -281,6 +281,7 @@ class Estimator:
             int(params_local), precision=t.precision, optimizer=t.optimizer, zero=t.zero,
             dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer, pipeline=d.pp > 1,
             fsdp=runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer),
+            autocast=t.peft is None,
         )
         dp_exposed, zero3_exposed = self._dp_comm(d, t.zero, t.precision, t.offload_optimizer, m, tables_key)
         device = self.cluster.device

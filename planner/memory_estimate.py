@@ -135,25 +135,30 @@ class MemoryTables:
             frozen=int(sum(counts[u] * alone[u].frozen for u in blocks)) + outside.frozen,
             shapes=tuple(s for u in blocks for s in alone[u].shapes * int(counts[u])) + outside.shapes if shapes else (),
             largest_unit=max([alone[u].largest_unit for u in blocks] + [outside.largest_unit]),
+            quantized_bytes=int(sum(counts[u] * alone[u].quantized_bytes for u in blocks)) + outside.quantized_bytes,
+            largest_quantized=max([alone[u].largest_quantized for u in blocks] + [outside.largest_quantized]),
+            largest_trainable_unit=max([alone[u].largest_trainable_unit or 0 for u in blocks]
+                                       + [outside.largest_trainable_unit or 0]),
         )
 
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
                              vocab: bool, precision: str, optimizer: str, zero: int, dp_shard: int, dp_sync: int,
-                             offload: bool, fsdp: bool, pipeline: bool) -> tuple[tuple[int, int, int, int, int], ...]:
+                             offload: bool, fsdp: bool, pipeline: bool, autocast: bool = True
+                             ) -> tuple[tuple[int, int, int, int, int], ...]:
         """Each pipeline rank's (weights, grads, optimizer, buffers, host) bytes: model state per stage on the
         engine the executor runs, summed over the rank's stages, and buffers over the rank's parameters.
         Memoized: it reads none of the micro-batching and recompute choices."""
         adafactor = optimizer == "adafactor"
         state = []
-        same: dict[tuple[int, int], object] = {}  # stages holding as many parameters hold as much state
+        same: dict[tuple[int, int, int], object] = {}  # stages holding as many parameters hold as much state
         for s in range(len(bounds) - 1):
             params = self.held(bounds, (s,), tp, ep, vocab, adafactor)
-            key = (params.trainable, params.frozen)
+            key = (params.trainable, params.frozen, params.quantized_bytes)
             if adafactor or key not in same:
                 same[key] = model_state_bytes(
                     params.trainable, precision=precision, optimizer=optimizer, zero=zero, dp_shard=dp_shard,
                     offload_optimizer=offload, param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
-                    pipeline=pipeline, fsdp=fsdp)
+                    pipeline=pipeline, fsdp=fsdp, quantized=params.quantized_bytes, autocast=autocast)
             state.append(same[key])
         out = []
         for mine in rank_stages(schedule, pp, v):
@@ -179,7 +184,7 @@ class MemoryTables:
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,
-                                d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1)
+                                d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1, t.peft is None)
         workspace = workspace_bytes(device)
         worst: MemoryBreakdown | None = None
         for (weights, grads, optimizer, buffers, host), peak in zip(ranks, activations):

@@ -17,6 +17,7 @@ from typing import Any
 
 from tracer.errors import SoapError
 from tracer.ir import OpGraph
+from tracer.peft import PeftSpec
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,16 @@ class ModelRef:
     """The resolved `tracer.spec.ModelSpec`, or None when MODEL was read as a file."""
     model: Any = None
     """What the user passed, for tracing by name."""
+    peft: PeftSpec | None = None
+    """LoRA/QLoRA settings: the model is traced (and trained) with adapters (tracer/peft.py)."""
 
     def trace(self, *, task: str | None, seq_len: int, dtype: str = "float32") -> OpGraph:
         import tracer
 
         if self.spec is None:
-            return tracer.trace(self.model, task=task, batch=1, seq_len=seq_len, persistent_cache=True, dtype=dtype)
-        return tracer.trace(self.spec, task=self.spec.task, batch=1, seq_len=seq_len, dtype=dtype)
+            return tracer.trace(self.model, task=task, batch=1, seq_len=seq_len, persistent_cache=True, dtype=dtype,
+                                peft=self.peft)
+        return tracer.trace(self.spec, task=self.spec.task, batch=1, seq_len=seq_len, dtype=dtype, peft=self.peft)
 
 
 def _config_file(model: Any) -> tuple[Path, str] | None:

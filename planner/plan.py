@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from costmodel.plan_rules import compile_violation, executed_pipeline_violation, model_violation, recompute_violation
+from costmodel.plan_rules import (compile_violation, executed_pipeline_violation, model_violation, peft_violation,
+                                  recompute_violation)
 from costmodel.strategy import (
     ATTENTION_IMPLS,
     MESH_DIM_NAMES,
@@ -34,6 +35,7 @@ from costmodel.strategy import (
 from tracer.api import model_dims
 from tracer.errors import SoapError
 from tracer.files import write_atomic
+from tracer.peft import PEFT_METHODS, PeftSpec
 
 if TYPE_CHECKING:
     from costmodel.profiles import ClusterSpec
@@ -53,6 +55,21 @@ def config_hash(config: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class PeftRecord(_Strict):
+    """`tracer.peft.PeftSpec` in plan.json."""
+
+    method: Literal[PEFT_METHODS]  # type: ignore[valid-type]
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+    targets: tuple[str, ...] = ()
+    """Module names that get adapters; empty: peft's "all-linear"."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+
+    @classmethod
+    def of(cls, spec: PeftSpec | None) -> PeftRecord | None:
+        return None if spec is None else cls(**spec.to_dict())
+
+
 class ModelSpecRecord(_Strict):
     name: str
     """Preset name, path, Hub id, or a module's class name."""
@@ -61,6 +78,11 @@ class ModelSpecRecord(_Strict):
     config: dict[str, Any]
     """The HF config as `PretrainedConfig.to_dict()` gives it."""
     config_hash: str
+    peft: PeftRecord | None = None
+    """LoRA/QLoRA fine-tuning of this model (absent: every parameter trains)."""
+
+    def peft_spec(self) -> PeftSpec | None:
+        return None if self.peft is None else PeftSpec(**{**self.peft.model_dump(), "targets": tuple(self.peft.targets)})
 
     @model_validator(mode="after")
     def _hash_matches(self) -> ModelSpecRecord:
@@ -235,6 +257,11 @@ class Plan(_Strict):
                   or recompute_violation(recompute=p.recompute, encoder_decoder=dims.is_encoder_decoder))
         if reason:
             raise ValueError(reason)
+        reason = peft_violation(self.model.peft.method if self.model.peft else None, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
+                                zero=p.zero, offload=p.offload_optimizer, precision=p.precision, compile=p.compile,
+                                recompute=p.recompute)
+        if reason:
+            raise ValueError(f"parallelism under model.peft: {reason}")
         if p.pp > 1:
             if len(self.stages) != p.pp * p.virtual_stages:
                 raise ValueError(f"stages: expected pp*virtual_stages={p.pp * p.virtual_stages} stages, got {len(self.stages)}")
@@ -273,6 +300,7 @@ class Plan(_Strict):
             offload_optimizer=p.offload_optimizer,
             attention=p.attention,
             compile=p.compile,
+            peft=self.model.peft.method if self.model.peft else None,
         )
         return Strategy(dims=dims, train=train, op_splits=self.op_splits())
 

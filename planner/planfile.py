@@ -20,6 +20,7 @@ from planner.plan import (
     ClusterRecord,
     MeshRecord,
     ModelSpecRecord,
+    PeftRecord,
     Plan,
     StageRecord,
     config_hash,
@@ -61,7 +62,7 @@ def build_plan(
     return Plan(
         schema_version=SCHEMA_VERSION,
         model=ModelSpecRecord(name=ref.name, source=ref.source, task=graph.task, config=config,
-                              config_hash=config_hash(config)),
+                              config_hash=config_hash(config), peft=PeftRecord.of(ref.peft)),
         cluster=ClusterRecord(name=cluster.name, gpus=request.space.gpus, gpus_per_node=cluster.gpus_per_node,
                               profile=cluster_to_dict(cluster)),
         global_batch=t.global_batch,

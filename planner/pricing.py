@@ -195,6 +195,10 @@ def _run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | 
         chosen, outcome.priced, candidates, model=request.model_name, cluster=request.cluster,
         memory_limit=request.memory_limit, breakdown=chosen.result.breakdown.as_dict(), pins=request.space.pins,
     )
+    if request.model.peft is not None:
+        from planner.peft_why import peft_sentence
+
+        why = (peft_sentence(request, graph, task=graph.task), *why)
     strategy = chosen.candidate.strategy
     blocks = block_placements(units, graph, strategy)
     tp_styles = {k: v for u in units if not u.id.startswith("<") for k, v in tp_plan(u.ops, strategy).items()}

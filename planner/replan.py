@@ -183,6 +183,7 @@ def replan(old: Plan, *, gpus: int, cluster: Any = None, gpus_per_node: int | No
         return plan_report(_model_of(old), gpus=gpus, cluster=spec, gpus_per_node=gpus_per_node,
                            task=old.model.task, global_batch=global_batch, seq_len=old.seq_len,
                            mem_limit_gib=mem_limit_gib, time_budget_s=time_budget_s, seed=seed, progress=progress,
+                           **({"peft": old.model.peft_spec()} if old.model.peft and "peft" not in given else {}),
                            **search_pins, **given)
 
     try:

@@ -51,7 +51,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from costmodel.plan_rules import (NOT_EXECUTED, compile_violation, executed_pipeline_violation, model_violation,
-                                  recompute_violation)
+                                  peft_violation, recompute_violation)
 from costmodel.strategy import (
     MULTI_STAGE_SCHEDULES,
     OPTIMIZERS,
@@ -151,6 +151,9 @@ class SpaceRequest:
     """(schedule, virtual stages) pairs the simulator can price."""
     nvlink_domain: int | None = None
     """GPUs sharing one NVLink fabric when more than a node (`ClusterSpec.nvlink_domain`)."""
+    peft: str | None = None
+    """The PEFT method (lora, qlora) or None for full training: `costmodel.plan_rules.peft_violation`
+    trims the space to what the executor runs with adapters."""
 
     @property
     def domain_size(self) -> int:
@@ -189,7 +192,8 @@ def _rule_violation(req: SpaceRequest, *, tp: int, pp: int, cp: int) -> str | No
         if reason:
             return reason
     return model_violation(tp=tp, pp=pp, cp=cp, num_layers=d.num_layers, heads=d.heads, kv_heads=d.kv_heads,
-                           vocab=d.vocab, seq_len=req.seq_len, encoder_decoder=d.is_encoder_decoder)
+                           vocab=d.vocab, seq_len=req.seq_len, encoder_decoder=d.is_encoder_decoder) \
+        or peft_violation(req.peft, tp=tp, pp=pp, cp=cp)
 
 
 def tp_domain_violation(tp: int, *, gpus: int, domain: int) -> str | None:
@@ -229,6 +233,10 @@ def validate_pins(req: SpaceRequest) -> None:
     reason = _rule_violation(req, tp=p.tp or 1, pp=p.pp or 1, cp=p.cp or 1)
     if reason:
         raise SoapError(reason)
+    reason = peft_violation(req.peft, ep=p.ep or 1, zero=p.zero or 0, offload=bool(p.offload),
+                            compile=bool(p.compile), precision=p.precision or "bf16", recompute=p.recompute or "none")
+    if reason:
+        raise SoapError(f"--peft {req.peft}: {reason}")
     if p.dp is not None and req.global_batch % p.dp:
         raise SoapError(f"--dp {p.dp} does not divide the global batch {req.global_batch}; change --global-batch")
     if p.precision is not None and p.precision not in (*req.precisions, "tf32", "auto"):
@@ -318,6 +326,8 @@ def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
                     if p.zero is not None and zero != p.zero:
                         continue
                     for ep in _expert_choices(req, shard * cp):
+                        if peft_violation(req.peft, ep=ep, zero=zero):
+                            continue
                         dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=ep)
                         out.append(MeshChoice(dims=dims, zero=zero))
     return sorted(out, key=lambda m: m.sort_key)
@@ -347,7 +357,8 @@ def precision_choices(req: SpaceRequest) -> tuple[str, ...]:
     if req.pins.precision not in (None, "auto"):
         return (req.pins.precision,)
     half = half_precision(req)
-    return (half, "fp8") if req.pins.precision == "auto" and "fp8" in req.precisions else (half,)
+    fp8 = req.pins.precision == "auto" and "fp8" in req.precisions and not peft_violation(req.peft, precision="fp8")
+    return (half, "fp8") if fp8 else (half,)
 
 
 def half_precision(req: SpaceRequest) -> str:
@@ -435,12 +446,14 @@ def recompute_choices(req: SpaceRequest) -> tuple[str, ...]:
     if req.pins.recompute:
         return (req.pins.recompute,)
     return tuple(r for r in RECOMPUTE if recompute_violation(recompute=r, encoder_decoder=req.dims.is_encoder_decoder)
-                 is None)
+                 is None and peft_violation(req.peft, recompute=r) is None)
 
 
 def offload_choices(req: SpaceRequest) -> tuple[bool, ...]:
     """Optimizer offload off then on, or as pinned."""
-    return (req.pins.offload,) if req.pins.offload is not None else (False, True)
+    if req.pins.offload is not None:
+        return (req.pins.offload,)
+    return (False,) if peft_violation(req.peft, offload=True) else (False, True)
 
 
 def compile_choices(req: SpaceRequest, compile_pays: bool) -> tuple[bool, ...]:
@@ -448,7 +461,8 @@ def compile_choices(req: SpaceRequest, compile_pays: bool) -> tuple[bool, ...]:
     kernel class faster (`compile_pays`). Off comes first, so it wins ties."""
     if req.pins.compile is not None:
         return (req.pins.compile,)
-    allowed = compile_violation(compile=True, encoder_decoder=req.dims.is_encoder_decoder) is None
+    allowed = compile_violation(compile=True, encoder_decoder=req.dims.is_encoder_decoder) is None \
+        and peft_violation(req.peft, compile=True) is None
     return (False, True) if compile_pays and allowed else (False,)
 
 
@@ -459,7 +473,7 @@ def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, 
         num_microbatches=head.num_microbatches, grad_accum=head.grad_accum, schedule=head.schedule,
         virtual_stages=head.virtual_stages, zero=mesh.zero, sequence_parallel=mesh.dims.tp > 1,
         recompute=recompute, precision=head.precision, optimizer=head.optimizer, offload_optimizer=offload,
-        compile=bool(req.pins.compile),
+        compile=bool(req.pins.compile), peft=req.peft,
     )
 
 

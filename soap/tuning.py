@@ -105,7 +105,7 @@ def tune(model: Any, *, gpus: int | None = None, cluster: Any = None, top: int =
         gpus = given.world_size
         cluster = cluster_from_dict(given.cluster.profile)
         plan_kwargs = {"task": given.model.task, "seq_len": given.seq_len, "global_batch": given.global_batch,
-                       **plan_kwargs}
+                       **({"peft": given.model.peft_spec()} if given.model.peft else {}), **plan_kwargs}
     if gpus is None:
         raise SoapError("--gpus N is needed with a MODEL (a plan.json brings its own)")
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or "dgx-h100")

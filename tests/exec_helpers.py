@@ -84,9 +84,9 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
               grad_accum: int | None = None, schedule: str = "1F1B", virtual_stages: int = 1,
               recompute: str = "none", precision: str = "fp32", optimizer: str = "adamw", seq_len: int = 16,
               config: dict[str, Any] | None = None, predicted: dict[str, Any] | None = None,
-              tp_plan: dict[str, str] | None = None, **parallelism: Any) -> Plan:
+              tp_plan: dict[str, str] | None = None, peft: dict[str, Any] | None = None, **parallelism: Any) -> Plan:
     """A valid Plan for a tiny model, built directly (no search); `parallelism` sets further plan fields
-    (offload_optimizer, compile, ...)."""
+    (offload_optimizer, compile, ...); `peft` is plan.json's model.peft (method, rank, alpha, targets, dropout)."""
     config = config or tiny_config(family)
     dp = dp_replicate * dp_shard
     world = pp * dp * cp * tp
@@ -95,7 +95,7 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
     data = {
         "schema_version": SCHEMA_VERSION,
         "model": {"name": f"tiny-{family}", "source": "file", "task": TASKS[family], "config": config,
-                  "config_hash": config_hash(config)},
+                  "config_hash": config_hash(config), **({"peft": peft} if peft else {})},
         "cluster": {"name": "local-cpu", "gpus": world, "gpus_per_node": world, "profile": {}},
         "global_batch": dp * micro_batch * num_microbatches,
         "seq_len": seq_len,

@@ -48,6 +48,9 @@ CASES = [  # (family, gpus, global batch, pins): pins steer the sample to the di
     ("mixtral", 8, 16, {}),
     ("mixtral", 8, 16, {"pp": 2}),
     ("bert", 4, 16, {}),
+    ("llama", 4, 16, {"peft": "lora"}),  # frozen base weights, fp32 adapters without autocast
+    ("llama", 4, 16, {"pp": 2, "peft": "lora"}),
+    ("gpt2-tied", 4, 16, {"peft": "qlora"}),  # NF4 base weights and their dequantized copy
 ]
 PER_CASE = 60
 SEQ = 64

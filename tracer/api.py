@@ -48,7 +48,7 @@ _SKELETONS: dict[tuple, _Skeleton] = {}
 
 def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int | None = None,
           frontend: str = "auto", trust_remote_code: bool = False, persistent_cache: bool = False,
-          dtype: Any = None) -> OpGraph:
+          dtype: Any = None, peft: Any = None) -> OpGraph:
     """Trace MODEL (preset name, config.json path or directory, Hub id, PretrainedConfig, nn.Module or
     module factory) for one training step of `task` on `batch` samples of `seq_len` tokens.
 
@@ -57,16 +57,23 @@ def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int |
     imports neither torch nor transformers. `dtype` is the parameter and activation dtype of the traced
     model (`float32` by default; `bfloat16` gives the graph of a bf16 model, upcasts included);
     `autocast-bfloat16`/`autocast-float16` trace fp32 parameters under CUDA autocast's cast policy
-    (tracer/autocast.py)."""
+    (tracer/autocast.py). `peft` (a `tracer.peft.PeftSpec`, or what `PeftSpec.from_value` takes) traces
+    the model with LoRA adapters injected and its base weights frozen (tracer/peft.py)."""
+    from tracer.peft import PeftSpec
     from tracer.spec import resolve_spec
+
+    peft = PeftSpec.from_value(peft)
 
     if not isinstance(batch, int) or batch < 1:
         raise SoapError(f"batch must be a positive integer, got {batch}")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise SoapError(f"seq-len must be a positive integer, got {seq_len}")
     dtype_name = _dtype_name(dtype)
+    if peft is not None and dtype_name.startswith("autocast-"):  # PEFT runs its 16-bit base without autocast
+        dtype_name = dtype_name.removeprefix("autocast-")
     disk_key = _disk_key(model, task=task, batch=batch, seq_len=seq_len, frontend=frontend,
-                         trust_remote_code=trust_remote_code, dtype=dtype_name) if persistent_cache else None
+                         trust_remote_code=trust_remote_code, dtype=dtype_name,
+                         **({"peft": peft.to_dict()} if peft else {})) if persistent_cache else None
     if disk_key is not None:
         from tracer.serialize import load_cached, store_cached
 
@@ -74,7 +81,7 @@ def trace(model: Any, *, task: str | None = None, batch: int = 1, seq_len: int |
         if cached is not None:
             return cached
     graph = _trace_resolved(resolve_spec(model, task=task, trust_remote_code=trust_remote_code), batch, seq_len,
-                            frontend, dtype=dtype_name)
+                            frontend, dtype=dtype_name, peft=peft)
     if disk_key is not None:
         store_cached(disk_key, graph)
     return graph
@@ -115,16 +122,17 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def _trace_resolved(spec: Any, batch: int, seq_len: int | None, frontend: str, dtype: str = "float32") -> OpGraph:
+def _trace_resolved(spec: Any, batch: int, seq_len: int | None, frontend: str, dtype: str = "float32",
+                    peft: Any = None) -> OpGraph:
     from tracer.inputs import default_seq_len
 
     seq = seq_len if seq_len is not None else default_seq_len(spec.config, spec.task)
     if spec.task == "image-cls" and seq != default_seq_len(spec.config, spec.task):
         raise SoapError(f"{spec.name} classifies images of {default_seq_len(spec.config, spec.task)} patch tokens; "
                         "--seq-len does not apply to image models")
-    key = (_spec_key(spec), spec.task, batch, seq, frontend, dtype)
+    key = (_spec_key(spec), spec.task, batch, seq, frontend, dtype, peft)
     if key not in _CACHE:
-        _CACHE[key] = _trace_uncached(spec, batch, seq, frontend, dtype)
+        _CACHE[key] = _trace_uncached(spec, batch, seq, frontend, dtype, peft)
     return _CACHE[key]
 
 
@@ -135,7 +143,8 @@ def _spec_key(spec: Any) -> tuple:
     return (spec.name, hashlib.sha1(text.encode()).hexdigest(), spec.trust_remote_code)
 
 
-def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: str = "float32") -> OpGraph:
+def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: str = "float32",
+                    peft: Any = None) -> OpGraph:
     import torch
 
     from tracer.blocks import block_types, layers_to_trace
@@ -149,10 +158,20 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     from tracer.autocast_mode import traced_regime
 
     torch_dtype = torch.float32 if is_autocast(dtype) else getattr(torch, dtype)
-    key = _spec_key(spec) if spec.module is None else None
+    from tracer.peft import apply_lora, quantized_base, target_base_weights
+
+    def adapted(model: Any) -> Any:
+        if peft is None:
+            return model
+        import copy
+
+        # a user's module may come back as given: the adapters go into a copy, never into the user's model
+        return apply_lora(copy.deepcopy(model) if spec.module is not None else model, peft)
+
+    key = (_spec_key(spec), peft) if spec.module is None else None
     full = None
     if key not in _SKELETONS:
-        full = build_model(spec, device="meta", dtype=torch_dtype, static_moe=True)
+        full = adapted(build_model(spec, device="meta", dtype=torch_dtype, static_moe=True))
         skeleton = _Skeleton(
             params_total=sum(p.numel() for p in full.parameters()),
             params_trainable=sum(p.numel() for p in full.parameters() if p.requires_grad),
@@ -166,9 +185,10 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     depth = layers_to_trace(types)
     truncatable = spec.module is None and types and depth < max(len(t.indices) for t in types)
     if truncatable:
-        model = build_model(spec, device="meta", num_layers=depth, dtype=torch_dtype, static_moe=True)
+        model = adapted(build_model(spec, device="meta", num_layers=depth, dtype=torch_dtype, static_moe=True))
     else:
-        model = full if full is not None else build_model(spec, device="meta", dtype=torch_dtype, static_moe=True)
+        model = full if full is not None else adapted(build_model(spec, device="meta", dtype=torch_dtype,
+                                                                  static_moe=True))
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)
@@ -176,8 +196,10 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
         captured = capture(model, inputs, frontend, preset=spec.source == "preset")
     graph = build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
                         seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
-                        dims=model_dims(spec.config, types), config=spec.config,
+                        dims=model_dims(spec.config, types), config=spec.config, last_instance=peft is not None,
                         fp8_linears=fp8_linear_names(model))
+    if peft is not None and peft.quantized:
+        graph = quantized_base(graph, set(target_base_weights(model)))
     return mark_traced_dtype(graph, dtype)
 
 

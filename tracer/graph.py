@@ -14,7 +14,8 @@ Passes, in program order:
    produced outside every block and saved inside two or more block instances (rotary cos/sin, a shared
    mask) counts once, at its producer, instead of once per layer;
 6. blocks: ops inside stack instances are tagged with their block id; only the representative (first
-   traced) instance of each block type is kept, and `Block.count` carries the full count.
+   traced, or with `last_instance` the last) instance of each block type is kept, and `Block.count`
+   carries the full count.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ NON_DIFFERENTIABLE = {"zeros_like", "ones_like", "full_like", "empty_like", "ran
 
 def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: str, batch: int, seq_len: int,
                 params_total: int, params_trainable: int, dims: ModelDims, config: Any,
-                fp8_linears: frozenset[str] = frozenset()) -> OpGraph:
+                last_instance: bool = False, fp8_linears: frozenset[str] = frozenset()) -> OpGraph:
+    """The graph of a captured model (see the module docstring). `last_instance`: each block type is
+    represented by its last traced instance rather than its first, for models whose first instance differs
+    from the rest in what needs grad (with PEFT the embeddings are frozen, so only from the second block on
+    does a block's input carry a gradient, through the adapters before it). `fp8_linears`: the modules an fp8
+    plan runs in fp8 (`tracer.fp8`), whose GEMMs are marked."""
     ops = capture.ops
     base: dict[int, int] = {}
     needs_grad: dict[int, bool] = {}
@@ -81,7 +87,7 @@ def build_graph(*, capture: Capture, types: list[BlockType], name: str, task: st
         if inst is not None:
             t = type_of_instance[inst]
             seen_instances[t.id].add(inst[1])
-            if representative[t.id] is None:
+            if representative[t.id] is None or last_instance:
                 representative[t.id] = inst[1]
     for bid, idx in seen_instances.items():
         traced[bid] = len(idx)

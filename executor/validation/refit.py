@@ -79,7 +79,7 @@ def trace_plan_model(plan: Any, cluster: ClusterSpec) -> Any:
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     strategy = plan.strategy()
     return tracer.trace(config, task=plan.model.task, seq_len=plan.seq_len,
-                        dtype=regime_dtype(strategy.dims, strategy.train, cluster.device))
+                        dtype=regime_dtype(strategy.dims, strategy.train, cluster.device), peft=plan.model.peft_spec())
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ mixed precision, processes and machines), plus the matching `transformers.Traini
 Accelerate runs DDP, or FSDP2 with a `ParallelismConfig` of dp_replicate x dp_shard x tp x cp. It has no
 pipeline or expert parallelism, no Megatron sequence parallelism beside TP, no optimizer-only sharding
 (ZeRO-1) and one activation-checkpointing switch (full recompute).
+
+A PEFT plan (`plan.model.peft`) also gets `<stem>.peft.json`: the `peft.LoraConfig` fields (and for QLoRA
+the `transformers.BitsAndBytesConfig` fields of NF4 with double quantization) to apply with
+`get_peft_model(model, LoraConfig(**...))` before the Trainer, as soap's executor applies them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from planner.exports.launch import layer_class, nodes
 from planner.exports.layout import Adjustment
 
 TARGET = "accelerate"
+CARRIES_PEFT = True
+"""The export writes the plan's LoRA settings (`peft_config`); targets without it say so in one line."""
+TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM", "seq-cls": "SEQ_CLS"}
 MIXED_PRECISION = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
 OPTIM = {"adamw": "adamw_torch_fused", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
 
@@ -116,16 +123,39 @@ def config(plan) -> dict:
     return data
 
 
+def peft_config(plan) -> dict | None:
+    """{"LoraConfig": fields, "BitsAndBytesConfig": fields (QLoRA)} for a PEFT plan, else None."""
+    spec = plan.model.peft_spec()
+    if spec is None:
+        return None
+    lora = {"r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+            "target_modules": list(spec.targets) or "all-linear", "task_type": TASK_TYPES.get(plan.model.task)}
+    out: dict = {"LoraConfig": lora}
+    if spec.quantized:
+        out["BitsAndBytesConfig"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                     "bnb_4bit_use_double_quant": True,
+                                     "bnb_4bit_compute_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(
+                                         plan.parallelism.precision, "float32")}
+    return out
+
+
 def render(plan, path: Path) -> dict[Path, str]:
     args_path = path.with_name(path.stem + ".training_args.json")
+    peft_path = path.with_name(path.stem + ".peft.json")
+    peft = peft_config(plan)
     header = (f"# accelerate config for {plan.model.name} on {plan.cluster.gpus} x {plan.cluster.name}, written by soap.\n"
               f"# launch: accelerate launch --config_file {path} train.py"
               + (" --machine_rank $NODE_RANK" if nodes(plan) > 1 else "") + "\n"
-              f"# TrainingArguments fields: {args_path}\n")
-    return {
+              f"# TrainingArguments fields: {args_path}\n"
+              + (f"# PEFT: model = get_peft_model(model, LoraConfig(**LoraConfig fields of {peft_path}))\n"
+                 if peft else ""))
+    files = {
         path: header + yaml.safe_dump(config(plan), sort_keys=True),
         args_path: json.dumps(training_arguments(plan), indent=2, sort_keys=True) + "\n",
     }
+    if peft:
+        files[peft_path] = json.dumps(peft, indent=2, sort_keys=True) + "\n"
+    return files
 
 
 def launch(plan, path: Path) -> str:

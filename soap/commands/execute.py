@@ -47,6 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--save-hf", default=None, metavar="DIR",
                    help="after the last step, write the trained model to DIR as a transformers-loadable directory "
                         "(config.json + model.safetensors); `soap export-hf` converts a DCP checkpoint the same way")
+    p.add_argument("--merge", action="store_true",
+                   help="with --save-hf and a --peft plan: also write the model with its adapters merged (DIR/merged)")
     p.add_argument("--report", default=None, help="run-report JSON path (default <plan>.run.json)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -132,6 +134,15 @@ def run(args: argparse.Namespace) -> int:
         check_writable_dir(args.checkpoint_dir, what="--checkpoint-dir")
     if args.save_hf:
         check_writable_dir(args.save_hf, what="--save-hf")
+    if args.merge and (not args.save_hf or plan.model.peft is None):
+        raise SoapError("--merge folds a PEFT plan's adapters into its base when saving: it needs --save-hf DIR "
+                        "and a plan made with --peft")
+    if plan.model.peft is not None and plan.model.peft.method == "qlora":
+        from importlib.util import find_spec
+
+        if find_spec("bitsandbytes") is None:
+            raise SoapError("this QLoRA plan needs bitsandbytes, which is not installed here; "
+                            "pip install 'soap[peft]' (its CPU backend runs 4-bit weights too)")
     launch = launch_options(args)
     preflight(plan, launch)  # before anything slow: the plan against this host and the launch flags
     from executor.train import RunConfig  # imports the executor (torch.distributed, dynamo): seconds
@@ -147,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         data = str(prepare_dataset(args.dataset, args.tokenizer, plan.seq_len, vocab_size=vocab))
     config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=data, weights=args.weights,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, save_hf=args.save_hf, progress=True, timeout_s=args.timeout)
+                       resume=args.resume, save_hf=args.save_hf, merge=args.merge, progress=True,
+                       timeout_s=args.timeout)
     result = run_plan(plan, config, launch)
     if result is None:  # not global rank 0
         return 0
@@ -157,16 +169,17 @@ def run(args: argparse.Namespace) -> int:
 
     append_run(result, plan=plan, name=Path(args.plan).stem)
     if args.save_hf:
-        _finish_save_hf(args.save_hf, args.tokenizer)
+        _finish_save_hf(args.save_hf, args.tokenizer, peft=plan.model.peft is not None, merged=args.merge)
     _summary(result, report)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     return 0
 
 
-def _finish_save_hf(directory: str, tokenizer: str | None) -> None:
+def _finish_save_hf(directory: str, tokenizer: str | None, *, peft: bool = False, merged: bool = False) -> None:
     """Put the tokenizer the run trained with beside the model, and say what was written."""
-    files = "config.json, model.safetensors"
+    files = ("adapter_config.json, adapter_model.safetensors, base/" + (", merged/" if merged else "") if peft
+             else "config.json, model.safetensors")
     if tokenizer:
         from transformers import AutoTokenizer
 

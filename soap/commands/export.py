@@ -80,6 +80,9 @@ def write_exports(plan, exports: list[tuple[str, Path]]) -> None:
                 target = nearest_plan_that_fits(name, plan, graph, adjustment)
             if adjustment.changed:
                 print(dropped_line(name, adjustment.dropped, plan, target, base), file=sys.stderr)
+        if plan.model.peft is not None and not getattr(module, "CARRIES_PEFT", False):
+            print(f"{name} cannot express PEFT ({plan.model.peft_spec().describe()}): its config trains every "
+                  "parameter; export accelerate for the LoRA run (TrainingArguments with a peft config)", file=sys.stderr)
         files = module.render(target, path)
         for file, text in files.items():
             write_atomic(file, text, what=f"--export {name}")

@@ -8,6 +8,8 @@ import sys
 import threading
 
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
+from tracer.errors import SoapError
+from tracer.peft import PEFT_METHODS
 
 
 PIN_ARGS = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum", "recompute", "schedule", "precision",
@@ -47,10 +49,36 @@ def add_pin_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", nargs="?", const="on", choices=("on", "off"), metavar="on|off",
                        help=f"pin {what} (--{name} alone: on); default: searched")
         p.add_argument(f"--no-{name}", dest=name, action="store_const", const="off", help=f"same as --{name} off")
+    add_peft_flags(p)
+
+
+def add_peft_flags(p: argparse.ArgumentParser) -> None:
+    """--peft and its LoRA settings (tracer.peft.PeftSpec): the model trains with adapters."""
+    p.add_argument("--peft", choices=PEFT_METHODS, help="fine-tune with LoRA adapters (qlora: over a 4-bit NF4 base)")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="adapter rank (default 8)")
+    p.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scaling alpha (default 16)")
+    p.add_argument("--lora-targets", metavar="M,...",
+                   help="module names that get adapters (default: peft's all-linear, the attention and MLP "
+                   "projections)")
+    p.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
+
+
+def peft_of(args: argparse.Namespace) -> dict | None:
+    """The --peft settings as `soap.plan(peft=...)` takes them; None without --peft."""
+    settings = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+                "targets": args.lora_targets}
+    given = {k: v for k, v in settings.items() if v is not None}
+    if args.peft is None:
+        if given:
+            raise SoapError(f"--lora-{next(iter(given))} needs --peft lora or --peft qlora")
+        return None
+    return {"method": args.peft, **given}
 
 
 def pins_of(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in PIN_ARGS}
+    """The pins, and `peft` when --peft is given."""
+    peft = peft_of(args)
+    return {k: getattr(args, k) for k in PIN_ARGS} | ({"peft": peft} if peft else {})
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

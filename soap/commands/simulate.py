@@ -22,6 +22,8 @@ def simulate_plan(plan):
     """(graph, SimResult) for a loaded Plan: the model re-traced from its inline config, in the precision
     regime the plan runs in (planner.regimes)."""
     import tracer
+    from dataclasses import replace
+
     from costmodel.profiles import cluster_from_dict
     from costmodel.simulator import simulate
     from planner.plan import stage_bounds
@@ -33,9 +35,11 @@ def simulate_plan(plan):
     dtype = regime_dtype(strategy.dims, strategy.train, cluster.device)
     preset = _same_preset(plan.model)
     if preset is not None:  # the planner's own path: traced by name, preset front-end chain, disk cache
-        graph = preset.trace(task=plan.model.task, seq_len=plan.seq_len, dtype=dtype)
+        graph = replace(preset, peft=plan.model.peft_spec()).trace(task=plan.model.task, seq_len=plan.seq_len,
+                                                                   dtype=dtype)
     else:
-        graph = tracer.trace(_config(plan.model.config), task=plan.model.task, seq_len=plan.seq_len, dtype=dtype)
+        graph = tracer.trace(_config(plan.model.config), task=plan.model.task, seq_len=plan.seq_len, dtype=dtype,
+                             peft=plan.model.peft_spec())
     return graph, simulate(graph, strategy, cluster, stages=stage_bounds(plan, graph))
 
 
