@@ -350,12 +350,13 @@ def _should_resume(config: RunConfig, job: str | None = None) -> bool:
 
     A group is started again after a failure (`TORCHELASTIC_RESTART_COUNT` > 0) or when nodes left or
     joined; the agent does not count the second, and each node counts its own failures, so in a re-formed
-    group some nodes may say 0. Every rank must decide alike: the group also resumes when the newest
-    checkpoint was written by its own elastic `job` (the same on every node)."""
+    group some nodes may say 0 and others 1. Every rank must decide alike, so under an elastic `job` (the
+    same on every node) the group resumes exactly when the newest checkpoint was written by that job; the
+    restart count decides only without one (torch's placeholder id `none`)."""
     if config.resume:
         return True
     if not (config.checkpoint_dir and (Path(config.checkpoint_dir) / "latest").is_file()):
         return False
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return True
-    return job is not None and saved_run_record(config.checkpoint_dir).get("job") == job
+    if job is not None:
+        return saved_run_record(config.checkpoint_dir).get("job") == job
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

@@ -80,6 +80,9 @@ def test_a_group_reformed_after_a_membership_change_resumes_its_jobs_checkpoint(
     assert _should_resume(_config(tmp_path), "job1")
     assert not _should_resume(_config(tmp_path), "job2")  # another job's checkpoints are not continued
     assert not _should_resume(_config(tmp_path), None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # counted on some nodes only: the job decides for all
+    assert _should_resume(_config(tmp_path), "job1")
+    assert not _should_resume(_config(tmp_path), "job2")
 
 
 def test_a_resume_under_another_layout_is_recorded_as_a_replan():
