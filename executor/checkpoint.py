@@ -3,8 +3,10 @@
 Layout of `--checkpoint-dir D`:
     D/step-00000006/   one DCP checkpoint (model and optimizer state of every rank, and the step)
     D/latest           the name of the newest complete checkpoint
-    D/step-N/soap-run.json   the run it belongs to: global batch, sequence length, model config hash
-                             (`check_resumable` refuses a plan that would not continue its data order)
+    D/step-N/soap-run.json   the run it belongs to (`run_record`): global batch, sequence length, model
+                             config hash (`check_resumable` refuses a plan that would not continue its data
+                             order); the layout that wrote it and the run's re-plans so far; the elastic
+                             job (`TORCHELASTIC_RUN_ID`) whose re-formed worker groups resume it
 Saving writes into `D/.tmp-step-N`, waits for every rank, then rank 0 renames it to `D/step-N`,
 rewrites `latest` atomically and deletes older checkpoints. A crash mid-save leaves only a `.tmp-*`
 directory behind, and `latest` still names the last good checkpoint. State dicts use
@@ -47,9 +49,25 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> d
     return state
 
 
-def run_record(plan) -> dict:
-    """What a resumed run must share with the checkpointed one to continue its data order and model."""
-    return {"global_batch": plan.global_batch, "seq_len": plan.seq_len, "config_hash": plan.model.config_hash}
+def run_record(plan, *, job: str | None = None, replans: list[dict] | None = None) -> dict:
+    """What a resumed run must share with the checkpointed one to continue its data order and model (global
+    batch, sequence length, config hash), and what it continues: the layout and world size that wrote the
+    checkpoint (a run resumed under another one records a re-plan), the re-plans so far, and the elastic
+    job that wrote it (`job`: a worker group the agent re-formed resumes a checkpoint of its own job)."""
+    return {"global_batch": plan.global_batch, "seq_len": plan.seq_len, "config_hash": plan.model.config_hash,
+            "world_size": plan.world_size, "parallelism": plan.parallelism.model_dump(mode="json"),
+            "job": job, "replans": list(replans or [])}
+
+
+def saved_run_record(directory: str | Path) -> dict:
+    """The run record of the newest checkpoint in `directory`; {} when there is none (or it is unreadable:
+    a checkpoint written before run records)."""
+    try:
+        pointer = (Path(directory) / "latest").read_text().strip()
+        saved = json.loads((Path(directory) / pointer / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def check_resumable(plan, directory: str | Path) -> None:
@@ -58,9 +76,8 @@ def check_resumable(plan, directory: str | Path) -> None:
     [k B, (k+1) B) of the data; another B would skip or repeat data and change the optimization). Another
     layout (degrees, ranks, schedule) is fine: DCP reshards. A checkpoint without a run record passes."""
     path = latest_checkpoint(directory)
-    try:
-        saved = json.loads((path / RUN_FILE).read_text())
-    except (OSError, ValueError):
+    saved = saved_run_record(directory)
+    if not saved:
         return
     if saved.get("config_hash") not in (None, plan.model.config_hash):
         raise SoapError(f"--resume: checkpoint {path} was written for another model (config hash "

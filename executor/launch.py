@@ -13,9 +13,11 @@ A worker that raises writes its traceback into a per-launch log directory; the p
 group's failure into one line (`worker_failure`: the rank, its exception's message, the log file with
 every rank's traceback), and torch's elastic loggers stay quiet unless `LaunchOptions.debug`.
 The backend is NCCL when CUDA is present, else gloo. Rank 0's `RunResult` comes back as a dict.
-Each worker joins the process group through the agent's store under a per-attempt key prefix
-(`attempt_store`), so a group restarted after a failure (`--max-restarts`) never reads its killed
-predecessor's rendezvous keys.
+Every worker group joins its process group through a store no earlier group wrote to, so a group
+restarted after a failure (`--max-restarts`) or re-formed after nodes left or joined never reads its
+predecessor's gloo addresses: with a c10d rendezvous (`--rdzv-backend c10d`, `--elastic`, one node) each
+rendezvous round gets a fresh store (`fresh_store_per_round`); with the static one, the agent's store
+outlives the group and each attempt gets its own key prefix (`attempt_store`).
 No hangs: the process group's timeout and each worker's `executor.watchdog.Watchdog` come from the
 plan's predicted step time (or `RunConfig.timeout_s`, `--timeout`); a rank that stops making progress
 records what it waited on (`end_stalled_rank`) and exits, the elastic agent stops the other ranks (the
@@ -167,7 +169,7 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     log_dir = Path(tempfile.mkdtemp(prefix="soap-workers-"))
     try:
-        with _quiet_torch_logs(enabled=not launch.debug):
+        with _quiet_torch_logs(enabled=not launch.debug), fresh_store_per_round(enabled=backend != "static"):
             results = elastic_launch(config, _worker)(plan.to_json(), run, str(log_dir), launch.replan)
     except ChildFailedError as exc:
         raise SoapError(worker_failure(exc.failures, log_dir)) from None
@@ -176,6 +178,35 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
     if isinstance(result, dict) and "error" in result:
         raise SoapError(result["error"])
     return result
+
+
+@contextlib.contextmanager
+def fresh_store_per_round(*, enabled: bool) -> Iterator[None]:
+    """Give each c10d rendezvous round's worker group a store of its own (torch's
+    `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, read by the agent while it runs): rank 0's agent publishes a
+    free port under the round's key prefix and rank 0's worker hosts a new TCPStore there.
+
+    By default the agent shares one TCPStore with every worker group of the job, and nothing the workers
+    see names the group: `TORCHELASTIC_RESTART_COUNT` is each agent's own count of failed groups, and a
+    group an agent stops because nodes left or joined ("membership changes do not count as retries") does
+    not advance it. After a node is lost one survivor may restart by membership (count 0) while the others
+    restart after their worker failed (count 1), so no per-attempt key prefix is the same on every node:
+    the new group either waits forever on keys under another prefix, or reads its predecessor's gloo
+    addresses and connects to a dead port (`Connection refused`). Also, the shared store's address is
+    fixed at the job's first round, on the node that was rank 0 then, which may be the node that was
+    lost. A fresh store per round has neither problem."""
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    saved = os.environ.get(key)
+    if enabled:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if enabled:
+            if saved is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = saved
 
 
 @contextlib.contextmanager
@@ -246,21 +277,19 @@ def _train_rank(plan_json: str, run: Any, log_dir: str | None = None,
     limits = limits_for(plan, run.timeout_s)
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     store, rank, world_size = next(dist.rendezvous("env://"))
-    replans = []
+    replanned_from = None
     if replan is not None and world_size != plan.world_size:
         # every rank searches the same request deterministically, so all hold the same new plan
-        new = replan(plan, world_size)
-        replans.append({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                        "from_ranks": plan.world_size, "to_ranks": world_size,
-                        "from": plan.parallelism.model_dump(), "to": new.parallelism.model_dump()})
-        plan, limits = new, limits_for(new, run.timeout_s)
+        replanned_from, plan = plan, replan(plan, world_size)
+        limits = limits_for(plan, run.timeout_s)
     watchdog = Watchdog(limits, rank=rank, on_stall=lambda message: end_stalled_rank(message, log_dir)).start()
     watchdog.activity("on joining the process group", warmup=True)
     dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=limits.process_group_s))
     try:
-        result = train(plan, run, local_rank=int(os.environ.get("LOCAL_RANK", "0")), watchdog=watchdog)
-        return {**result.to_json(), "replans": replans} if dist.get_rank() == 0 else None
+        result = train(plan, run, local_rank=int(os.environ.get("LOCAL_RANK", "0")), watchdog=watchdog,
+                       replanned_from=replanned_from)
+        return result.to_json() if dist.get_rank() == 0 else None
     except SoapError as exc:
         return {"error": str(exc)}
     finally:
@@ -293,13 +322,17 @@ def end_stalled_rank(message: str, log_dir: str | None) -> None:
 
 
 def attempt_store(store: Any) -> Any:
-    """`store` with a key prefix naming this attempt of the worker group.
+    """`store` with a key prefix naming this attempt of the worker group, when the store is the agent's.
 
-    The elastic agent keeps one TCPStore for the whole job and torch's env:// rendezvous joins it
-    without a prefix, so a restarted group would read the keys its killed predecessor left there:
-    gloo's peer addresses (`default_pg/0//cpu//0/RANK`: a rank connects to the dead rank's port and
-    fails with `Connection refused`, unless the new peer happened to overwrite the key first) and the
-    init barrier's counters. Each attempt (`TORCHELASTIC_RESTART_COUNT`) gets its own key space."""
+    The agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`: the static rendezvous, or an outside torchrun)
+    lives as long as the job, and torch's env:// rendezvous joins it without a prefix, so a restarted
+    group would read the keys its killed predecessor left there: gloo's peer addresses
+    (`default_pg/0//cpu//0/RANK`: a rank connects to the dead rank's port and fails with `Connection
+    refused`, unless the new peer happened to overwrite the key first) and the init barrier's counters.
+    Each attempt (`TORCHELASTIC_RESTART_COUNT`) gets its own key space. A store of the group's own
+    (`fresh_store_per_round`) is used as it is: the restart count may differ between its nodes."""
     import torch.distributed as dist
 
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store
     return dist.PrefixStore(f"soap/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from executor.api import ParallelModel, check_world_size, parallelize
-from executor.checkpoint import check_resumable, load_checkpoint, run_record, save_checkpoint
+from executor.checkpoint import check_resumable, load_checkpoint, run_record, save_checkpoint, saved_run_record
 from executor.data import ScaledTokenLoss, Slicer, TokenSource
 from executor.data_parallel import build_optimizer
 from executor.hf_export import save_hf
@@ -87,6 +87,9 @@ class RunResult:
     predicted_peak_memory_gib: float | None
     parallelism: dict[str, Any]
     first_step: int = 0
+    replans: list[dict[str, Any]] = field(default_factory=list)
+    """Each change of layout in the run's life, oldest first (`layout_change`): carried from checkpoint to
+    checkpoint, so a run re-planned twice (a node lost, then one joined) lists both."""
     extra: dict[str, Any] = field(default_factory=dict)
     peak_memory_reserved_per_rank_gib: list[float] | None = None
     """CUDA's `max_memory_reserved` per rank (None off CUDA); `peak_memory_per_rank_gib` is then the allocated peak."""
@@ -108,6 +111,7 @@ class RunResult:
             "predicted_peak_memory_gib": self.predicted_peak_memory_gib,
             "first_step": self.first_step,
             "parallelism": self.parallelism,
+            "replans": self.replans,
             **self._allocator_peaks(),
         }
 
@@ -120,9 +124,12 @@ class RunResult:
 
 
 def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
-          watchdog: Watchdog | NoWatchdog | None = None) -> RunResult:
+          watchdog: Watchdog | NoWatchdog | None = None, replanned_from: Plan | None = None) -> RunResult:
     """Run `config.steps` steps of `plan` on this rank; every rank returns the same result. `watchdog`
-    (started by the caller) is told what the rank does, step by step (`executor.watchdog`)."""
+    (started by the caller) is told what the rank does, step by step (`executor.watchdog`).
+    `replanned_from`: the plan `plan` was re-planned from (an elastic worker group in a world of another
+    size); the run records the change against the checkpoint it resumes, or against this plan when it
+    resumes none."""
     watch = watchdog or NoWatchdog()
     check_world_size(plan, dist.get_world_size())
     p = plan.parallelism
@@ -142,10 +149,13 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
     slicer = Slicer(dp_rank=parallel.mesh.dp_rank, per_rank=p.micro_batch * p.num_microbatches,
                     cp_rank=parallel.mesh.cp_rank, cp=p.cp)
     watch.activity("in loading the checkpoint", warmup=True)
-    start = 0
-    if _should_resume(config):
+    start, saved, job = 0, {}, elastic_job()
+    if _should_resume(config, job):
         check_resumable(plan, config.checkpoint_dir)
+        saved = saved_run_record(config.checkpoint_dir)
         start = load_checkpoint(config.checkpoint_dir, parallel.parts, optimizers)
+    previous = saved if "parallelism" in saved else run_record(replanned_from) if replanned_from else None
+    replans = [*saved.get("replans", []), *layout_change(previous, plan, start)]
     losses: list[float] = []
     times: list[float] = []
     tokens = plan.global_batch * plan.seq_len
@@ -164,7 +174,8 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
             if config.checkpoint_dir and (done == config.steps or
                                           (config.checkpoint_every and done % config.checkpoint_every == 0)):
                 watch.activity(f"in saving the checkpoint after step {step}", warmup=True)
-                save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers, run=run_record(plan))
+                save_checkpoint(config.checkpoint_dir, done, parallel.parts, optimizers,
+                                run=run_record(plan, job=job, replans=replans))
     if config.save_hf:
         watch.activity("in gathering the trained model and writing it as an HF directory (--save-hf)", warmup=True)
         save_hf(config.save_hf, parallel, merge=config.merge)
@@ -176,8 +187,21 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
         peak_memory_per_rank_gib=memory, memory_source=memory_source, peak_memory_reserved_per_rank_gib=reserved,
         predicted_step_time_s=plan.predicted.get("step_time_s"),
         predicted_peak_memory_gib=plan.predicted.get("peak_memory_gib"),
-        parallelism=p.model_dump(), first_step=start,
+        parallelism=p.model_dump(), first_step=start, replans=replans,
     )
+
+
+def layout_change(previous: dict | None, plan: Plan, step: int) -> list[dict[str, Any]]:
+    """[the re-plan] when `plan`'s layout differs from `previous` (a checkpoint's run record, or the
+    record of the plan it was re-planned from), else []: old and new world size and parallelism, and the
+    step the new layout starts from (the resumed checkpoint's, 0 without one)."""
+    if previous is None:
+        return []
+    now = plan.parallelism.model_dump(mode="json")
+    if (previous.get("world_size"), previous.get("parallelism")) == (plan.world_size, now):
+        return []
+    return [{"from_ranks": previous.get("world_size"), "to_ranks": plan.world_size,
+             "from": previous.get("parallelism"), "to": now, "resumed_from_step": step}]
 
 
 def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLoss, batch: Any, slicer: Slicer,
@@ -315,10 +339,26 @@ def _progress(enabled: bool, steps: int, start: int, tokens_per_step: int) -> An
         yield advance
 
 
-def _should_resume(config: RunConfig) -> bool:
-    """`--resume`, or workers the elastic agent restarted after a failure: they continue from the last
-    complete checkpoint when one exists, instead of training from step 0 again."""
+def elastic_job() -> str | None:
+    """The elastic job these workers belong to (the rendezvous id, `TORCHELASTIC_RUN_ID`; a random one on
+    a single node), or None outside torch's agent or under its placeholder id `none`."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    return job if job and job != "none" else None
+
+
+def _should_resume(config: RunConfig, job: str | None = None) -> bool:
+    """`--resume`, or a worker group the elastic agent started again: it continues from the last complete
+    checkpoint when one exists, instead of training from step 0 again.
+
+    A group is started again after a failure (`TORCHELASTIC_RESTART_COUNT` > 0) or when nodes left or
+    joined; the agent does not count the second, and each node counts its own failures, so in a re-formed
+    group some nodes may say 0 and others 1. Every rank must decide alike, so under an elastic `job` (the
+    same on every node) the group resumes exactly when the newest checkpoint was written by that job; the
+    restart count decides only without one (torch's placeholder id `none`)."""
     if config.resume:
         return True
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    return bool(restarted and config.checkpoint_dir and (Path(config.checkpoint_dir) / "latest").is_file())
+    if not (config.checkpoint_dir and (Path(config.checkpoint_dir) / "latest").is_file()):
+        return False
+    if job is not None:
+        return saved_run_record(config.checkpoint_dir).get("job") == job
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

@@ -8,6 +8,12 @@ rank count (same model, global batch, sequence, precision and optimizer, so the 
 resumes from the newest checkpoint under the new plan (`executor.train`: DCP reshards). It lives in the
 façade because the executor never searches (DESIGN: deciding is separate from applying).
 
+A re-formed group finds its checkpoint by the job (`--rdzv-id`, recorded in the checkpoint's
+`soap-run.json`), not by the agents' restart counts, which differ between nodes after a membership change;
+each round's workers meet in a store of their own (`executor.launch.fresh_store_per_round`). Every change
+of layout is carried from checkpoint to checkpoint, and the run report lists them all (`replans`: old and
+new world size and parallelism, the step resumed from).
+
 The ZeRO stage is kept when it is not 1: an elastic run lives by its checkpoints, and ZeRO-1's
 ZeroRedundancyOptimizer cannot be checkpointed (`executor.checkpoint`); from zero 1, zero 2 is pinned. torch.compile is kept as it was (a restart should not add a compile).
 """

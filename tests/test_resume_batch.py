@@ -51,6 +51,7 @@ def test_another_sequence_length_or_model_is_refused(tmp_path):
 @pytest.mark.parametrize("flags, words", [
     (["--elastic", "--nnodes", "1:2"], "--elastic resumes re-planned workers from checkpoints"),
     (["--nnodes", "1:2", "--rdzv-conf", "last_call_timeout"], "--rdzv-conf 'last_call_timeout': expected key=value"),
+    (["--elastic", "--nnodes", "1:2", "--checkpoint-dir", "ckpt"], "pass --rdzv-id JOB, the same on every node"),
 ])
 def test_elastic_flags_are_checked_before_anything_runs(tmp_path, capsys, flags, words):
     make_plan("llama", dp_replicate=2, micro_batch=2).save(tmp_path / "plan.json")

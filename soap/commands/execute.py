@@ -4,8 +4,9 @@
     soap execute plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint host:29400 --rdzv-backend c10d
     torchrun --nproc-per-node 4 -m soap execute plan.json # under an external torchrun: one rank each
     soap execute plan.json --checkpoint-dir ckpt --checkpoint-every 5 [--resume]
-    soap execute plan.json --elastic --nnodes 3:4 --rdzv-backend c10d --rdzv-endpoint host:29400 --max-restarts 3 \
-        --checkpoint-dir ckpt --checkpoint-every 5  # a node lost or joined: re-plan for the new world (soap.elastic)
+    soap execute plan.json --elastic --nnodes 3:4 --rdzv-backend c10d --rdzv-endpoint host:29400 --rdzv-id job1 \
+        --max-restarts 3 --checkpoint-dir ckpt --checkpoint-every 5  # a node lost or joined: re-plan for the new
+                                                                      # world (soap.elastic) and resume
     soap execute plan.json --dataset corpus.jsonl --tokenizer tok/  # tokenized, packed and cached once
     soap execute plan.json --save-hf trained/           # then AutoModelForCausalLM.from_pretrained("trained/")
     soap execute plan.json --timeout 120                 # end a stuck run after 2 minutes without progress
@@ -101,7 +102,7 @@ def _elastic_replan(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.launch import preflight, run_plan
+    from executor.launch import node_counts, preflight, run_plan
     from planner.plan import load_plan
     from tracer.files import write_atomic
     from tracer.files import check_writable, check_writable_dir
@@ -114,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if args.elastic and not args.checkpoint_dir:
         raise SoapError("--elastic resumes re-planned workers from checkpoints: pass --checkpoint-dir D "
                         "(and --checkpoint-every N)")
+    if args.elastic and args.rdzv_id in (None, "none") and node_counts(args.nnodes)[1] > 1:
+        raise SoapError("--elastic on several nodes: pass --rdzv-id JOB, the same on every node (a worker group "
+                        "re-formed after nodes leave or join resumes the checkpoints its job wrote)")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise SoapError("--resume and --checkpoint-every need --checkpoint-dir D")
     if args.resume:
