@@ -239,8 +239,14 @@ def model_dims(config: Any, types: list[Any]) -> ModelDims:
         vocab=get("vocab_size"),
         num_experts=get("num_local_experts", "num_experts", "n_routed_experts"),
         experts_per_token=get("num_experts_per_tok", "moe_topk", "top_k"),
-        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", _class_default_encoder_decoder(config))),
+        is_encoder_decoder=_is_encoder_decoder(config),
     )
+
+
+def _is_encoder_decoder(config: Any) -> bool:
+    if hasattr(config, "is_encoder_decoder"):
+        return bool(config.is_encoder_decoder)
+    return _class_default_encoder_decoder(config)
 
 
 def _class_default_encoder_decoder(config: Any) -> bool:
