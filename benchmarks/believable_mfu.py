@@ -64,15 +64,18 @@ def flops_per_token(record, cache: dict) -> tuple[float, float]:
 
 
 def records(path: Path) -> list:
-    """The file's run records; a file-level `model` (the Playbook's one model) is every row's."""
+    """The file's run records: a grid with one file-level `model` (the Playbook) through the grid loader, which
+    gives every row that model; otherwise the rows as run records."""
+    from executor.validation.grid import load_grid
     from executor.validation.run_records import RunRecord, read_records
 
     data = json.loads(path.read_text())
+    if isinstance(data.get("model"), dict):
+        return load_grid(path)[0]
     if data.get("memory_kind") in ("reserved", "allocated"):
         return list(read_records(path).records)
     keep = set(RunRecord.model_fields) - {"memory_gib", "memory_kind"}  # a memory of unknown kind is not needed here
-    return [RunRecord.model_validate({**{k: v for k, v in row.items() if k in keep and v is not None},
-                                      **({"model": data["model"]} if isinstance(data.get("model"), dict) else {})})
+    return [RunRecord.model_validate({k: v for k, v in row.items() if k in keep and v is not None})
             for row in data["rows"]]
 
 

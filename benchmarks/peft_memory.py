@@ -52,7 +52,7 @@ def plan_case(family: str, precision: str, method: str, recompute: str = "none")
 
 class LiveStorages:
     """A dispatch mode that tracks every storage an op creates until it is freed: the peak of live bytes
-    (tests/test_memory.py's harness). Storages in `existing` (the model's state) are not new: a view of a
+    (the harness of tests/test_memory.py too). Storages in `existing` (the model's state) are not new: a view of a
     parameter (a linear's transposed weight) returns its storage, which must not count again."""
 
     def __init__(self, existing: frozenset[int] = frozenset()) -> None:

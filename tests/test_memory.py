@@ -2,6 +2,7 @@
 
 import pytest
 
+from benchmarks.peft_memory import LiveStorages
 from costmodel.memory import (
     adafactor_bytes,
     activation_bytes,
@@ -357,37 +358,6 @@ def test_runtime_workspace_is_optional_profile_data_counted_in_the_overhead():
     assert est.total - estimate_memory(toy_graph(), device=shipped, train=train).total == 13 * 2**20
 
 
-class _LiveStorages:
-    """A dispatch mode that tracks every storage an op creates until it is freed: the peak of live bytes."""
-
-    def __init__(self):
-        import weakref
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        owner = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if hasattr(t, "untyped_storage"):
-                        owner.track(t.untyped_storage(), weakref)
-                return out
-
-        self.mode, self.live, self.now, self.peak = Mode(), {}, 0, 0
-
-    def track(self, storage, weakref):
-        key = storage.data_ptr()
-        if key in self.live or not storage.nbytes():
-            return
-        self.live[key] = storage.nbytes()
-        self.now += storage.nbytes()
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(storage, lambda: setattr(self, "now", self.now - self.live.pop(key, 0)))
-
-
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("dtype, precision", [("float32", "fp32"), ("bfloat16", "bf16")])
 def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, precision, pipelined):
@@ -406,7 +376,7 @@ def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, preci
     w = torch.randn(vocab, hidden, dtype=torch_dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
     loss_fn = ScaledTokenLoss()
-    live = _LiveStorages()
+    live = LiveStorages()
     with live.mode:
         if pipelined:
             logits = h @ w.t()
