@@ -239,6 +239,21 @@ def test_tanh_and_dropout_are_measured_as_their_own_kernel_classes():
         assert time_kernel(build_kernel(case, "cpu"), "cpu", TimingConfig(samples=3, max_case_s=0.1)) > 0
 
 
+def test_a_gpu_times_attention_at_long_context_and_llamas_head_size(monkeypatch):
+    """The attention factor is a curve over FLOPs: on a GPU it reaches the corpus's long-context rows (32k tokens
+    per rank, head size 128) instead of stopping at 4k tokens of head size 64; the CPU suite stays small."""
+    import torch
+
+    from costmodel.calibration.suite import LONG_CONTEXT_SEQS, kernel_sweeps
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    sdpa = [c for s in kernel_sweeps("cuda", quick=False) if s.name == "sdpa bf16" for c in s.cases]
+    assert [c.shape for c in sdpa[-len(LONG_CONTEXT_SEQS):]] == [(1, 8, s, 128) for s in LONG_CONTEXT_SEQS]
+    assert [c.flops for c in sdpa] == sorted(c.flops for c in sdpa)
+    cpu = [c for s in kernel_sweeps("cpu", quick=False) if s.name == "sdpa bf16" for c in s.cases]
+    assert max(c.shape[2] for c in cpu) == 1024
+
+
 def test_a_fitted_tanh_factor_loads_and_prices_tanh_but_not_silu(synthetic_fit, tmp_path):
     import dataclasses
 

@@ -35,6 +35,11 @@ def kernel_dtypes(device: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+LONG_CONTEXT_SEQS = (8192, 16384, 32768)
+"""On a GPU, SDPA is also timed at these sequence lengths with head size 128: an attention factor measured only
+up to 4k tokens at head size 64 would be extrapolated to the corpus's 32k-256k-token Llama rows."""
+
+
 def kernel_sweeps(device: str, *, quick: bool) -> list[Sweep]:
     gpu = device == "cuda"
     scale = 4 if gpu else 1
@@ -57,7 +62,10 @@ def kernel_sweeps(device: str, *, quick: bool) -> list[Sweep]:
         sweeps.append(Sweep(f"bmm scores {prec}", tuple(KernelCase("bmm", (8, s, 64, s), dtype, p) for s in seqs)))
         if prec == "tf32":
             continue  # TF32 changes matmuls only
-        sweeps.append(Sweep(f"sdpa {prec}", tuple(KernelCase("sdpa", (1, 8, s * scale, 64), dtype) for s in seqs)))
+        sdpa = [KernelCase("sdpa", (1, 8, s * scale, 64), dtype) for s in seqs]
+        if gpu and not quick:  # long context at Llama's head size: the corpus's 32k-256k rows rest on these
+            sdpa += [KernelCase("sdpa", (1, 8, s, 128), dtype) for s in LONG_CONTEXT_SEQS]
+        sweeps.append(Sweep(f"sdpa {prec}", tuple(sdpa)))
         for op in mem_ops:
             sweeps.append(Sweep(f"{op} {prec}", tuple(KernelCase(op, (r * scale * scale, 1024), dtype) for r in rows_mem)))
     return sweeps
