@@ -63,6 +63,11 @@ def markdown(table: list[dict]) -> str:
         "soap predicted when the run was made. Memory: torch.cuda max_memory_allocated against the simulator's "
         "peak without the CUDA context.",
         "",
+        "`dgx-h100` is the default, fitted to the published Llama 3.1 8B and Nemotron 15B runs "
+        "(`benchmarks/published_runs.py`): none of these models, and not soap's executor. So its column is the "
+        "fit's check on other models (GPT-2, BERT-large, a small Llama) run by soap's own torch-native executor: "
+        "a leave-model-out check on measured runs. `h100-x1-measured` is soap calibrate's microbenchmarks alone.",
+        "",
         "| run | measured step | then | now dgx-h100 | now h100-x1-measured | after refit (held out) | measured memory | then | now dgx-h100 | now h100-x1-measured |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
