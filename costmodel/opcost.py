@@ -57,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from costmodel.profiles import DeviceProfile
+from costmodel.profiles import UNALIGNED_MATMUL, DeviceProfile
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
 from tracer.peft import QLORA_BASE_DTYPE
@@ -210,10 +210,32 @@ def kernel_precision(op: OpNode, precision: str) -> str:
     return precision
 
 
+ALIGNMENT_ELEMENTS = 8
+"""A GEMM runs on the tensor-core kernels its size would have only when every dimension is a multiple of
+this many elements (16 bytes of a 16-bit type; cuBLAS's alignment rule for its fast paths)."""
+
+
+def unaligned_matmul(op: OpNode) -> bool:
+    """A matmul with a dimension that is not a multiple of `ALIGNMENT_ELEMENTS`: the last dimension of an
+    operand or of the output, or either dimension of its 2-D weight (GPT-2's 50,257-token or BERT's 30,522-token
+    LM head). Its forward and both backward GEMMs have that dimension as a leading one. Read off the traced
+    (unsplit) shapes."""
+    if op.kind is not OpKind.MATMUL:
+        return False
+    dims = {t.shape[-1] for t in (*op.inputs, *op.outputs) if len(t.shape) >= 2}
+    dims |= {d for p in op.params if len(p.shape) == 2 for d in p.shape}
+    return any(d % ALIGNMENT_ELEMENTS for d in dims)
+
+
 def kernel_factor(op: OpNode, device: DeviceProfile, precision: str, flops: float, nbytes: float) -> float:
     """The device's time factor for `op`'s class at the precision it computes in (1 where the profile has
-    none)."""
-    curve = device.kernel_factors.get(f"{kernel_class(op)}/{kernel_precision(op, precision)}")
+    none). An unaligned matmul (`unaligned_matmul`) takes the `matmul-unaligned` factor where the profile
+    measured one (on an H100, cuBLAS runs GPT-2's LM head on sm75-era kernels at about a sixth of an aligned
+    GEMM's rate), else the matmul factor."""
+    prec = kernel_precision(op, precision)
+    curve = device.kernel_factors.get(f"{kernel_class(op)}/{prec}")
+    if unaligned_matmul(op):
+        curve = device.kernel_factors.get(f"{UNALIGNED_MATMUL}/{prec}", curve)
     if curve is None:
         return 1.0
     return curve.at(flops if op.kind in MATMUL_LIKE else nbytes)

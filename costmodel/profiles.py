@@ -74,6 +74,9 @@ NOT_RECORDED = "not recorded: built in code"
 
 KERNEL_CLASSES = ("matmul", "attention", "arithmetic", "transcendental", "softmax", "norm", "dropout")
 """Kernel classes a device's `kernel_factors` may name (`costmodel.opcost.kernel_class` maps ops to them)."""
+UNALIGNED_MATMUL = "matmul-unaligned"
+"""A `kernel_factors` class besides `KERNEL_CLASSES`: a matmul with a dimension off the 16-byte alignment
+(`costmodel.opcost.unaligned_matmul`), as a factor over the device's matmul curve, replacing `matmul`'s."""
 COMPILE_PASSES = ("fwd", "bwd")
 """The passes a device's `compile_factors` name: a kernel class's forward and its backward."""
 

@@ -31,6 +31,7 @@ from costmodel.profiles import (
     ClusterSpec,
     DeviceProfile,
     KERNEL_CLASSES,
+    UNALIGNED_MATMUL,
     EfficiencyCurve,
     FactorCurve,
     LinkLevel,
@@ -38,9 +39,10 @@ from costmodel.profiles import (
 from costmodel.strategy import OPTIMIZERS
 from tracer.errors import SoapError
 
-FACTOR_KERNEL_CLASSES = (*KERNEL_CLASSES, "tanh")
+FACTOR_KERNEL_CLASSES = (*KERNEL_CLASSES, "tanh", UNALIGNED_MATMUL)
 """Kernel classes a profile's `kernel_factors` may name: `profiles.KERNEL_CLASSES` plus `tanh`, which
-`costmodel.opcost.kernel_class` gives its own class (a CPU tanh costs several silus at the same bytes)."""
+`costmodel.opcost.kernel_class` gives its own class (a CPU tanh costs several silus at the same bytes), and
+`matmul-unaligned` (`costmodel.opcost.unaligned_matmul`)."""
 
 class _Reader:
     """Walks one JSON document, raising SoapError that names the file and the field path."""

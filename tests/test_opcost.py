@@ -207,3 +207,57 @@ def test_splitting_an_op_never_makes_its_local_shard_slower(device, degree, role
     whole = op_time(op, device=dev, precision="fp16", micro_batch=batch, batch_traced=batch)
     shard = op_time(op, device=dev, precision="fp16", micro_batch=batch, batch_traced=batch, split={role: degree})
     assert shard.fwd_s <= whole.fwd_s and shard.bwd_s <= whole.bwd_s
+
+
+def lm_head_op(vocab):
+    x = TensorMeta((B, T, H), "bfloat16", (S, A, P))
+    y = TensorMeta((B, T, vocab), "bfloat16", (S, A, P))
+    w = ParamMeta("lm_head.weight", (vocab, H), "bfloat16")
+    flops = 2 * B * T * H * vocab
+    return OpNode("lm_head:linear", OpKind.MATMUL, "aten.linear.default", "lm_head", None,
+                  (x,), (y,), (w,), flops, 2 * flops, x.nbytes + y.nbytes + 2 * vocab * H, (x,))
+
+
+def test_an_unaligned_gemm_takes_its_measured_factor_and_an_aligned_one_does_not():
+    """GPT-2's 50,257-token LM head leaves cuBLAS's aligned kernels (about 6x on an H100, measured): a profile
+    with a `matmul-unaligned` factor prices it there; 50,304 tokens (padded to a multiple of 64) stays on the
+    matmul factor, and a profile without the unaligned factor falls back to the matmul factor."""
+    from costmodel.opcost import unaligned_matmul
+
+    assert unaligned_matmul(lm_head_op(50257)) and not unaligned_matmul(lm_head_op(50304))
+    plain = dataclasses.replace(flat_device(), kernel_factors={"matmul/bf16": FactorCurve(((1.0, 1.5),))})
+    measured = dataclasses.replace(plain, kernel_factors={**plain.kernel_factors,
+                                                          "matmul-unaligned/bf16": FactorCurve(((1.0, 6.0),))})
+
+    def fwd(vocab, device):
+        return op_time(lm_head_op(vocab), device=device, precision="bf16", micro_batch=B, batch_traced=B).fwd_s - 5e-6
+
+    assert fwd(50257, measured) / fwd(50257, plain) == pytest.approx(4.0)
+    assert fwd(50304, measured) == pytest.approx(fwd(50304, plain))
+    assert fwd(50257, plain) / fwd(50304, plain) == pytest.approx(50257 / 50304)
+
+
+def test_the_default_h100_prices_gpt2s_lm_head_as_measured_and_a_padded_vocabulary_faster(tmp_path):
+    """Through the planner: GPT-2 with its vocabulary padded to 50,304 (nanoGPT's fix) plans faster on the
+    default H100 than the published 50,257; the H100's LM head GEMMs come out near the 20.3 ms measured each."""
+    import json
+
+    from benchmarks.unaligned_gemm import FLOPS, MEASURED_S
+    from costmodel.opcost import forward_time
+    from planner.api import plan
+    from tracer.spec import PRESET_DIR
+
+    device = load_device("h100-sxm-fitted")
+    head = lm_head_op(50257)
+    assert forward_time(head, FLOPS, 0.0, device=device, precision="bf16")[0] == pytest.approx(
+        sum(MEASURED_S) / 3, rel=0.01)
+    config = json.loads((PRESET_DIR / "gpt2.json").read_text())
+    padded = {**config, "vocab_size": 50304}
+
+    def step(cfg):
+        path = tmp_path / f"gpt2-{cfg['vocab_size']}.json"
+        path.write_text(json.dumps(cfg))
+        return plan(str(path), gpus=1, cluster="dgx-h100", precision="bf16", micro_batch=32, global_batch=32,
+                    seq_len=1024).predicted["step_time_s"]
+
+    assert step(padded) < 0.85 * step(config)

@@ -96,3 +96,13 @@ def test_a_sequence_longer_than_the_models_positions_is_noted(small_llama, capsy
     assert main(["plan", small_llama, "--gpus", "2", "--seq-len", "1024", "--global-batch", "2"]) == 0
     err = capsys.readouterr().err
     assert f"note: --seq-len 1024 is longer than the 512 positions {small_llama} declares" in err, err
+
+
+def test_an_unaligned_vocabulary_is_noted_where_the_profile_prices_it(capsys):
+    """GPT-2's 50,257 tokens on the default H100 (which carries the measured unaligned-GEMM factor) get one
+    note naming the padded size; on a CPU profile, which measured no such factor, nothing is said."""
+    assert main(["plan", "gpt2", "--gpus", "8", "--global-batch", "64", "--seq-len", "1024"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the vocabulary (50,257) is not a multiple of 8" in err and "50,304" in err, err
+    assert main(["plan", "gpt2", "--gpus", "2", "--cluster", "local-cpu", "--global-batch", "4", "--seq-len", "64"]) == 0
+    assert "vocabulary" not in capsys.readouterr().err

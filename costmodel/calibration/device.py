@@ -19,7 +19,9 @@ softmax are bound by vector arithmetic the tracer does not count as FLOPs; bf16 
 conversions; small bf16 matmuls by a fixed cost) get a factor curve per kernel class and precision
 (`kernel_factors`, key `class/precision` with `opcost.kernel_class`, e.g. `softmax/bf16`), fitted on the
 fit set through `op_time` (`fit.fit_factor_curve`) for every class except the two that shape the
-curves (matmul and arithmetic at the reference precision). `op_time` reads them.
+curves (matmul and arithmetic at the reference precision). `op_time` reads them. A matmul with a
+dimension off the 16-byte alignment (a 50,257-token LM head) is not one of the curve's matmuls: it gets
+its own factor, `matmul-unaligned/<precision>`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from collections.abc import Sequence
 from costmodel.calibration.fit import efficiency_points, fit_factor_curve, mean_abs_log_error, refine_knots
 from costmodel.calibration.predict import predict_kernel
 from costmodel.calibration.microbench import KernelSample
-from costmodel.opcost import MATMUL_LIKE, kernel_class
-from costmodel.profiles import GIB, DeviceProfile, EfficiencyCurve, FactorCurve, cluster_from_dict
+from costmodel.opcost import MATMUL_LIKE, kernel_class, unaligned_matmul
+from costmodel.profiles import GIB, UNALIGNED_MATMUL, DeviceProfile, EfficiencyCurve, FactorCurve, cluster_from_dict
 
 MEMORY_REFERENCE_OPS = frozenset({"add", "mul"})
 """The kernels that define the device's memory-bound behaviour."""
@@ -46,7 +48,8 @@ def _fit_sets(samples: Sequence[KernelSample], reference: str) -> tuple[list[Ker
     at_ref = [s for s in samples if s.case.precision_key == reference]
     if not any(s.case.family == "matmul" for s in at_ref):
         raise ValueError(f"no {reference} matmul was measured to fit the curves on")
-    return [s for s in at_ref if s.case.family == "matmul"], [s for s in at_ref if s.case.op in MEMORY_REFERENCE_OPS]
+    aligned = [s for s in at_ref if s.case.family == "matmul" and not unaligned_matmul(s.case.op_node())]
+    return aligned, [s for s in at_ref if s.case.op in MEMORY_REFERENCE_OPS]
 
 
 def _num(value: float, source: str, digits: int = 4) -> dict:
@@ -103,8 +106,10 @@ def _as_profile(device_json: dict) -> DeviceProfile:
 
 
 def factor_key(case) -> str:
-    """`class/precision`: the key of `case`'s kernel factor (`opcost.kernel_class`)."""
-    return f"{kernel_class(case.op_node())}/{case.precision_key}"
+    """`class/precision`: the key of `case`'s kernel factor (`opcost.kernel_class`; `matmul-unaligned` for a
+    matmul off the 16-byte alignment, `opcost.unaligned_matmul`)."""
+    node = case.op_node()
+    return f"{UNALIGNED_MATMUL if unaligned_matmul(node) else kernel_class(node)}/{case.precision_key}"
 
 
 def fit_kernel_factors(dev: DeviceProfile, samples: Sequence[KernelSample], *, reference: str

@@ -35,6 +35,8 @@ def kernel_dtypes(device: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+UNALIGNED_VOCAB = 50257
+"""GPT-2's vocabulary: an LM head GEMM whose width is not a multiple of 8 elements (`opcost.unaligned_matmul`)."""
 LONG_CONTEXT_SEQS = (8192, 16384, 32768)
 """On a GPU, SDPA is also timed at these sequence lengths with head size 128: an attention factor measured only
 up to 4k tokens at head size 64 would be extrapolated to the corpus's 32k-256k-token Llama rows."""
@@ -60,6 +62,9 @@ def kernel_sweeps(device: str, *, quick: bool) -> list[Sweep]:
             sweeps.append(Sweep(f"mm m x {k} x {n} {prec}",
                                 tuple(KernelCase("mm", (m * scale, k * scale, n * scale), dtype, p) for m in rows_mm)))
         sweeps.append(Sweep(f"bmm scores {prec}", tuple(KernelCase("bmm", (8, s, 64, s), dtype, p) for s in seqs)))
+        if gpu and not quick and prec in ("bf16", "fp16"):  # GPT-2's LM head: cuBLAS leaves its fast kernels
+            sweeps.append(Sweep(f"mm unaligned {prec}", tuple(KernelCase("mm", (m, 768, UNALIGNED_VOCAB), dtype)
+                                                               for m in (1024, 4096, 16384, 32768))))
         if prec == "tf32":
             continue  # TF32 changes matmuls only
         sdpa = [KernelCase("sdpa", (1, 8, s * scale, 64), dtype) for s in seqs]

@@ -189,6 +189,26 @@ def positions_note(plan) -> str | None:
             "and max_position_embeddings in a copy of its config.json")
 
 
+def vocabulary_note(plan) -> str | None:
+    """One line when the model's vocabulary is not a multiple of 8 and the device's profile prices what that
+    costs (a `matmul-unaligned` factor, `costmodel.opcost.unaligned_matmul`): the LM head's GEMMs leave
+    cuBLAS's aligned kernels, which padding the vocabulary avoids (nanoGPT's 50,257 -> 50,304)."""
+    from costmodel.opcost import ALIGNMENT_ELEMENTS
+    from costmodel.profiles import UNALIGNED_MATMUL
+    from planner.report import plan_device
+
+    vocab = plan.model.config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab % ALIGNMENT_ELEMENTS == 0:
+        return None
+    factors = [key for key in plan_device(plan).kernel_factors if key.startswith(f"{UNALIGNED_MATMUL}/")]
+    if not factors:
+        return None
+    padded = -(-vocab // 64) * 64
+    return (f"note: the vocabulary ({vocab:,}) is not a multiple of {ALIGNMENT_ELEMENTS}, so the LM head's GEMMs run "
+            f"on slow unaligned kernels (priced as measured, {UNALIGNED_MATMUL}); padding it to {padded:,} "
+            f"(model.resize_token_embeddings({vocab}, pad_to_multiple_of=64)) avoids that")
+
+
 def run(args: argparse.Namespace) -> int:
     from planner.api import plan_report
     from planner.report import render_summary, report_json
@@ -224,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
         note = positions_note(report.plan)
         if note:
             print(note, file=sys.stderr)
+    note = vocabulary_note(report.plan)
+    if note:
+        print(note, file=sys.stderr)
     if args.global_batch is None:
         hint = default_batch_hint(report.plan)
         if hint:
