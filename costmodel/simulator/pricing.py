@@ -31,7 +31,9 @@ every instance and every stage (`_UnitPricer.chunk`):
 - ZeRO-3/FSDP arithmetic (`data_parallel_traffic`, FSDP2 as `executor.data_parallel` runs it). A unit
   (segment instance) of p local parameters (after tp/ep sharding), sharded over dp_shard = n ranks, g of
   them per node, N = n / g nodes, per micro-batch:
-      forward    all-gather p x w bytes (w = `activation_itemsize`: 2 at fp16/bf16/fp8, 4 at fp32/tf32)
+      forward    all-gather p x w bytes (w = `memory.fsdp_param_bytes`: 2 at bf16/fp8 under FSDP2's
+                 MixedPrecisionPolicy; 4 at fp32/tf32, and at fp16, which the executor runs as autocast
+                 over FSDP2's fp32 parameters, `executor.data_parallel`)
       backward   all-gather p x w again (reshard_after_forward freed them); a full recompute runs under
                  the same gather (FSDP2's pre-backward unshard serves it: its forward pre-hook does not
                  gather in the backward state), so recompute adds no third gather
@@ -113,7 +115,7 @@ from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import (
-    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes,
+    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes, fsdp_param_bytes,
     model_state_bytes, stage_params, workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
@@ -375,7 +377,7 @@ class _UnitPricer:
         t, d = self.strategy.train, self.strategy.dims
         if not data_parallel_traffic(d, t).gathers_per_microbatch or params == 0:
             return 0.0
-        return self.pricer.collective("all_gather", params * activation_itemsize(t.precision), self.groups.dp_shard)
+        return self.pricer.collective("all_gather", params * fsdp_param_bytes(t.precision), self.groups.dp_shard)
 
 
 def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, batch_traced: int,
