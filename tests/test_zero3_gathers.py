@@ -54,3 +54,47 @@ def test_fp16_under_fsdp2_gathers_fp32_parameters_and_pricing_and_memory_say_so(
     assert gathers["fp16"] == gathers["fp32"]
     assert all(h > b for h, b in zip(gathers["fp16"], gathers["bf16"]) if b > 0)
     assert costs["fp16"].rank_buffer_bytes == costs["fp32"].rank_buffer_bytes > costs["bf16"].rank_buffer_bytes
+
+
+def test_a_per_tensor_gather_pays_its_ring_and_one_copy_per_rank():
+    """costmodel.param_gathers: one all-gather per tensor (the pricer's collective, call included) plus n
+    list-output copies; a GPT block has 12 tensors, gathered 3 times per micro-batch under full recompute."""
+    from costmodel.collectives import CommGroup
+    from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
+
+    calls = []
+
+    def collective(kind, nbytes, group):
+        calls.append((kind, nbytes, group.size))
+        return 1e-3
+
+    group = CommGroup(1536, 8)
+    tensors = [12288, 12288, 36864, 12288 * 36864, 12288, 12288**2, 12288, 12288, 49152, 12288 * 49152, 12288,
+               49152 * 12288]
+    t = tensor_gathers_time(tensors, 2, group, collective=collective, kernel_s=7e-6)
+    assert t == pytest.approx(12 * (1e-3 + 1536 * 7e-6))
+    assert calls[3] == ("all_gather", 2 * 12288 * 36864, 1536)
+    assert gathers_per_microbatch(zero=3, sharded=True, granularity="tensor", recompute="full") == 3
+    assert gathers_per_microbatch(zero=3, sharded=True, granularity="block", recompute="full") == 2
+    assert gathers_per_microbatch(zero=2, sharded=True, granularity="tensor", recompute="full") == 1
+    assert gathers_per_microbatch(zero=3, sharded=False, granularity="tensor", recompute="full") == 0
+    assert (gather_width("fp16", "block"), gather_width("fp16", "tensor"), gather_width("bf16", "block")) == (4, 2, 2)
+
+
+def test_per_tensor_gathers_block_compute_and_repeat_for_the_recompute():
+    """Per tensor, a unit's gathers ride its critical path: forward once, backward twice under full
+    recompute (recompute and backward), and nothing on the prefetched dp stream."""
+    import dataclasses
+
+    graph = tiny_decoder(layers=4)
+    cluster = load_cluster("dgx-h100")
+    block = _zero3("bf16", dp=64, seq=graph.seq_len)
+    tensor = dataclasses.replace(block, train=dataclasses.replace(block.train, param_gather="tensor"))
+    by_block = price_step(graph, block, cluster)[0].stages[0].chunks
+    by_tensor = price_step(graph, tensor, cluster)[0].stages[0].chunks
+    assert len(by_block) == 6  # the embeddings, 4 blocks, the head (recompute covers the blocks)
+    for k, (b, t) in enumerate(zip(by_block, by_tensor)):
+        assert t.param_gather_s == 0 < b.param_gather_s
+        gather = t.fwd_comm_s - b.fwd_comm_s
+        assert gather > b.param_gather_s  # more calls, each with its latency and copies
+        assert t.bwd_comm_s - b.bwd_comm_s == pytest.approx(gather * (2 if 0 < k < 5 else 1))

@@ -120,6 +120,7 @@ from costmodel.memory import (
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, op_time
+from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
@@ -254,7 +255,7 @@ def price_step(
     shape = activation_shape(graph, strategy)
     units = _UnitPricer(graph, strategy, pricer, groups, shape,
                         activation_factor=cluster.device.activation_collective_factor,
-                        host_dispatch_s=cluster.device.host_dispatch_s)
+                        host_dispatch_s=cluster.device.host_dispatch_s, kernel_s=cluster.device.kernel_overhead_s)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
     schedule, passes = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
@@ -286,10 +287,12 @@ class _UnitPricer:
     """Prices each segment of the graph once (`chunk(layer)`)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape,
-                 *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0) -> None:
+                 *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0, kernel_s: float = 0.0) -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
         self.activation_factor = activation_factor
         self.host_dispatch_s = host_dispatch_s
+        self.kernel_s = kernel_s
+        """The device's `kernel_overhead_s` (a per-tensor gather's list copies, `costmodel.param_gathers`)."""
         """The device's `host_dispatch_s` (the host-bound floor of a chunk)."""
         """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
         self._chunks: dict[int, ChunkCost] = {}
@@ -343,6 +346,8 @@ class _UnitPricer:
                 scale = bwd_kernels * host / max(bwd_in + bwd_w, 1e-30)
                 bwd_in, bwd_w = (bwd_in * scale, bwd_w * scale) if bwd_in + bwd_w > 0 else (bwd_kernels * host, 0.0)
         fwd_comm, bwd_comm = self._comm(placements, "fwd"), self._comm(placements, "bwd")
+        blocking = self._tensor_gathers(layer)  # per tensor: on the critical path, again in a full recompute
+        fwd_comm, bwd_comm = fwd_comm + blocking, bwd_comm + blocking
         policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
         kept, recompute_bytes = placed_activations(placements, self.strategy, self.graph.batch, self.shape, policy)
         if policy == "full":
@@ -361,7 +366,7 @@ class _UnitPricer:
     @property
     def fsdp(self) -> bool:
         """ZeRO 3 over dp_shard > 1: parameters gathered per chunk (held in `memory.buffer_bytes`)."""
-        return data_parallel_traffic(self.strategy.dims, self.strategy.train).gathers_per_microbatch == 2
+        return data_parallel_traffic(self.strategy.dims, self.strategy.train).gathers_per_microbatch >= 2
 
     def _grad_sync(self, params: int) -> float:
         d, t = self.strategy.dims, self.strategy.train
@@ -373,8 +378,21 @@ class _UnitPricer:
                     + self.pricer.collective("all_reduce", nbytes / d.shard_degree, self.groups.dp_replicate))
         return self.pricer.collective("all_reduce", nbytes, self.groups.dp)
 
+    def _tensor_gathers(self, layer: Layer) -> float:
+        """ZeRO-3 gathering per parameter tensor (`costmodel.param_gathers`, `TrainingConfig.param_gather`):
+        one gather of the segment's tensors, blocking compute; 0 for FSDP2's per-unit gathers (`_gather`)."""
+        t, d = self.strategy.train, self.strategy.dims
+        if t.param_gather != "tensor" or t.zero != 3 or d.shard_degree == 1:
+            return 0.0
+        shapes = stage_params(layer.ops, block_counts={}, tensor_parallel=d.tp, expert_parallel=d.ep,
+                              vocab_parallel=shards_vocabulary(tp=d.tp, pp=d.pp)).shapes
+        return tensor_gathers_time([math.prod(s) for s in shapes], gather_width(t.precision, t.param_gather),
+                                   self.groups.dp_shard, collective=self.pricer.collective, kernel_s=self.kernel_s)
+
     def _gather(self, params: int) -> float:
         t, d = self.strategy.train, self.strategy.dims
+        if t.param_gather == "tensor" and t.zero == 3:
+            return 0.0
         if not data_parallel_traffic(d, t).gathers_per_microbatch or params == 0:
             return 0.0
         return self.pricer.collective("all_gather", params * fsdp_param_bytes(t.precision), self.groups.dp_shard)
@@ -428,8 +446,9 @@ class DataParallelTraffic:
     arithmetic); the simulator's task graph and the planner's estimate both follow it."""
 
     gathers_per_microbatch: int
-    """Parameter all-gathers over dp_shard per unit and micro-batch: 2 with zero 3 (forward; backward,
-    recompute included), 1 with zero 2 (forward), else 0."""
+    """Parameter all-gathers over dp_shard per unit and micro-batch (`costmodel.param_gathers.gathers_per_microbatch`):
+    2 with zero 3 (forward; backward, recompute included), 3 gathering per tensor under full recompute, 1 with
+    zero 2 (forward), else 0."""
     sync_every_microbatch: bool
     """Gradients reduced after every micro-batch's backward (zero 3; FSDP2 without a pipeline), not once
     per step."""
@@ -438,7 +457,7 @@ class DataParallelTraffic:
 def data_parallel_traffic(dims: ParallelDims, train: TrainingConfig) -> DataParallelTraffic:
     d, t = dims, train
     sharded = d.shard_degree > 1
-    gathers = 2 if t.zero == 3 and sharded else 1 if t.zero == 2 and sharded else 0
+    gathers = gathers_per_microbatch(zero=t.zero, sharded=sharded, granularity=t.param_gather, recompute=t.recompute)
     fsdp2 = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
     every = (t.zero == 3 and sharded) or (d.pp == 1 and d.sync_degree > 1 and fsdp2 and not t.accumulate_locally)
     return DataParallelTraffic(gathers, every)

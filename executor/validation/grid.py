@@ -9,7 +9,8 @@ A grid file is one JSON object: `model` (the short form of `executor.validation.
 Pricing (`price_row`): the record planned as published (`RunRecord.pins`, no memory limit, so a configuration
 soap thinks too big is still priced; a pipeline with fewer micro-batches than stages as GPipe: 1F1B's
 warm-up then holds every micro-batch, the same timeline; a stack that accumulates gradients locally across
-micro-batches, `LOCAL_ACCUMULATION_STACKS`, priced so: `as_run`) and simulated on the given cluster: step time,
+micro-batches, `LOCAL_ACCUMULATION_STACKS`, or gathers ZeRO-3 parameters per tensor, `TENSOR_GATHER_STACKS`, priced
+so: `as_run`) and simulated on the given cluster: step time,
 tokens/s per GPU and the
 simulated peak memory (allocated, GiB). Graphs are cached per (model, seq, precision) in `graphs`.
 
@@ -89,9 +90,21 @@ class StackPlan:
         return replace(strategy, train=replace(strategy.train, **self.train))
 
 
+TENSOR_GATHER_STACKS = ("deepspeed-2021",)
+"""Stacks whose ZeRO-3 all-gathers each parameter tensor on its own, blocking compute, and again for a full
+recompute (DeepSpeed's `partition_parameters._allgather_param` of 2021: `costmodel.param_gathers`, "tensor");
+soap's executor gathers per block (FSDP2)."""
+
+
 def as_run(plan: Any, record: RunRecord) -> Any:
-    """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`), else the plan itself."""
-    return StackPlan(plan, accumulate_locally=True) if record.stack in LOCAL_ACCUMULATION_STACKS else plan
+    """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`, `TENSOR_GATHER_STACKS`), else the plan
+    itself."""
+    train: dict[str, Any] = {}
+    if record.stack in LOCAL_ACCUMULATION_STACKS:
+        train["accumulate_locally"] = True
+    if record.stack in TENSOR_GATHER_STACKS:
+        train["param_gather"] = "tensor"
+    return StackPlan(plan, **train) if train else plan
 
 
 @dataclass(frozen=True)
