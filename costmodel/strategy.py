@@ -169,6 +169,11 @@ class TrainingConfig:
     """How ZeRO-3 all-gathers parameters (`costmodel.param_gathers`): "block", one gather per unit as the
     executor's FSDP2 does; "tensor", one per parameter tensor, re-gathered for recompute and not overlapped,
     as DeepSpeed ZeRO-3 did in 2021. Set to price another stack's run as it ran."""
+    half_model: bool = False
+    """fp16/bf16 with the model's parameters held in that type and no autocast (Megatron-LM's and DeepSpeed's
+    `--fp16`: the model in half, fp32 master weights in the optimizer): priced on the 16-bit trace, without
+    autocast's casts (`planner.regimes.regime_dtype`). False: the executor's regime. Set to price another
+    stack's run as it ran."""
     peft: str | None = None
     """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
     run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""

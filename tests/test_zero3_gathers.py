@@ -98,3 +98,23 @@ def test_per_tensor_gathers_block_compute_and_repeat_for_the_recompute():
         gather = t.fwd_comm_s - b.fwd_comm_s
         assert gather > b.param_gather_s  # more calls, each with its latency and copies
         assert t.bwd_comm_s - b.bwd_comm_s == pytest.approx(gather * (2 if 0 < k < 5 else 1))
+
+
+def test_megatron_and_deepspeed_fp16_are_priced_on_a_half_model_without_autocast_casts():
+    """Both stacks hold the fp16 model in half (fp32 masters in the optimizer): the 16-bit trace, not
+    autocast's (whose weight casts soap's own executor pays every micro-batch)."""
+    from executor.validation.grid import StackPlan, as_run
+    from executor.validation.run_records import RunRecord
+    from planner.regimes import regime_dtype
+
+    dims, device = ParallelDims(dp_shard=8), load_cluster("dgx-a100-80g").device
+    train = TrainingConfig(global_batch=8, seq_len=16, zero=3, precision="fp16")
+    assert regime_dtype(dims, train, device) == "autocast-float16"
+    half = TrainingConfig(global_batch=8, seq_len=16, zero=3, precision="fp16", half_model=True)
+    assert regime_dtype(dims, half, device) == "float16"
+    row = dict(name="r", model="gpt2", gpus=8, seq=16, micro_batch=1, precision="fp16", step_time_s=1.0)
+    assert as_run("plan", RunRecord(**row)) == "plan"  # soap's own stack
+    for stack, expected in (("megatron-lm", {"accumulate_locally": True, "half_model": True}),
+                            ("deepspeed-2021", {"param_gather": "tensor", "half_model": True})):
+        priced = as_run("plan", RunRecord(**row, stack=stack))
+        assert isinstance(priced, StackPlan) and priced.train == expected
