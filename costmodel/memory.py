@@ -81,8 +81,9 @@ Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parall
   weights term): during backward the unsharded fp32 gradients of one unit and their reduce-scatter
   input (2 x largest unit's trainable elements x 4).
 - ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at `fsdp_param_bytes` (the
-  current unit and the prefetched next one, 2x; fp16 has no MixedPrecisionPolicy, so it gathers fp32) plus the fp32 gradients of the largest unit's trainable
-  elements before their reduce-scatter (with PEFT only the adapters have gradients).
+  current unit and the prefetched next one, 2x; fp16 has no MixedPrecisionPolicy, so it gathers fp32) plus
+  the fp32 gradients of the largest unit's trainable elements before their reduce-scatter (with PEFT only
+  the adapters have gradients).
 - Offload (FSDP2 on every rank, even alone): ZeRO 3, the zero-3 term above at `fsdp_param_bytes`
   whatever dp_shard; otherwise the unsharded fp32 gradients of one unit and their reduce-scatter
   input before the copy to the host (2 x largest unit x 4).

@@ -43,27 +43,34 @@ this is the larger of the two and still hidden here).
 
 Worked example, the SC'21 comparison (Narayanan et al., "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM", SC'21, Table 4 and Figure 10): a 175B GPT (96 layers, hidden 12288, seq
-2048, global batch 1,536, fp16, full recompute) on 384 / 768 / 1,536 A100 80GB (8 per node, 8 x 200 Gb/s
-InfiniBand: g = 8, NIC 25 GB/s per GPU, N = 48 / 96 / 192 nodes). Published TFLOP/s per GPU (the paper's
-formula 96 B s l h^2 (1 + s/6h + V/16lh), recompute included: 4.51e18 FLOPs per step): DeepSpeed ZeRO-3
-without model parallelism, micro-batch 4 / 2 / 1 (one micro-batch per GPU per step), 144 / 88 / 44, a step
-of 82 / 67 / 67 s; PTD-P (tp 8 x pp 12, micro-batch 1) 153 / 149 / 141. A block holds p = 1.81e9 parameters
-in 12 tensors (the largest 12288 x 49152); one micro-batch per GPU computes in about 11.8 s.
+2048, global batch 1,536, fp16, full recompute) on 384 / 768 / 1,536 A100 80GB (`dgx-a100-80g`: 8 per node,
+8 x 200 Gb/s InfiniBand, g = 8, NIC 25 GB/s per GPU at 0.86 efficiency for large messages, N = 48 / 96 /
+192 nodes). Published TFLOP/s per GPU (the paper's formula 96 B s l h^2 (1 + s/6h + V/16lh), recompute
+included: 4.51e18 FLOPs per step): DeepSpeed ZeRO-3 without model parallelism, micro-batch 4 / 2 / 1 (one
+micro-batch per GPU per step), 144 / 88 / 44, a step of 82 / 67 / 67 s; PTD-P (tp 8 x pp 12, micro-batch 1)
+153 / 149 / 141. A block holds p = 1.81e9 parameters in 12 tensors (the largest 12288 x 49152). Per
+micro-batch, at 384 / 768 / 1,536 ranks:
 
-    per micro-batch        bytes at line rate   calls       latency steps x alpha + list copies, per call
-    block (FSDP2, fp16     175e9 x (2 x 4 + 4)  96 x 2      1,536 ranks: 1,344 x 1.9 + 191 x 4 us = 3.3 ms
-      gathers fp32)        / 200 GB/s = 10.5 s              (no copies): 0.6 s in all, hidden under compute
-    tensor (DeepSpeed      175e9 x (3 x 2 + 4)  96 x 12 x 3 1,536 ranks: 3.3 ms + 1,536 x 7 us = 14 ms:
-      2021, fp16)          / 200 GB/s = 8.8 s   = 3,456     3,456 x 14 ms = 49 s on the critical path
+    block (FSDP2; fp16 gathers fp32)      tensor (DeepSpeed 2021; fp16 model)
+    96 x (2 gathers + 1 reduce-scatter)   96 x 12 x 3 = 3,456 gathers (+ 96 reduce-scatters, as FSDP2's)
+    bytes 175e9 x (2 x 4 + 4) / 172 GB/s  bytes 175e9 x 3 x 2 / 172 GB/s = 6.1 s
+      = 12.2 s
+    latency per call 0.83 / 1.66 / 3.32 ms (ring, the same for both: 383 / 767 / 1,535 steps, 47 / 95 /
+      191 of them between nodes at 4 us, the rest at 1.9 us)
+    no copies                              copies per call n x 7 us = 2.7 / 5.4 / 10.8 ms
+    per micro-batch 12.3 / 12.6 / 13.1 s   per micro-batch 18.2 / 30.4 / 54.7 s (rings 31 / 41 / 61 ms
+      on the dp stream, under about 14.7 s   and copies 32 / 65 / 129 ms per block and gather), blocking:
+      of compute: hidden                    added to about 12 s of compute (the half model's)
 
-So soap's executor stays compute-bound at every size (its gathers and reduce-scatters fit under the
-compute), while the per-tensor stack adds 3,456 x (3.3 ms + 10.8 ms) = 49 s at 1,536 ranks and about
-half and a quarter of that at 768 and 384 (both terms grow with n): ZeRO-3 priced as DeepSpeed ran it
-falls with the GPU count where the 3-D plan holds its rate, and ranks below it at 768 and 1,536 GPUs
-(`benchmarks/sc21_zero3.py` prints the simulated numbers; tests/test_zero3_gathers.py holds the ranking).
-At 384 GPUs the published pair is 144 vs 153 TFLOP/s, 6% apart, inside the model's error; see
-docs/benchmarks.md for what the simulator says there. No number here is fitted: the latencies are NCCL's
-tuner values and the copy cost the device profile's per-kernel floor.
+So soap's executor stays compute-bound at every size (simulated 231 / 223 / 199 TFLOP/s by the paper's
+formula; too fast for a datasheet A100, as the 3-D plan's are), while the per-tensor stack's gathers grow
+with n, both the ring's latency steps and the list copies: simulated 181 / 109 / 44 TFLOP/s (published
+144 / 88 / 44), where Megatron's tp8 x pp12 holds 195 / 187 / 174 (153 / 149 / 141). Priced as DeepSpeed
+ran it, ZeRO-3 ranks below the 3-D plan at 768 and 1,536 GPUs by 1.7x and 4x (published 1.7x and 3.2x),
+and at 384 7% below it (published 6%), a margin inside the model's error (`benchmarks/sc21_zero3.py` prints the
+table, docs/benchmarks.md records it, tests/test_zero3_gathers.py holds the ranking at 768 and 1,536).
+No number here is fitted: the latencies are NCCL's tuner values (`collectives.ring_latency`), the copy the
+device profile's per-kernel floor, the bandwidth its nccl-tests efficiency.
 """
 
 from __future__ import annotations

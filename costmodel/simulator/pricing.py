@@ -24,8 +24,9 @@ every instance and every stage (`_UnitPricer.chunk`):
   zero 0/1 all-reduce over dp (DDP's buckets: per chunk its bytes' transfer time, the stage's bucket
   count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over
   dp_shard then all-reduce of the shard over dp_replicate (HSDP);
-- zero 3: all-gather of the segment's parameters at compute width over dp_shard (before its forward
-  and its backward); zero 2: the same before its forward only (FSDP2 without resharding after forward
+- zero 3: all-gather of the segment's parameters at `memory.fsdp_param_bytes` over dp_shard (before its
+  forward and its backward; per tensor, on the critical path and again for a full recompute, when
+  `TrainingConfig.param_gather` says "tensor": `costmodel.param_gathers`); zero 2: the same before its forward only (FSDP2 without resharding after forward
   keeps them through backward and reshards after it, so every micro-batch gathers again);
 - FSDP2 engines (`fsdp_engine`) without a pipeline sync gradients every micro-batch (no no_sync);
 - ZeRO-3/FSDP arithmetic (`data_parallel_traffic`, FSDP2 as `executor.data_parallel` runs it). A unit
@@ -53,25 +54,20 @@ every instance and every stage (`_UnitPricer.chunk`):
   estimator above it). Each collective also pays its ring's latency, which grows with the group
   (`collectives.ring_latency`: NCCL gathers and reduce-scatters across nodes are rings, no hierarchical
   variant), so thousands of ranks make every per-unit call latency-bound at small units;
-- worked example, the SC'21 comparison (Narayanan et al., "Efficient Large-Scale Language Model Training
-  on GPU Clusters", ZeRO-3 vs PTD-P): a 175B GPT (96 layers, hidden 12288, seq 2048, global batch 1,536,
-  fp16, full recompute) on 384 / 768 / 1,536 A100 80GB (`dgx-a100-80g`: 8 per node, 8 x 200 Gb/s IB,
-  B = 25 GB/s per GPU). Measured: DeepSpeed's ZeRO-3 fell 144 -> 88 -> 44 TFLOP/s per GPU (its step time
-  stayed near 65 s from 768 to 1,536 GPUs) while tp8 x pp16 x dp held 153 -> 149 -> 141. Soap's arithmetic
-  for its own executor (FSDP2, one gather per block), micro-batch 1: a block holds p = 1.81e9 parameters,
-  3.6 GB gathered at 2 bytes; per micro-batch 96 x (2 gathers + 1 fp32 reduce-scatter) move
-  175e9 x 8 B x (N-1)/N through 8 NICs: 7.0 s at line rate (7.8 s at the profile's 0.9 efficiency),
-  plus 288 ring latencies of 672 x 1.9 + 95 x 4 us = 1.66 ms at 768 ranks (0.5 s; 1.0 s at 1,536), against
-  11.7 s of compute: the step is compute-bound and scales with the GPUs (simulated 47.2 / 23.6 / 11.8 s;
-  tp8 pp16: 59.2 / 30.7 / 16.5 s), so soap still ranks ZeRO-3 above the 3-D plan. Memory does not
-  change that: fp16 on FSDP2 gathers fp32 and autocast keeps each matmul weight's 16-bit copy from forward
-  to backward (`costmodel.memory`), 2 x 175e9 B = 350 GB per GPU without offload (the 3-D plan: about
-  20 GB; tests/test_physics.py), but with the optimizer offloaded the planner fits it in 27.6 GB at
-  24.1 s per step on 768 GPUs. The published collapse is DeepSpeed 2021's, not this
-  arithmetic: it gathered each parameter tensor on its own (12 per layer, a bias shard of 64 bytes at
-  1,536 ranks), 96 x 12 x 3 = 3,456 latency-bound rings per micro-batch, each (n-1) steps: at about 10 us
-  a step that is 3,456 x 1,535 x 10 us = 53 s at 1,536 ranks, the measured order. Soap's executor gathers
-  per block, so it does not price that stack;
+- worked example, the SC'21 comparison (a 175B GPT on 384-1,536 A100 80GB, ZeRO-3 vs tp8 x pp12; worked
+  in full in `costmodel.param_gathers`, which prices the per-tensor gathers of the DeepSpeed ZeRO-3 that was
+  measured, `TrainingConfig.param_gather`): for soap's executor at one micro-batch per GPU per step, a
+  block holds p = 1.81e9 parameters, gathered at 4 bytes (fp16 under FSDP2 gathers fp32); per micro-batch
+  96 x (2 gathers + 1 fp32 reduce-scatter) move 175e9 x 12 B x (N-1)/N through 8 NICs at 0.86 of 25 GB/s:
+  12.2 s, plus 288 ring latencies of 0.8 / 1.7 / 3.3 ms at 384 / 768 / 1,536 ranks (0.2-1.0 s), against
+  about 14.7 s of compute per micro-batch: hidden by prefetch, so the step stays compute-bound and scales
+  with the GPUs (simulated 50.8 / 26.3 / 14.8 s, 231 / 223 / 199 TFLOP/s by the paper's formula), and
+  soap ranks ZeRO-3 on its own executor above the 3-D plan. Memory does not change that for the
+  ranking: without offload autocast keeps each matmul weight's 16-bit copy from forward to backward
+  (`costmodel.memory`), 2 x 175e9 B = 350 GB per GPU (the 3-D plan: about 20 GB; tests/test_physics.py);
+  with the optimizer offloaded the planner fits it in 34.8 GB at 26.6 s per step on 768 GPUs. Priced as
+  DeepSpeed ran it (3,456 blocking per-tensor gathers per micro-batch) ZeRO-3 falls 181 -> 109 -> 44
+  TFLOP/s (published 144 -> 88 -> 44) and ranks below the 3-D plan (`benchmarks/sc21_zero3.py`);
 - activations: what `memory.activation_parts` says one micro-batch keeps, per group of ops sharing a
   split; the recompute window (the dropped tensors, re-materialized while the chunk's backward runs)
   is the none set less the kept set. With full recomputation only the block input is kept. Under
