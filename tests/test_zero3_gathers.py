@@ -56,6 +56,43 @@ def test_fp16_under_fsdp2_gathers_fp32_parameters_and_pricing_and_memory_say_so(
     assert costs["fp16"].rank_buffer_bytes == costs["fp32"].rank_buffer_bytes > costs["bf16"].rank_buffer_bytes
 
 
+def test_fsdp2_gathers_a_checkpointed_block_twice_per_micro_batch_not_three_times(single_process_group):
+    """The executor's FSDP2 over HF-checkpointed blocks (full recompute): each block is unsharded once in
+    forward and once in backward; the recompute runs under the backward's unshard (FSDP2 skips its forward
+    pre-hook in the pre-backward state), as `data_parallel_traffic` prices it (2 gathers per micro-batch).
+    Counted at FSDPParamGroup.unshard calls that would all-gather (a 1-rank group skips the collective)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_module
+
+    from executor.api import apply_recompute
+    from executor.data_parallel import apply_fsdp
+    from executor.mesh import build_mesh
+    from executor.model import build_meta_model
+
+    plan = make_plan("gpt2", zero=3, recompute="full")
+    model = build_meta_model(plan.model.config, plan.model.task)
+    apply_recompute(model, "full")
+    apply_fsdp(model, plan, build_mesh(plan, device_type="cpu"))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(std=0.02)  # FSDP2's shards are DTensors
+    gathers, unshard = [], group_module.FSDPParamGroup.unshard
+
+    def counting(self, async_op=False):
+        backward = self._training_state == group_module.TrainingState.PRE_BACKWARD
+        if self._all_gather_result is None and not self.is_unsharded and (self.unshard_in_backward or not backward):
+            gathers.append(self._module_fqn)
+        return unshard(self, async_op)
+
+    group_module.FSDPParamGroup.unshard = counting
+    try:
+        ids = torch.randint(0, 96, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        group_module.FSDPParamGroup.unshard = unshard
+    blocks = [f"transformer.h.{i}" for i in range(4)]
+    assert gathers == ["", *blocks, *reversed(blocks)]  # the root (not resharded), forward, backward
+
 def test_a_per_tensor_gather_pays_its_ring_and_one_copy_per_rank():
     """costmodel.param_gathers: one all-gather per tensor (the pricer's collective, call included) plus n
     list-output copies; a GPT block has 12 tensors, gathered 3 times per micro-batch under full recompute."""
