@@ -26,8 +26,9 @@ every instance and every stage (`_UnitPricer.chunk`):
   dp_shard then all-reduce of the shard over dp_replicate (HSDP);
 - zero 3: all-gather of the segment's parameters at `memory.fsdp_param_bytes` over dp_shard (before its
   forward and its backward; per tensor, on the critical path and again for a full recompute, when
-  `TrainingConfig.param_gather` says "tensor": `costmodel.param_gathers`); zero 2: the same before its forward only (FSDP2 without resharding after forward
-  keeps them through backward and reshards after it, so every micro-batch gathers again);
+  `TrainingConfig.param_gather` says "tensor": `costmodel.param_gathers`); zero 2: the same before its
+  forward only (FSDP2 without resharding after forward keeps them through backward and reshards after
+  it, so every micro-batch gathers again);
 - FSDP2 engines (`fsdp_engine`) without a pipeline sync gradients every micro-batch (no no_sync);
 - ZeRO-3/FSDP arithmetic (`data_parallel_traffic`, FSDP2 as `executor.data_parallel` runs it). A unit
   (segment instance) of p local parameters (after tp/ep sharding), sharded over dp_shard = n ranks, g of
@@ -116,8 +117,8 @@ from costmodel.memory import (
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, op_time
-from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
+from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import step_schedule
@@ -287,10 +288,10 @@ class _UnitPricer:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
         self.activation_factor = activation_factor
         self.host_dispatch_s = host_dispatch_s
-        self.kernel_s = kernel_s
-        """The device's `kernel_overhead_s` (a per-tensor gather's list copies, `costmodel.param_gathers`)."""
         """The device's `host_dispatch_s` (the host-bound floor of a chunk)."""
         """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
+        self.kernel_s = kernel_s
+        """The device's `kernel_overhead_s` (a per-tensor gather's list copies, `costmodel.param_gathers`)."""
         self._chunks: dict[int, ChunkCost] = {}
         self._params: dict[int, int] = {}
 

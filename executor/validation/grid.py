@@ -9,10 +9,10 @@ A grid file is one JSON object: `model` (the short form of `executor.validation.
 Pricing (`price_row`): the record planned as published (`RunRecord.pins`, no memory limit, so a configuration
 soap thinks too big is still priced; a pipeline with fewer micro-batches than stages as GPipe: 1F1B's
 warm-up then holds every micro-batch, the same timeline; a stack that accumulates gradients locally across
-micro-batches, `LOCAL_ACCUMULATION_STACKS`, gathers ZeRO-3 parameters per tensor, `TENSOR_GATHER_STACKS`, or holds a
-16-bit model, `HALF_MODEL_STACKS`, priced so: `as_run`) and simulated on the given cluster: step time,
-tokens/s per GPU and the
-simulated peak memory (allocated, GiB). Graphs are cached per (model, seq, precision) in `graphs`.
+micro-batches, `LOCAL_ACCUMULATION_STACKS`, gathers ZeRO-3 parameters per tensor, `TENSOR_GATHER_STACKS`,
+or holds a 16-bit model, `HALF_MODEL_STACKS`, priced so: `as_run`) and simulated on the given cluster: step
+time, tokens/s per GPU and the simulated peak memory (allocated, GiB). Graphs are cached per (model, seq,
+precision, half model or not: `graph_key`) in `graphs`.
 
 Ranking (`group_scores`), per group of rows (a node count):
 - Spearman's rank correlation of predicted against measured tokens/s per GPU;
