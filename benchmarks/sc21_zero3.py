@@ -116,6 +116,13 @@ def main() -> None:
                            ("the same with an fp16 peak 20% lower and 20 us host time per kernel", slower_cluster(shipped))):
         lines, results[title] = table(cluster, graphs)
         body += [f"On {title}:", "", *lines, ""]
+    copies = {us: predicted_tflops("zero3", STACKS["zero3"],
+                                   replace(shipped, device=replace(shipped.device, kernel_overhead_s=us * 1e-6)), graphs)
+              for us in (3, 10)}
+    body += ["Sensitivity to the list-output copy (the device's per-kernel floor, 7 us as shipped), DeepSpeed ZeRO-3 "
+             "on the shipped cluster: " + "; ".join(f"{us} us: " + " / ".join(f"{t[g]:.0f}" for g in GPUS)
+                                                    for us, t in copies.items())
+             + " TFLOP/s at " + " / ".join(map(str, GPUS)) + " GPUs.", ""]
     first = next(iter(results.values()))
     z_ds, z_own, p_mega = first[("zero3", STACKS["zero3"])], first[("zero3", "torch-native")], first[("ptd-p", STACKS["ptd-p"])]
     body += [

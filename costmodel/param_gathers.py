@@ -70,7 +70,9 @@ ran it, ZeRO-3 ranks below the 3-D plan at 768 and 1,536 GPUs by 1.7x and 4x (pu
 and at 384 7% below it (published 6%), a margin inside the model's error (`benchmarks/sc21_zero3.py` prints the
 table, docs/benchmarks.md records it, tests/test_zero3_gathers.py holds the ranking at 768 and 1,536).
 No number here is fitted: the latencies are NCCL's tuner values (`collectives.ring_latency`), the copy the
-device profile's per-kernel floor, the bandwidth its nccl-tests efficiency.
+device profile's per-kernel floor, the bandwidth its nccl-tests efficiency. The copy is the least certain
+term (a small copy's launch from C++, 3-10 us): at 3 us ZeRO-3 gives 197 / 136 / 65 TFLOP/s, at 10 us
+170 / 95 / 36; below the 3-D plan at 768 and 1,536 GPUs across that range, level with it at 384.
 """
 
 from __future__ import annotations
