@@ -125,6 +125,7 @@ def main() -> None:
              + " TFLOP/s at " + " / ".join(map(str, GPUS)) + " GPUs.", ""]
     first = next(iter(results.values()))
     z_ds, z_own, p_mega = first[("zero3", STACKS["zero3"])], first[("zero3", "torch-native")], first[("ptd-p", STACKS["ptd-p"])]
+    p_own = first[("ptd-p", "torch-native")]
     body += [
         f"Priced as DeepSpeed ran it, ZeRO-3 falls {z_ds[384]:.0f} -> {z_ds[768]:.0f} -> {z_ds[1536]:.0f} TFLOP/s "
         f"(published 144 -> 88 -> 44) while PTD-P holds {p_mega[384]:.0f} -> {p_mega[768]:.0f} -> "
@@ -138,8 +139,8 @@ def main() -> None:
         "plans are predicted about 25% too fast on the datasheet A100 at 384 and 768 GPUs, the compute the "
         "fitted A100 of issue 28's other items addresses). Megatron-LM and DeepSpeed hold the fp16 model in "
         "half (`TrainingConfig.half_model`); soap's executor runs fp16 as autocast over fp32 weights, and on that "
-        "trace its own PTD-P's compute prices 1.7x the half model's at micro-batch 1 (42.7 against 24.8 s at 768 "
-        "GPUs: weight casts every micro-batch, the GELU and norms in fp32), which no measurement here checks.",
+        f"trace its own PTD-P's step prices {p_mega[768] / p_own[768]:.1f}x the half model's at micro-batch 1 "
+        "(weight casts every micro-batch, the GELU and norms in fp32), which no measurement here checks.",
         "",
         f"_{time.perf_counter() - start:.0f} s._",
     ]
