@@ -23,7 +23,8 @@ Algorithms (`collective_cost` prices every applicable one and keeps the fastest)
   nodes the steps that cross a node boundary (N-1 per pass over the ring; 2 passes for all-reduce) take the
   inter-node alpha and the rest the intra-node alpha (`ring_latency`, NCCL's tuner): a ring's latency grows
   with its group, so a 768-rank all-gather costs 672 x 1.9 + 95 x 4 = 1.66 ms on DGX A100 nodes before a byte
-  of bandwidth (FSDP/ZeRO-3 pays it per unit gathered, `costmodel.simulator.pricing`).
+  of bandwidth (FSDP/ZeRO-3 pays it per unit gathered, `costmodel.simulator.pricing`, or per parameter
+  tensor, three times per micro-batch, in DeepSpeed's ZeRO-3 of 2021: `costmodel.param_gathers`).
 - tree (`tree_time`, all-reduce and broadcast): NCCL's double binary tree, bandwidth factor 2 for
   all-reduce (reduce up, broadcast down) and 1 for broadcast, 2*ceil(log2 n) (all-reduce) or
   ceil(log2 n) (broadcast) latency steps.

@@ -80,9 +80,10 @@ Buffers (`buffer_bytes`), by the engine the executor runs (`executor.data_parall
 - ZeRO 2 over dp_shard > 1 (FSDP2 without resharding after forward; its gathered parameters are in the
   weights term): during backward the unsharded fp32 gradients of one unit and their reduce-scatter
   input (2 x largest unit's trainable elements x 4).
-- ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at compute width (the
-  current unit and the prefetched next one, 2x) plus the fp32 gradients of the largest unit's trainable
-  elements before their reduce-scatter (with PEFT only the adapters have gradients).
+- ZeRO 3 over dp_shard > 1: FSDP's all-gather of the largest unit's parameters at `fsdp_param_bytes` (the
+  current unit and the prefetched next one, 2x; fp16 has no MixedPrecisionPolicy, so it gathers fp32) plus
+  the fp32 gradients of the largest unit's trainable elements before their reduce-scatter (with PEFT only
+  the adapters have gradients).
 - Offload (FSDP2 on every rank, even alone): ZeRO 3, the zero-3 term above at `fsdp_param_bytes`
   whatever dp_shard; otherwise the unsharded fp32 gradients of one unit and their reduce-scatter
   input before the copy to the host (2 x largest unit x 4).
@@ -112,7 +113,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
-from costmodel.opcost import FLOAT_DTYPES, activation_itemsize
+from costmodel.opcost import FLOAT_DTYPES
 from costmodel.peft import dequantize_buffer_bytes, is_quantized, nf4_bytes
 from costmodel.placement import (is_expert, linear_style, moe_blocks, replicated_in_moe, replicated_kv_projections,
                                  vocab_parallel_ops)
@@ -397,7 +398,7 @@ def _communication_buffer_bytes(*, params: ParamSet, precision: str, zero: int, 
             return params.largest_unit * 2 * fsdp_param_bytes(precision) + graded * FSDP_GRAD_BYTES
         return 2 * graded * FSDP_GRAD_BYTES
     if zero == 3 and dp_shard > 1:
-        return params.largest_unit * 2 * activation_itemsize(precision) + graded * 4
+        return params.largest_unit * 2 * fsdp_param_bytes(precision) + graded * 4
     if zero == 2 and dp_shard > 1 and dp > 1:
         return 2 * graded * FSDP_GRAD_BYTES
     return 0

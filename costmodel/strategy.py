@@ -42,6 +42,8 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "adafactor", "sgd")
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 ATTENTION_IMPLS: tuple[str, ...] = ("sdpa", "eager")
+PARAM_GATHERS: tuple[str, ...] = ("block", "tensor")
+"""ZeRO-3 gather granularities (`costmodel.param_gathers`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +165,15 @@ class TrainingConfig:
     """Gradients accumulate on each rank across a step's micro-batches and are synchronized once, whatever
     the engine (how Megatron-LM and nanotron run ZeRO 0/1, and DDP under no_sync); False: the executor's
     rule (`costmodel.simulator.pricing.data_parallel_traffic`). Set to price another stack's run as it ran."""
+    param_gather: str = "block"
+    """How ZeRO-3 all-gathers parameters (`costmodel.param_gathers`): "block", one gather per unit as the
+    executor's FSDP2 does; "tensor", one per parameter tensor, re-gathered for recompute and not overlapped,
+    as DeepSpeed ZeRO-3 did in 2021. Set to price another stack's run as it ran."""
+    half_model: bool = False
+    """fp16/bf16 with the model's parameters held in that type and no autocast (Megatron-LM's and DeepSpeed's
+    `--fp16`: the model in half, fp32 master weights in the optimizer): priced on the 16-bit trace, without
+    autocast's casts (`planner.regimes.regime_dtype`). False: the executor's regime. Set to price another
+    stack's run as it ran."""
     peft: str | None = None
     """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
     run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""
@@ -185,6 +196,7 @@ class TrainingConfig:
             (self.optimizer, OPTIMIZERS, "optimizer"),
             (self.recompute, RECOMPUTE, "recompute policy"),
             (self.attention, ATTENTION_IMPLS, "attention implementation"),
+            (self.param_gather, PARAM_GATHERS, "parameter gather granularity"),
         ):
             if value not in allowed:
                 raise SoapError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")

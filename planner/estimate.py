@@ -49,7 +49,7 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.memory import GRAD_BYTES, MemoryBreakdown, model_state_bytes
+from costmodel.memory import GRAD_BYTES, MemoryBreakdown, fsdp_param_bytes, model_state_bytes
 from costmodel.memory_activations import selective_cached
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import is_expert
@@ -332,7 +332,7 @@ class Estimator:
                 sync += self._comm("all_gather", float(unit_counts @ params_unit) * weight_b, *shard_group)
         gathers = 0.0
         if traffic.gathers_per_microbatch:
-            per_unit = [self._comm("all_gather", p * weight_b, *shard_group) if c else 0.0
+            per_unit = [self._comm("all_gather", p * fsdp_param_bytes(t.precision), *shard_group) if c else 0.0
                         for p, c in zip(params_unit, present)]
             gathers = traffic.gathers_per_microbatch * float(unit_counts @ np.array(per_unit))
         if traffic.sync_every_microbatch:

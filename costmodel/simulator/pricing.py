@@ -24,14 +24,18 @@ every instance and every stage (`_UnitPricer.chunk`):
   zero 0/1 all-reduce over dp (DDP's buckets: per chunk its bytes' transfer time, the stage's bucket
   count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over
   dp_shard then all-reduce of the shard over dp_replicate (HSDP);
-- zero 3: all-gather of the segment's parameters at compute width over dp_shard (before its forward
-  and its backward); zero 2: the same before its forward only (FSDP2 without resharding after forward
-  keeps them through backward and reshards after it, so every micro-batch gathers again);
+- zero 3: all-gather of the segment's parameters at `memory.fsdp_param_bytes` over dp_shard (before its
+  forward and its backward; per tensor, on the critical path and again for a full recompute, when
+  `TrainingConfig.param_gather` says "tensor": `costmodel.param_gathers`); zero 2: the same before its
+  forward only (FSDP2 without resharding after forward keeps them through backward and reshards after
+  it, so every micro-batch gathers again);
 - FSDP2 engines (`fsdp_engine`) without a pipeline sync gradients every micro-batch (no no_sync);
 - ZeRO-3/FSDP arithmetic (`data_parallel_traffic`, FSDP2 as `executor.data_parallel` runs it). A unit
   (segment instance) of p local parameters (after tp/ep sharding), sharded over dp_shard = n ranks, g of
   them per node, N = n / g nodes, per micro-batch:
-      forward    all-gather p x w bytes (w = `activation_itemsize`: 2 at fp16/bf16/fp8, 4 at fp32/tf32)
+      forward    all-gather p x w bytes (w = `memory.fsdp_param_bytes`: 2 at bf16/fp8 under FSDP2's
+                 MixedPrecisionPolicy; 4 at fp32/tf32, and at fp16, which the executor runs as autocast
+                 over FSDP2's fp32 parameters, `executor.data_parallel`)
       backward   all-gather p x w again (reshard_after_forward freed them); a full recompute runs under
                  the same gather (FSDP2's pre-backward unshard serves it: its forward pre-hook does not
                  gather in the backward state), so recompute adds no third gather
@@ -51,25 +55,20 @@ every instance and every stage (`_UnitPricer.chunk`):
   estimator above it). Each collective also pays its ring's latency, which grows with the group
   (`collectives.ring_latency`: NCCL gathers and reduce-scatters across nodes are rings, no hierarchical
   variant), so thousands of ranks make every per-unit call latency-bound at small units;
-- worked example, the SC'21 comparison (Narayanan et al., "Efficient Large-Scale Language Model Training
-  on GPU Clusters", ZeRO-3 vs PTD-P): a 175B GPT (96 layers, hidden 12288, seq 2048, global batch 1,536,
-  fp16, full recompute) on 384 / 768 / 1,536 A100 80GB (`dgx-a100-80g`: 8 per node, 8 x 200 Gb/s IB,
-  B = 25 GB/s per GPU). Measured: DeepSpeed's ZeRO-3 fell 144 -> 88 -> 44 TFLOP/s per GPU (its step time
-  stayed near 65 s from 768 to 1,536 GPUs) while tp8 x pp16 x dp held 153 -> 149 -> 141. Soap's arithmetic
-  for its own executor (FSDP2, one gather per block), micro-batch 1: a block holds p = 1.81e9 parameters,
-  3.6 GB gathered at 2 bytes; per micro-batch 96 x (2 gathers + 1 fp32 reduce-scatter) move
-  175e9 x 8 B x (N-1)/N through 8 NICs: 7.0 s at line rate (7.8 s at the profile's 0.9 efficiency),
-  plus 288 ring latencies of 672 x 1.9 + 95 x 4 us = 1.66 ms at 768 ranks (0.5 s; 1.0 s at 1,536), against
-  11.7 s of compute: the step is compute-bound and scales with the GPUs (simulated 47.2 / 23.6 / 11.8 s;
-  tp8 pp16: 59.2 / 30.7 / 16.5 s), so soap still ranks ZeRO-3 above the 3-D plan. Memory does not
-  change that: fp16 on FSDP2 gathers fp32 and autocast keeps each matmul weight's 16-bit copy from forward
-  to backward (`costmodel.memory`), 2 x 175e9 B = 350 GB per GPU without offload (the 3-D plan: about
-  20 GB; tests/test_physics.py), but with the optimizer offloaded the planner fits it in 27.6 GB at
-  24.1 s per step on 768 GPUs. The published collapse is DeepSpeed 2021's, not this
-  arithmetic: it gathered each parameter tensor on its own (12 per layer, a bias shard of 64 bytes at
-  1,536 ranks), 96 x 12 x 3 = 3,456 latency-bound rings per micro-batch, each (n-1) steps: at about 10 us
-  a step that is 3,456 x 1,535 x 10 us = 53 s at 1,536 ranks, the measured order. Soap's executor gathers
-  per block, so it does not price that stack;
+- worked example, the SC'21 comparison (a 175B GPT on 384-1,536 A100 80GB, ZeRO-3 vs tp8 x pp12; worked
+  in full in `costmodel.param_gathers`, which prices the per-tensor gathers of the DeepSpeed ZeRO-3 that was
+  measured, `TrainingConfig.param_gather`): for soap's executor at one micro-batch per GPU per step, a
+  block holds p = 1.81e9 parameters, gathered at 4 bytes (fp16 under FSDP2 gathers fp32); per micro-batch
+  96 x (2 gathers + 1 fp32 reduce-scatter) move 175e9 x 12 B x (N-1)/N through 8 NICs at 0.86 of 25 GB/s:
+  12.2 s, plus 288 ring latencies of 0.8 / 1.7 / 3.3 ms at 384 / 768 / 1,536 ranks (0.2-1.0 s), against
+  about 14.7 s of compute per micro-batch: hidden by prefetch, so the step stays compute-bound and scales
+  with the GPUs (simulated 50.8 / 26.3 / 14.8 s, 231 / 223 / 199 TFLOP/s by the paper's formula), and
+  soap ranks ZeRO-3 on its own executor above the 3-D plan. Memory does not change that for the
+  ranking: without offload autocast keeps each matmul weight's 16-bit copy from forward to backward
+  (`costmodel.memory`), 2 x 175e9 B = 350 GB per GPU (the 3-D plan: about 20 GB; tests/test_physics.py);
+  with the optimizer offloaded the planner fits it in 34.8 GB at 26.6 s per step on 768 GPUs. Priced as
+  DeepSpeed ran it (3,456 blocking per-tensor gathers per micro-batch) ZeRO-3 falls 181 -> 109 -> 44
+  TFLOP/s (published 144 -> 88 -> 44) and ranks below the 3-D plan (`benchmarks/sc21_zero3.py`);
 - activations: what `memory.activation_parts` says one micro-batch keeps, per group of ops sharing a
   split; the recompute window (the dropped tensors, re-materialized while the chunk's backward runs)
   is the none set less the kept set. With full recomputation only the block input is kept. Under
@@ -113,12 +112,13 @@ from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import (
-    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes,
+    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes, fsdp_param_bytes,
     model_state_bytes, stage_params, workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
+from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import step_schedule
@@ -252,7 +252,7 @@ def price_step(
     shape = activation_shape(graph, strategy)
     units = _UnitPricer(graph, strategy, pricer, groups, shape,
                         activation_factor=cluster.device.activation_collective_factor,
-                        host_dispatch_s=cluster.device.host_dispatch_s)
+                        host_dispatch_s=cluster.device.host_dispatch_s, kernel_s=cluster.device.kernel_overhead_s)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
     schedule, passes = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
@@ -284,12 +284,14 @@ class _UnitPricer:
     """Prices each segment of the graph once (`chunk(layer)`)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape,
-                 *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0) -> None:
+                 *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0, kernel_s: float = 0.0) -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
         self.activation_factor = activation_factor
         self.host_dispatch_s = host_dispatch_s
         """The device's `host_dispatch_s` (the host-bound floor of a chunk)."""
         """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
+        self.kernel_s = kernel_s
+        """The device's `kernel_overhead_s` (a per-tensor gather's list copies, `costmodel.param_gathers`)."""
         self._chunks: dict[int, ChunkCost] = {}
         self._params: dict[int, int] = {}
 
@@ -341,6 +343,8 @@ class _UnitPricer:
                 scale = bwd_kernels * host / max(bwd_in + bwd_w, 1e-30)
                 bwd_in, bwd_w = (bwd_in * scale, bwd_w * scale) if bwd_in + bwd_w > 0 else (bwd_kernels * host, 0.0)
         fwd_comm, bwd_comm = self._comm(placements, "fwd"), self._comm(placements, "bwd")
+        blocking = self._tensor_gathers(layer)  # per tensor: on the critical path, again in a full recompute
+        fwd_comm, bwd_comm = fwd_comm + blocking, bwd_comm + blocking
         policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
         kept, recompute_bytes = placed_activations(placements, self.strategy, self.graph.batch, self.shape, policy)
         if policy == "full":
@@ -359,7 +363,7 @@ class _UnitPricer:
     @property
     def fsdp(self) -> bool:
         """ZeRO 3 over dp_shard > 1: parameters gathered per chunk (held in `memory.buffer_bytes`)."""
-        return data_parallel_traffic(self.strategy.dims, self.strategy.train).gathers_per_microbatch == 2
+        return data_parallel_traffic(self.strategy.dims, self.strategy.train).gathers_per_microbatch >= 2
 
     def _grad_sync(self, params: int) -> float:
         d, t = self.strategy.dims, self.strategy.train
@@ -371,11 +375,24 @@ class _UnitPricer:
                     + self.pricer.collective("all_reduce", nbytes / d.shard_degree, self.groups.dp_replicate))
         return self.pricer.collective("all_reduce", nbytes, self.groups.dp)
 
+    def _tensor_gathers(self, layer: Layer) -> float:
+        """ZeRO-3 gathering per parameter tensor (`costmodel.param_gathers`, `TrainingConfig.param_gather`):
+        one gather of the segment's tensors, blocking compute; 0 for FSDP2's per-unit gathers (`_gather`)."""
+        t, d = self.strategy.train, self.strategy.dims
+        if t.param_gather != "tensor" or t.zero != 3 or d.shard_degree == 1:
+            return 0.0
+        shapes = stage_params(layer.ops, block_counts={}, tensor_parallel=d.tp, expert_parallel=d.ep,
+                              vocab_parallel=shards_vocabulary(tp=d.tp, pp=d.pp)).shapes
+        return tensor_gathers_time([math.prod(s) for s in shapes], gather_width(t.precision, t.param_gather),
+                                   self.groups.dp_shard, collective=self.pricer.collective, kernel_s=self.kernel_s)
+
     def _gather(self, params: int) -> float:
         t, d = self.strategy.train, self.strategy.dims
+        if t.param_gather == "tensor" and t.zero == 3:
+            return 0.0
         if not data_parallel_traffic(d, t).gathers_per_microbatch or params == 0:
             return 0.0
-        return self.pricer.collective("all_gather", params * activation_itemsize(t.precision), self.groups.dp_shard)
+        return self.pricer.collective("all_gather", params * fsdp_param_bytes(t.precision), self.groups.dp_shard)
 
 
 def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, batch_traced: int,
@@ -426,8 +443,9 @@ class DataParallelTraffic:
     arithmetic); the simulator's task graph and the planner's estimate both follow it."""
 
     gathers_per_microbatch: int
-    """Parameter all-gathers over dp_shard per unit and micro-batch: 2 with zero 3 (forward; backward,
-    recompute included), 1 with zero 2 (forward), else 0."""
+    """Parameter all-gathers over dp_shard per unit and micro-batch (`costmodel.param_gathers.gathers_per_microbatch`):
+    2 with zero 3 (forward; backward, recompute included), 3 gathering per tensor under full recompute, 1 with
+    zero 2 (forward), else 0."""
     sync_every_microbatch: bool
     """Gradients reduced after every micro-batch's backward (zero 3; FSDP2 without a pipeline), not once
     per step."""
@@ -436,7 +454,7 @@ class DataParallelTraffic:
 def data_parallel_traffic(dims: ParallelDims, train: TrainingConfig) -> DataParallelTraffic:
     d, t = dims, train
     sharded = d.shard_degree > 1
-    gathers = 2 if t.zero == 3 and sharded else 1 if t.zero == 2 and sharded else 0
+    gathers = gathers_per_microbatch(zero=t.zero, sharded=sharded, granularity=t.param_gather, recompute=t.recompute)
     fsdp2 = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
     every = (t.zero == 3 and sharded) or (d.pp == 1 and d.sync_degree > 1 and fsdp2 and not t.accumulate_locally)
     return DataParallelTraffic(gathers, every)

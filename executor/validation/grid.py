@@ -9,9 +9,10 @@ A grid file is one JSON object: `model` (the short form of `executor.validation.
 Pricing (`price_row`): the record planned as published (`RunRecord.pins`, no memory limit, so a configuration
 soap thinks too big is still priced; a pipeline with fewer micro-batches than stages as GPipe: 1F1B's
 warm-up then holds every micro-batch, the same timeline; a stack that accumulates gradients locally across
-micro-batches, `LOCAL_ACCUMULATION_STACKS`, priced so: `as_run`) and simulated on the given cluster: step time,
-tokens/s per GPU and the
-simulated peak memory (allocated, GiB). Graphs are cached per (model, seq, precision) in `graphs`.
+micro-batches, `LOCAL_ACCUMULATION_STACKS`, gathers ZeRO-3 parameters per tensor, `TENSOR_GATHER_STACKS`,
+or holds a 16-bit model, `HALF_MODEL_STACKS`, priced so: `as_run`) and simulated on the given cluster: step
+time, tokens/s per GPU and the simulated peak memory (allocated, GiB). Graphs are cached per (model, seq,
+precision, half model or not: `graph_key`) in `graphs`.
 
 Ranking (`group_scores`), per group of rows (a node count):
 - Spearman's rank correlation of predicted against measured tokens/s per GPU;
@@ -89,9 +90,26 @@ class StackPlan:
         return replace(strategy, train=replace(strategy.train, **self.train))
 
 
+HALF_MODEL_STACKS = ("deepspeed-2021", "megatron-lm")
+"""Stacks whose fp16/bf16 runs hold the model in that type, fp32 master weights in the optimizer, no autocast
+(`TrainingConfig.half_model`): Megatron-LM's `--fp16` (Float16Module) and DeepSpeed's fp16 engine."""
+TENSOR_GATHER_STACKS = ("deepspeed-2021",)
+"""Stacks whose ZeRO-3 all-gathers each parameter tensor on its own, blocking compute, and again for a full
+recompute (DeepSpeed's `partition_parameters._allgather_param` of 2021: `costmodel.param_gathers`, "tensor");
+soap's executor gathers per block (FSDP2)."""
+
+
 def as_run(plan: Any, record: RunRecord) -> Any:
-    """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`), else the plan itself."""
-    return StackPlan(plan, accumulate_locally=True) if record.stack in LOCAL_ACCUMULATION_STACKS else plan
+    """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`, `TENSOR_GATHER_STACKS`,
+    `HALF_MODEL_STACKS`), else the plan itself."""
+    train: dict[str, Any] = {}
+    if record.stack in LOCAL_ACCUMULATION_STACKS:
+        train["accumulate_locally"] = True
+    if record.stack in TENSOR_GATHER_STACKS:
+        train["param_gather"] = "tensor"
+    if record.stack in HALF_MODEL_STACKS:
+        train["half_model"] = True
+    return StackPlan(plan, **train) if train else plan
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,13 @@ class RowPrice:
     peak_memory_gib: float
     """Simulated peak per GPU (allocated), the largest over pipeline stages."""
     plan: Any
+
+
+def graph_key(plan: Any, cluster: ClusterSpec) -> tuple:
+    """The key of `plan`'s graph in `price_row`'s `graphs` cache: (config hash, seq, precision, cluster), and
+    "half-model" for a stack that holds a 16-bit model (another trace, `planner.regimes.regime_dtype`)."""
+    key = (plan.model.config_hash, plan.seq_len, plan.parallelism.precision, cluster.name)
+    return key + ("half-model",) if plan.strategy().train.half_model else key
 
 
 def price_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = None) -> RowPrice:
@@ -120,7 +145,7 @@ def price_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = 
         raise SoapError(f"{record.name}: {err}") from None
     plan = as_run(report.plan, record)
     graphs = {} if graphs is None else graphs
-    key = (plan.model.config_hash, plan.seq_len, plan.parallelism.precision, cluster.name)
+    key = graph_key(plan, cluster)
     if key not in graphs:
         graphs[key] = trace_plan_model(plan, cluster)
     sim = simulate_on(plan, graphs[key], cluster)
@@ -138,7 +163,7 @@ def prepare_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None 
     graphs = {} if graphs is None else graphs
     price = price_row(record, cluster, graphs=graphs)
     plan = price.plan
-    graph = graphs[(plan.model.config_hash, plan.seq_len, plan.parallelism.precision, cluster.name)]
+    graph = graphs[graph_key(plan, cluster)]
     parts, _ = step_terms(plan, graph, cluster)
     return Prepared(record=record, plan=plan, graph=graph, cluster=cluster, parts=parts)
 
