@@ -59,6 +59,19 @@ replaces s(N) for it; the inter-node phase of a hierarchical algorithm falls off
 belongs to (the hierarchical all-reduce's inter-node all-reduce on S/g is an all-reduce). `soap calibrate
 --from-nccl-tests` fits e(S), alpha and s(N) from nccl-tests logs (`costmodel.calibration.nccl_tests`).
 
+Where a group sits on that curve (`scale_nodes`): at its ranks counted in whole nodes, x = max(2, n / G) for a
+group spanning nodes (G = the cluster's GPUs per node), not at the N nodes it touches. A measurement at N nodes
+is a collective of n = G x N ranks (nccl-tests runs one rank per GPU), so the two readings agree on every
+measured point; they differ for a group with g < G ranks per node (data parallelism beside TP or a pipeline
+inside the node), and the physics says ranks: the fall-off is the collective waiting on its participants (a
+ring's 2(n-1) or a tree's 2 log2 n synchronized steps each wait for the slowest hop, and the chance that one of
+n ranks' NICs is in its slow tail grows with n: the Playbook cluster's p5 bus bandwidth is 1/2.7 to 1/6 of its
+median at 4-64 nodes), while what a rank carries through its NIC share is the same for the G/g groups that
+cross a node side by side as for one group of G per node. On the Playbook grid at 32 nodes (256 H100),
+dp64 x tp4 and dp256 x tp1 move the same gradient bytes per NIC at the same compute, and measured 0.172 s and
+0.261 s per step: read at N = 32 nodes both are priced alike (0.273 and 0.282 s), read at n / G = 8 and 32
+they are not (benchmarks/playbook_grid.py).
+
 A group of size 1 or zero bytes costs 0.
 """
 
@@ -123,13 +136,22 @@ def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1,
     return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes, kind)
 
 
+def scale_nodes(group: CommGroup, cluster: ClusterSpec) -> float:
+    """Where `group` reads the inter-node level's node-scaling curve: its ranks in whole nodes of the cluster's
+    GPUs, at least 2 for a group spanning nodes (1 inside one node; module docstring, Scale)."""
+    if group.nodes <= 1:
+        return 1.0
+    return max(2.0, group.size / cluster.gpus_per_node)
+
+
 def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec, kind: str | None = None) -> tuple[float, float]:
     """(achieved bandwidth, per-step latency) of a flat algorithm of `kind` over `group` (the tree's steps: every
     level of a tree across nodes waits for its slowest hop)."""
     intra, inter = cluster.intra_node, cluster.inter_node
     if group.nodes == 1:
         return achieved(intra, nbytes), intra.latency_s
-    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, group.nodes, kind))
+    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, scale_nodes(group, cluster),
+                                                    kind))
     return bandwidth, max(intra.latency_s, inter.latency_s)
 
 
@@ -174,11 +196,15 @@ def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel, nodes: int = 
                       ring_steps(kind, n))
 
 
-def _inter(kind: str, nbytes: float, nodes: int, cluster: ClusterSpec) -> float:
+def _inter(kind: str, nbytes: float, nodes: int, cluster: ClusterSpec, scale: float | None = None) -> float:
+    """A ring of `kind` over `nodes` ranks, one per node, reading the fall-off at `scale` (`scale_nodes` of the
+    group it is a phase of; default `nodes`)."""
     link = cluster.inter_node
-    ring = _level_ring(kind, nbytes, nodes, link, nodes)
+    at = nodes if scale is None else scale
+    ring = phase_time(bus_factor(kind, nodes), nbytes, achieved(link, nbytes, nodes=at, kind=kind), link.latency_s,
+                      ring_steps(kind, nodes))
     if kind == "all_reduce" and link.sharp:
-        return min(ring, sharp_time(nbytes, link, nodes))
+        return min(ring, sharp_time(nbytes, link, at))
     return ring
 
 
@@ -190,7 +216,7 @@ def hierarchical_time(kind: str, nbytes: float, group: CommGroup, cluster: Clust
     intra = cluster.intra_node
     return (
         _level_ring("reduce_scatter", nbytes, g, intra)
-        + _inter("all_reduce", shard, nodes, cluster)
+        + _inter("all_reduce", shard, nodes, cluster, scale_nodes(group, cluster))
         + _level_ring("all_gather", nbytes, g, intra)
     )
 
@@ -201,8 +227,8 @@ def all_to_all_time(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> fl
         return ring_time("all_to_all", nbytes, group, cluster)
     remote_bw, alpha = flat_path(nbytes, group, cluster, "all_to_all")
     local = (g - 1) / n * nbytes / achieved(cluster.intra_node, nbytes)
-    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes, nodes=group.nodes,
-                                                            kind="all_to_all"))
+    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes,
+                                                            nodes=scale_nodes(group, cluster), kind="all_to_all"))
     return max(local, remote) + (n - 1) * alpha
 
 
