@@ -51,26 +51,28 @@ the ring model.
 Scale (`LinkLevel.node_scaling`, `achieved`): a fabric's achieved bandwidth falls as a collective spans
 more nodes (congestion, adaptive routing, rail and spine oversubscription, stragglers): on the Ultra-Scale
 Playbook's EFA cluster the all-reduce bus bandwidth falls 362 -> 33 GB/s from 2 to 64 nodes. The inter-node
-level may carry a measured curve s(N) (x = nodes spanned, log-interpolated), and every inter-node term of
-a group spanning N nodes runs at bw * e(S) * s(N): the flat ring's NIC share, the hierarchical algorithm's
-inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve s = 1. A collective's own
-curve (`LinkLevel.collective_node_scaling`, e.g. all-gather's, which on that cluster falls 185 -> 11 GB/s)
-replaces s(N) for it; the inter-node phase of a hierarchical algorithm falls off as the collective it
+level may carry a measured curve s(x) (x = nodes of G ranks, log-interpolated), and every inter-node term of a
+group spanning nodes runs at bw * e(S) * s(x), x from `scale_nodes` (below): the flat ring's NIC share, the
+hierarchical algorithm's inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve
+s = 1. A collective's own curve (`LinkLevel.collective_node_scaling`, e.g. all-gather's, which on that cluster
+falls 185 -> 11 GB/s) replaces s for it; the inter-node phase of a hierarchical algorithm falls off as the collective it
 belongs to (the hierarchical all-reduce's inter-node all-reduce on S/g is an all-reduce). `soap calibrate
 --from-nccl-tests` fits e(S), alpha and s(N) from nccl-tests logs (`costmodel.calibration.nccl_tests`).
 
 Where a group sits on that curve (`scale_nodes`): at its ranks counted in whole nodes, x = max(2, n / G) for a
-group spanning nodes (G = the cluster's GPUs per node), not at the N nodes it touches. A measurement at N nodes
-is a collective of n = G x N ranks (nccl-tests runs one rank per GPU), so the two readings agree on every
-measured point; they differ for a group with g < G ranks per node (data parallelism beside TP or a pipeline
-inside the node), and the physics says ranks: the fall-off is the collective waiting on its participants (a
-ring's 2(n-1) or a tree's 2 log2 n synchronized steps each wait for the slowest hop, and the chance that one of
-n ranks' NICs is in its slow tail grows with n: the Playbook cluster's p5 bus bandwidth is 1/2.7 to 1/6 of its
-median at 4-64 nodes), while what a rank carries through its NIC share is the same for the G/g groups that
-cross a node side by side as for one group of G per node. On the Playbook grid at 32 nodes (256 H100),
-dp64 x tp4 and dp256 x tp1 move the same gradient bytes per NIC at the same compute, and measured 0.172 s and
-0.261 s per step: read at N = 32 nodes both are priced alike (0.273 and 0.282 s), read at n / G = 8 and 32
-they are not (benchmarks/playbook_grid.py).
+group spanning nodes (G = the GPUs of a node, or of the NVLink domain where larger), not at the N nodes it touches.
+A measurement at N nodes is a collective of n = G x N ranks (nccl-tests runs one rank per GPU), so the two readings
+agree on every measured point; they differ for a group with g < G ranks per node (data parallelism beside TP or a
+pipeline inside the node), and the physics says ranks: the fall-off is the collective waiting on its participants
+(a ring's 2(n-1) or a tree's 2 log2 n synchronized steps each wait for the slowest hop, and the chance that one of
+n ranks' NICs is in its slow tail grows with n: the Playbook cluster's p5 bus bandwidth is 1/1.5 to 1/3.6 of its
+median at 4-64 nodes), while what a rank carries through its NIC share is the same for the G/g groups that cross a
+node side by side as for one group of G per node. On the Playbook grid at 32 nodes (256 H100), dp64 x tp4 and dp256
+x tp1 move the same gradient bytes per NIC at the same compute, and measured 0.172 s and 0.261 s per step: read at
+N = 32 nodes both are priced alike (0.273 and 0.282 s), read at n / G = 8 and 32 they are not
+(benchmarks/playbook_grid.py). `soap calibrate --from-nccl-tests` places a log at its nodes, which is n / G for
+logs of one rank per GPU (the default); a log with fewer ranks per node would be read at n / G, short of the N
+nodes it was fitted at.
 
 A group of size 1 or zero bytes costs 0.
 """
@@ -141,7 +143,7 @@ def scale_nodes(group: CommGroup, cluster: ClusterSpec) -> float:
     GPUs, at least 2 for a group spanning nodes (1 inside one node; module docstring, Scale)."""
     if group.nodes <= 1:
         return 1.0
-    return max(2.0, group.size / cluster.gpus_per_node)
+    return max(2.0, group.size / cluster.domain_size)
 
 
 def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec, kind: str | None = None) -> tuple[float, float]:
@@ -150,8 +152,8 @@ def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec, kind: str |
     intra, inter = cluster.intra_node, cluster.inter_node
     if group.nodes == 1:
         return achieved(intra, nbytes), intra.latency_s
-    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, scale_nodes(group, cluster),
-                                                    kind))
+    remote = achieved(inter, nbytes, group.ranks_per_node, scale_nodes(group, cluster), kind)
+    bandwidth = min(achieved(intra, nbytes), remote)
     return bandwidth, max(intra.latency_s, inter.latency_s)
 
 
