@@ -132,7 +132,7 @@ def phase_time(factor: float, nbytes: float, bandwidth: float, latency_s: float,
     return factor * nbytes / bandwidth + steps * latency_s
 
 
-def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1, kind: str | None = None) -> float:
+def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: float = 1, kind: str | None = None) -> float:
     """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message of collective `kind`, in a
     group spanning `nodes` nodes (the link's `node_scaling`, `kind`'s own where the link has one)."""
     return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes, kind)
@@ -184,7 +184,7 @@ def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) 
     return phase_time(1.0, nbytes, bandwidth, alpha, depth)
 
 
-def sharp_time(nbytes: float, link: LinkLevel, nodes: int = 1) -> float:
+def sharp_time(nbytes: float, link: LinkLevel, nodes: float = 1) -> float:
     """All-reduce reduced in the switch of `link`: bus factor `sharp_all_reduce_factor`, two steps."""
     return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes, nodes=nodes, kind="all_reduce"),
                       link.latency_s, 2)
