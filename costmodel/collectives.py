@@ -52,13 +52,28 @@ the ring model.
 Scale (`LinkLevel.node_scaling`, `achieved`): a fabric's achieved bandwidth falls as a collective spans
 more nodes (congestion, adaptive routing, rail and spine oversubscription, stragglers): on the Ultra-Scale
 Playbook's EFA cluster the all-reduce bus bandwidth falls 362 -> 33 GB/s from 2 to 64 nodes. The inter-node
-level may carry a measured curve s(N) (x = nodes spanned, log-interpolated), and every inter-node term of
-a group spanning N nodes runs at bw * e(S) * s(N): the flat ring's NIC share, the hierarchical algorithm's
-inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve s = 1. A collective's own
-curve (`LinkLevel.collective_node_scaling`, e.g. all-gather's, which on that cluster falls 185 -> 11 GB/s)
-replaces s(N) for it; the inter-node phase of a hierarchical algorithm falls off as the collective it
+level may carry a measured curve s(x) (x = nodes of G ranks, log-interpolated), and every inter-node term of a
+group spanning nodes runs at bw * e(S) * s(x), x from `scale_nodes` (below): the flat ring's NIC share, the
+hierarchical algorithm's inter-node phase, SHARP across nodes and all-to-all's remote part. Without a curve
+s = 1. A collective's own curve (`LinkLevel.collective_node_scaling`, e.g. all-gather's, which on that cluster
+falls 185 -> 11 GB/s) replaces s for it; the inter-node phase of a hierarchical algorithm falls off as the collective it
 belongs to (the hierarchical all-reduce's inter-node all-reduce on S/g is an all-reduce). `soap calibrate
 --from-nccl-tests` fits e(S), alpha and s(N) from nccl-tests logs (`costmodel.calibration.nccl_tests`).
+
+Where a group sits on that curve (`scale_nodes`): at its ranks counted in whole nodes, x = max(2, n / G) for a
+group spanning nodes (G = the GPUs of a node, or of the NVLink domain where larger), not at the N nodes it touches.
+A measurement at N nodes is a collective of n = G x N ranks (nccl-tests runs one rank per GPU), so the two readings
+agree on every measured point; they differ for a group with g < G ranks per node (data parallelism beside TP or a
+pipeline inside the node), and the physics says ranks: the fall-off is the collective waiting on its participants
+(a ring's 2(n-1) or a tree's 2 log2 n synchronized steps each wait for the slowest hop, and the chance that one of
+n ranks' NICs is in its slow tail grows with n: the Playbook cluster's p5 bus bandwidth is 1/1.5 to 1/3.6 of its
+median at 4-64 nodes), while what a rank carries through its NIC share is the same for the G/g groups that cross a
+node side by side as for one group of G per node. On the Playbook grid at 32 nodes (256 H100), dp64 x tp4 and dp256
+x tp1 move the same gradient bytes per NIC at the same compute, and measured 0.172 s and 0.261 s per step: read at
+N = 32 nodes both are priced alike (0.273 and 0.282 s), read at n / G = 8 and 32 they are not
+(benchmarks/playbook_grid.py). `soap calibrate --from-nccl-tests` places a log at its nodes, which is n / G for
+logs of one rank per GPU (the default); a log with fewer ranks per node would be read at n / G, short of the N
+nodes it was fitted at.
 
 A group of size 1 or zero bytes costs 0.
 """
@@ -118,10 +133,18 @@ def phase_time(factor: float, nbytes: float, bandwidth: float, latency_s: float,
     return factor * nbytes / bandwidth + steps * latency_s
 
 
-def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: int = 1, kind: str | None = None) -> float:
+def achieved(link: LinkLevel, nbytes: float, share: float = 1.0, nodes: float = 1, kind: str | None = None) -> float:
     """Bytes/s a rank gets from `share` per-GPU shares of `link` for an S-byte message of collective `kind`, in a
     group spanning `nodes` nodes (the link's `node_scaling`, `kind`'s own where the link has one)."""
     return share * link.bandwidth * link.efficiency.at(nbytes) * link.scale_at(nodes, kind)
+
+
+def scale_nodes(group: CommGroup, cluster: ClusterSpec) -> float:
+    """Where `group` reads the inter-node level's node-scaling curve: its ranks in whole nodes of the cluster's
+    GPUs, at least 2 for a group spanning nodes (1 inside one node; module docstring, Scale)."""
+    if group.nodes <= 1:
+        return 1.0
+    return max(2.0, group.size / cluster.domain_size)
 
 
 def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec, kind: str | None = None) -> tuple[float, float]:
@@ -130,7 +153,8 @@ def flat_path(nbytes: float, group: CommGroup, cluster: ClusterSpec, kind: str |
     intra, inter = cluster.intra_node, cluster.inter_node
     if group.nodes == 1:
         return achieved(intra, nbytes), intra.latency_s
-    bandwidth = min(achieved(intra, nbytes), achieved(inter, nbytes, group.ranks_per_node, group.nodes, kind))
+    remote = achieved(inter, nbytes, group.ranks_per_node, scale_nodes(group, cluster), kind)
+    bandwidth = min(achieved(intra, nbytes), remote)
     return bandwidth, max(intra.latency_s, inter.latency_s)
 
 
@@ -161,7 +185,7 @@ def tree_time(kind: str, nbytes: float, group: CommGroup, cluster: ClusterSpec) 
     return phase_time(1.0, nbytes, bandwidth, alpha, depth)
 
 
-def sharp_time(nbytes: float, link: LinkLevel, nodes: int = 1) -> float:
+def sharp_time(nbytes: float, link: LinkLevel, nodes: float = 1) -> float:
     """All-reduce reduced in the switch of `link`: bus factor `sharp_all_reduce_factor`, two steps."""
     return phase_time(link.sharp_all_reduce_factor, nbytes, achieved(link, nbytes, nodes=nodes, kind="all_reduce"),
                       link.latency_s, 2)
@@ -175,11 +199,15 @@ def _level_ring(kind: str, nbytes: float, n: int, link: LinkLevel, nodes: int = 
                       ring_steps(kind, n))
 
 
-def _inter(kind: str, nbytes: float, nodes: int, cluster: ClusterSpec) -> float:
+def _inter(kind: str, nbytes: float, nodes: int, cluster: ClusterSpec, scale: float | None = None) -> float:
+    """A ring of `kind` over `nodes` ranks, one per node, reading the fall-off at `scale` (`scale_nodes` of the
+    group it is a phase of; default `nodes`)."""
     link = cluster.inter_node
-    ring = _level_ring(kind, nbytes, nodes, link, nodes)
+    at = nodes if scale is None else scale
+    ring = phase_time(bus_factor(kind, nodes), nbytes, achieved(link, nbytes, nodes=at, kind=kind), link.latency_s,
+                      ring_steps(kind, nodes))
     if kind == "all_reduce" and link.sharp:
-        return min(ring, sharp_time(nbytes, link, nodes))
+        return min(ring, sharp_time(nbytes, link, at))
     return ring
 
 
@@ -191,7 +219,7 @@ def hierarchical_time(kind: str, nbytes: float, group: CommGroup, cluster: Clust
     intra = cluster.intra_node
     return (
         _level_ring("reduce_scatter", nbytes, g, intra)
-        + _inter("all_reduce", shard, nodes, cluster)
+        + _inter("all_reduce", shard, nodes, cluster, scale_nodes(group, cluster))
         + _level_ring("all_gather", nbytes, g, intra)
     )
 
@@ -202,8 +230,8 @@ def all_to_all_time(nbytes: float, group: CommGroup, cluster: ClusterSpec) -> fl
         return ring_time("all_to_all", nbytes, group, cluster)
     remote_bw, alpha = flat_path(nbytes, group, cluster, "all_to_all")
     local = (g - 1) / n * nbytes / achieved(cluster.intra_node, nbytes)
-    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes, nodes=group.nodes,
-                                                            kind="all_to_all"))
+    remote = (n - g) / n * nbytes / min(remote_bw, achieved(cluster.inter_node, nbytes,
+                                                            nodes=scale_nodes(group, cluster), kind="all_to_all"))
     return max(local, remote) + (n - 1) * alpha
 
 

@@ -250,7 +250,7 @@ class LinkLevel:
     in place of `node_scaling`: measured fall-offs differ by collective (the Playbook's EFA cluster: all-reduce
     362 -> 33 GB/s, all-gather 185 -> 11 GB/s from 2 to 64 nodes)."""
 
-    def scale_at(self, nodes: int, kind: str | None = None) -> float:
+    def scale_at(self, nodes: float, kind: str | None = None) -> float:
         """The `node_scaling` factor (`kind`'s own curve where the link has one) for a group spanning `nodes`
         nodes (1 inside one node or without a curve)."""
         if nodes <= 1:

@@ -154,3 +154,26 @@ def test_a_larger_group_never_makes_an_all_reduce_cheaper(nbytes, name, n, extra
     small = CommGroup(n, g)
     large = CommGroup(n + extra * g, g)
     assert collective_time("all_reduce", nbytes, large, c) >= collective_time("all_reduce", nbytes, small, c) * (1 - 1e-12)
+
+
+def test_node_scaling_is_read_at_the_groups_ranks_not_the_nodes_it_touches():
+    """A fall-off measured at N nodes of G ranks is a collective of G x N ranks: a group of n ranks with fewer than
+    G per node (data parallelism beside TP inside the node) reads the curve at n / G (`collectives.scale_nodes`);
+    a group of G per node reads it at its nodes, as measured."""
+    falling = EfficiencyCurve(((2.0, 1.0), (8.0, 0.5), (32.0, 0.25)), source="test")
+    c = flat_cluster()
+    scaled = dataclasses.replace(c, inter_node=dataclasses.replace(c.inter_node, node_scaling=falling))
+    at = {s: dataclasses.replace(c, inter_node=dataclasses.replace(c.inter_node, bandwidth=s * 50 * GB))
+          for s in (0.5, 0.25, 1.0)}
+    size = 1e9
+    for kind in ("all_gather", "all_reduce"):
+        # 64 ranks, 2 per node, over 32 nodes: the fall-off of 64 ranks (8 nodes of 8), not of 32 nodes
+        dp_beside_tp4 = CommGroup(64, 2)
+        assert collective_time(kind, size, dp_beside_tp4, scaled) == pytest.approx(
+            collective_time(kind, size, dp_beside_tp4, at[0.5]))
+        # the measured points themselves: 8 per node over 32 nodes reads s(32)
+        assert collective_time(kind, size, CommGroup(256, 8), scaled) == pytest.approx(
+            collective_time(kind, size, CommGroup(256, 8), at[0.25]))
+        # fewer ranks than two full nodes still read the curve's first point (clamped)
+        assert collective_time(kind, size, CommGroup(4, 1), scaled) == pytest.approx(
+            collective_time(kind, size, CommGroup(4, 1), at[1.0]))

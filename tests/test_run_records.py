@@ -102,6 +102,38 @@ def test_the_fit_recovers_the_multipliers_it_planted():
     assert set(result.runs["compile"]) == {f"r{i}" for i in range(0, 60, 3)}
 
 
+def test_a_robust_fit_is_not_dragged_by_a_few_runs_many_times_slower_than_their_parts():
+    """Cauchy's loss (`fit(robust=...)`): one run in eight failed, 10-30x slower than its parts, pulls a square fit's
+    main terms 23-67% off the truth (launch to its floor); a robust fit lets them go and its main terms come back
+    within 5%. Without failed runs the two agree."""
+    import math
+    import random
+
+    rng = random.Random(5)
+    truth = {"matmul/bf16": 1.3, "inter-node": 2.0, "kernel-launch": 0.5}
+    runs = []
+    for i in range(40):
+        parts = {"matmul": rng.uniform(0.1, 1.0), "inter-node": rng.uniform(0.05, 1.0),
+                 "kernel-launch": rng.uniform(0.01, 0.2), "other": 0.01,
+                 "attention": 0.0, "memory-bound": 0.0, "intra-node": 0.0, "activation": 0.0}
+        probe = _fake(f"r{i}", parts, 1.0)
+        measured = sum(parts[p] * math.prod(truth.get(k, 1.0) for k in ks) for p, ks in part_parameters(probe).items())
+        runs.append(replace(probe, record=probe.record.model_copy(update={"step_time_s": measured})))
+    clean = [fit(runs, prior_weight=1e-6), fit(runs, prior_weight=1e-6, robust=math.log(2))]
+    for result in clean:
+        for name, value in truth.items():
+            assert result.multipliers[name] == pytest.approx(value, rel=0.02), name
+    failed = [replace(r, record=r.record.model_copy(update={"step_time_s": r.record.step_time_s * (10 + 5 * (i // 8))}))
+              if i % 8 == 0 else r for i, r in enumerate(runs)]
+    square, robust = fit(failed, prior_weight=1e-6), fit(failed, prior_weight=1e-6, robust=math.log(2))
+    for name in ("matmul/bf16", "inter-node"):  # the terms that carry most of each step
+        assert abs(math.log(square.multipliers[name] / truth[name])) > 0.2, name
+        assert robust.multipliers[name] == pytest.approx(truth[name], rel=0.08), name
+    # launch carries 1-20% of a step: the failed runs push a square fit onto its floor; the robust one less far
+    assert square.multipliers["kernel-launch"] == pytest.approx(0.01)
+    assert robust.multipliers["kernel-launch"] > 0.05
+
+
 def test_fitted_profiles_stay_inside_the_loaders_bounds_and_name_their_runs():
     from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
 

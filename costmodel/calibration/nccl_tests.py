@@ -334,8 +334,8 @@ def fit_nccl_logs(logs: list[NcclLog], cluster: ClusterSpec, *, name: str | None
             scale.append((float(nodes), float(f"{_fit_scale(fitted, [log for log in logs if log.nodes == nodes]):.4g}")))
         if len(scale) > 1:
             chosen = [log for log in logs if log.nodes > 1]
-            curve = EfficiencyCurve(tuple(scale), source=named(chosen) + "; x = nodes spanned, factor on the "
-                                    f"inter-node bandwidth relative to {spanning[0]} nodes")
+            curve = EfficiencyCurve(tuple(scale), source=named(chosen) + "; x = nodes of full-node ranks (n / G), "
+                                    f"factor on the inter-node bandwidth relative to {spanning[0]} nodes")
             fitted = _with_level(fitted, "inter_node", replace(fitted.inter_node, node_scaling=curve))
         kinds = sorted({log.collective for log in logs if log.nodes > 1})
         if len(kinds) > 1:
@@ -348,8 +348,9 @@ def fit_nccl_logs(logs: list[NcclLog], cluster: ClusterSpec, *, name: str | None
                         points.append((float(nodes), float(f"{_fit_scale(fitted, chosen, kind, MAX_KIND_SCALE):.4g}")))
                 if points:
                     chosen = [log for log in logs if log.nodes > 1 and log.collective == kind]
-                    own[kind] = EfficiencyCurve(tuple(points), source=named(chosen) + f"; x = nodes spanned, {kind}'s "
-                                                f"factor on the inter-node bandwidth (in place of node_scaling)")
+                    own[kind] = EfficiencyCurve(tuple(points), source=named(chosen) + "; x = nodes of full-node ranks "
+                                                f"(n / G), {kind}'s factor on the inter-node bandwidth (in place of "
+                                                "node_scaling)")
             fitted = _with_level(fitted, "inter_node", replace(fitted.inter_node, collective_node_scaling=own))
     errors = {log.path: (fit_error_pct(log, cluster), fit_error_pct(log, fitted)) for log in logs}
     return NcclFit(cluster=fitted, errors=errors)

@@ -22,7 +22,14 @@ predicts runs it was not fitted on.
    library kernels); and the run's stack (`stack:<name>`, every compute part of a run from a stack that is
    not torch-native, e.g. Transformer Engine's fused kernels). theta minimizes the squared log ratios plus
    a weak pull toward 0 (a term no run exercises stays as the profile had it), by damped Gauss-Newton,
-   each multiplier kept inside the profile loader's bounds.
+   each multiplier kept inside the profile loader's bounds. Optionally robust (`fit(robust=delta)`): a log
+   ratio r counts as delta^2 ln(1 + (r / delta)^2) in place of r^2 (Cauchy's loss, by iteratively reweighted
+   Gauss-Newton, weight 1 / (1 + (r / delta)^2)), so that a run measured many times slower than anything its
+   parts can carry (a disturbed or failing run: on the Playbook grid, pipelined runs 3-50x slower than the
+   same configuration at another micro-batch size) stops pulling instead of pulling with its squared log
+   (Huber's linear pull still dragged a planted fit 17% off with one run in eight failed,
+   tests/test_run_records.py). Off by default (`soap calibrate --from-runs` fits squares); for |r| << delta
+   the two agree.
 3. The fitted terms are written into the profile (`apply_fit`): `kernel_factors` per class and precision,
    `compile_factors` for the memory-bound classes, `kernel_overhead_us`, each link's bandwidth and latency,
    `activation_collective_factor`; each changed number's source names the runs whose parts it scales.
@@ -218,9 +225,9 @@ class Fit:
 
 
 def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, prior_weight: float = PRIOR_WEIGHT,
-        iterations: int = 200) -> Fit:
+        iterations: int = 200, robust: float | None = None) -> Fit:
     """Least squares on log ratios with a weak prior (module docstring). `free`: fit only these parameters
-    (the rest stay 1)."""
+    (the rest stay 1). `robust`: Cauchy's loss at that log ratio (module docstring); None: squares."""
     if not prepared:
         raise SoapError("no runs to fit")
     names: list[str] = []
@@ -260,15 +267,29 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
         r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * theta])
         return r, weights / np.maximum(predicted[:, None], 1e-300)
 
+    def loss(r: np.ndarray) -> float:
+        if robust is None:
+            return float(r @ r)
+        runs_loss = robust * robust * np.log1p((r[:len(rows)] / robust) ** 2).sum()
+        return float(runs_loss + r[len(rows):] @ r[len(rows):])
+
+    def reweight(r: np.ndarray) -> np.ndarray:
+        """sqrt of Cauchy's IRLS weights (1 for the prior rows and without `robust`)."""
+        w = np.ones_like(r)
+        if robust is not None:
+            w[:len(rows)] = 1.0 / np.sqrt(1.0 + (r[:len(rows)] / robust) ** 2)
+        return w
+
     theta = np.zeros(n)
     r, share = residuals(theta)
-    cost, damping = float(r @ r), 1e-3
+    cost, damping = loss(r), 1e-3
     for _ in range(iterations):
-        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), prior * np.eye(n)])
-        step = np.linalg.solve(jac.T @ jac + damping * np.eye(n), -jac.T @ r)
+        w = reweight(r)
+        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), prior * np.eye(n)]) * w[:, None]
+        step = np.linalg.solve(jac.T @ jac + damping * np.eye(n), -jac.T @ (w * r))
         trial = np.clip(theta + step, low, high)
         trial_r, trial_share = residuals(trial)
-        trial_cost = float(trial_r @ trial_r)
+        trial_cost = loss(trial_r)
         if trial_cost < cost:
             theta, r, share, cost, damping = trial, trial_r, trial_share, trial_cost, damping / 3
             if np.abs(step).max() < 1e-10:
@@ -409,9 +430,9 @@ GROUPINGS: dict[str, Callable[[RunRecord], str]] = {
 
 
 def leave_out(prepared: Sequence[Prepared], grouping: str, *,
-              progress: Callable[[], None] | None = None) -> list[Prediction]:
-    """Every run predicted by a fit on the runs outside its group (`GROUPINGS`); runs in groups whose removal
-    leaves nothing to fit are skipped."""
+              progress: Callable[[], None] | None = None, robust: float | None = None) -> list[Prediction]:
+    """Every run predicted by a fit on the runs outside its group (`GROUPINGS`; `robust` as `fit`'s); runs in
+    groups whose removal leaves nothing to fit are skipped."""
     key = GROUPINGS[grouping]
     out = []
     for group in dict.fromkeys(key(p.record) for p in prepared):
@@ -419,7 +440,7 @@ def leave_out(prepared: Sequence[Prepared], grouping: str, *,
         rest = [p for p in prepared if key(p.record) != group]
         if not rest:
             continue
-        result = fit(rest)
+        result = fit(rest, robust=robust)
         for p in held:
             out.append(predict(p, result))
             if progress:
