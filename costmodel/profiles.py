@@ -168,6 +168,10 @@ class DeviceProfile:
     the launch): a chunk's forward or backward takes at least its kernel count times this, however short its
     kernels (`costmodel.simulator.pricing`, the host-bound floor). 0: no floor (the shipped profiles; a
     stack's value is fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
+    host_jitter_s: float = 0.0
+    """Standard deviation of a rank's host arrival at a synchronous activation collective (TP/SP/CP/EP): each
+    one waits for the slowest of its group's hosts, `costmodel.host_sync`. 0: no wait (the shipped profiles;
+    like `host_dispatch_s` a stack's value, fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
     communication_overlap: float = 1.0
     """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
     compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""
