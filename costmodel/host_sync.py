@@ -17,6 +17,10 @@ standard normal draws (`expected_max_normal`):
 
 (the group waits longer the more hosts it waits for, and no wait at all at n = 1). Every collective starts from
 the last one's synchronization, so the draws of successive collectives are independent and the waits add.
+That assumes each collective re-synchronizes its ranks: no rank runs ahead past it (true when what paces the
+step sits behind the collective, a GPU stream waiting on it or a host that blocks on its result; a host that
+queues kernels far ahead of its GPU hides the wait, and then sigma fits near 0). e_n grows ever slower with n
+(roughly sqrt(2 ln n)), so the term cannot make 8 ranks cost much more than 4 when 4 cost no more than 2.
 
 Parameter. sigma is one number per software stack (`DeviceProfile.host_jitter_s`; profile key
 `host_jitter_us`): it belongs to the framework that dispatches the kernels and the host it runs on, not to the

@@ -321,6 +321,7 @@ class _UnitPricer:
         return default
 
     def _comm(self, placements: Sequence[OpPlacement], phase: str) -> float:
+        """The phase's activation collectives: their time and each one's wait for its group's slowest host."""
         group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
         issued = [c for p in placements for c in p.collectives if c.phase == phase]
         wait = sum(sync_wait(1, group[c.group].size, self.host_jitter_s) for c in issued)
