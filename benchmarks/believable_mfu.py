@@ -16,7 +16,8 @@ Megatron's fused kernels), which a soap prediction of its own executor must not 
 out (their MFU is counted against the bf16 peak by convention, which makes them incomparable).
 
 tests/test_believable_profiles.py holds every default GPU profile's predicted MFU for reference plans at or
-below the best `eager` run of its class, where the corpus has one.
+below the best `eager` run of its class, where the corpus has one, else below its best `fused` run (small GPT on
+one A100 node: vTrain's Megatron-DeepSpeed grid).
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ kernels keep while N ranks of the node compute at once, read by the simulator's 
 `communication_overlap` (the fraction of a collective's time the rank's compute can run beside it, read
 by `costmodel.simulator.step`), `activation_collective_factor` (TP/SP/CP/EP collectives in a step against
 their microbenchmark, read by `costmodel.simulator.pricing`), `collective_call_overhead_us` (host time a training framework spends
-per collective it issues, read by the simulator's pricer) and `host_dispatch_us` (host time per kernel an eager
-framework dispatches: the host-bound floor of a chunk, `costmodel.simulator.pricing`). Absent, they are neutral (factor 1,
+per collective it issues, read by the simulator's pricer), `host_dispatch_us` (host time per kernel an eager
+framework dispatches: the host-bound floor of a chunk, `costmodel.simulator.pricing`) and `host_jitter_us` (the
+spread of the hosts' arrival at a synchronous activation collective, `costmodel.host_sync`). Absent, they are neutral (factor 1,
 efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
 slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
@@ -171,6 +172,10 @@ class DeviceProfile:
     the launch): a chunk's forward or backward takes at least its kernel count times this, however short its
     kernels (`costmodel.simulator.pricing`, the host-bound floor). 0: no floor (the shipped profiles; a
     stack's value is fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
+    host_jitter_s: float = 0.0
+    """Standard deviation of a rank's host arrival at a synchronous activation collective (TP/SP/CP/EP): each
+    one waits for the slowest of its group's hosts, `costmodel.host_sync`. 0: no wait (the shipped profiles;
+    like `host_dispatch_s` a stack's value, fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
     communication_overlap: float = 1.0
     """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
     compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""

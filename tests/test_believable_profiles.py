@@ -1,8 +1,10 @@
 """Believable by construction (issue 27): no default GPU profile predicts more than the published runs of its
 class achieved. The bounds are `profiles/published-mfu.json` (`benchmarks/believable_mfu.py`: every non-fp8
 row of ../shared/published-runs/, MFU counted as soap counts it, against the datasheet peak). Reference plans:
-a 1B and an 8B Llama, bf16, the plan soap picks on one node and on 64 nodes. A class the corpus has no run of
-(70B, H200, A100 40 GB, V100, multi-node A100) is not checked, and the test says which."""
+a 1B and an 8B Llama, bf16, the plan soap picks on one node and on 64 nodes. A class with no eager run but a
+fused-kernel one (small GPT on one A100 node: vTrain's Megatron-DeepSpeed grid) is held to the fused run's best, a
+looser ceiling: an eager stack does not outrun fused kernels. A class the corpus has no run of (70B, H200, A100
+40 GB, V100, multi-node A100) is not checked, and the test says which."""
 
 from __future__ import annotations
 
@@ -26,9 +28,13 @@ REFERENCE = [("1b", LLAMA_1B, 8, "one node"), ("1b", LLAMA_1B, 512, "multi-node"
 
 def _bound(gpu: str, model: str, scale: str, compiled: bool) -> dict | None:
     """The best `eager` run of the class: soap predicts its own torch-native executor, not fused-kernel stacks;
-    a compiled plan is held to compiled runs, an eager one to eager runs."""
-    key = (gpu, model, scale, "eager", compiled)
-    return next((c for c in BOUNDS if (c["gpu"], c["model"], c["scale"], c["family"], c["compile"]) == key), None)
+    a compiled plan is held to compiled runs, an eager one to eager runs. Where the class has no eager run, its
+    best `fused` run (eager or compiled plans alike: torch.compile fuses less than hand-fused kernels)."""
+    for key in ((gpu, model, scale, "eager", compiled), (gpu, model, scale, "fused", False)):
+        found = next((c for c in BOUNDS if (c["gpu"], c["model"], c["scale"], c["family"], c["compile"]) == key), None)
+        if found is not None:
+            return found
+    return None
 
 
 def _mfu(model: str, gpus: int, cluster: str, gpu: str, compiled: bool) -> tuple[float, str]:
@@ -40,12 +46,19 @@ def _mfu(model: str, gpus: int, cluster: str, gpu: str, compiled: bool) -> tuple
 
 _TORCHTITAN = ("the class's only runs are torchtitan's FSDP with selective recompute on 500 W H100s (35.0% eager, "
                "40.5% compiled at 8 GPUs; 34.0% / 39.6% at 128): recompute costs FLOPs MFU does not count, and ")
+_VTRAIN = ("the class's only runs are vTrain's Megatron-DeepSpeed GPTs (up to hidden 2048, 24 layers) at seq 1024 "
+           "under full recompute, fp16 (46.8% at best; the fitted profile's tp1 rows err +1.9% on average, "
+           "benchmarks/vtrain_a100.py): recompute costs a quarter of the FLOPs MFU does not count (46.8% is about "
+           "62% of peak in executed FLOPs); no A100 run without recompute is in the corpus, and ")
 KNOWN_GAPS = {
     ("dgx-h100", "8b", "one node", False): _TORCHTITAN + "soap picks pp2 dp4 without recompute (43.7%), a plan no "
     "published run tried",
     ("dgx-h100", "8b", "one node", True): _TORCHTITAN + "soap picks pp2 dp4 without recompute (47.3%)",
     ("dgx-h100", "8b", "multi-node", False): _TORCHTITAN + "soap predicts FSDP without recompute at 512 GPUs (43.2%)",
     ("dgx-h100", "8b", "multi-node", True): _TORCHTITAN + "soap predicts FSDP without recompute at 512 GPUs (46.6%)",
+    ("dgx-a100-80g", "1b", "one node", False): _VTRAIN + "soap picks zero2 dp8 without recompute (71.5%; the "
+    "datasheet profile 70.6%)",
+    ("dgx-a100-80g", "1b", "one node", True): _VTRAIN + "soap picks zero2 dp8 without recompute (71.5%)",
 }
 """Classes where the fitted default still predicts more than the corpus's best run (issue 27 stays open for them)."""
 
@@ -78,5 +91,7 @@ def test_the_bounds_cover_what_the_corpus_has():
     """Every default GPU profile is checked where the corpus has a run of its GPU; the rest are named here."""
     checked = {(c.values[1], c.values[2], c.values[5]) for c in CASES}
     assert ("h100", "8b", "one node") in checked and ("h100", "1b", "multi-node") in checked
-    assert ("a100", "1b", "one node") not in checked  # vTrain's A100 grid is Megatron-DeepSpeed (fused): no eager bound
+    assert ("a100", "1b", "one node") in checked  # vTrain's Megatron-DeepSpeed grid (fused): its best run bounds it
+    assert ("a100", "8b", "one node") not in checked  # no A100 run of an 8B
     assert load_cluster("dgx-h100").device.name == "h100-sxm-fitted"
+    assert load_cluster("dgx-a100-80g").device.name == "a100-sxm-80g-fitted"

@@ -105,10 +105,12 @@ def test_a_collective_factor_scales_that_collective_at_and_above_its_group_size(
 
 
 def test_datasheet_gpu_profiles_carry_no_factors():
-    """Datasheet profiles carry no kernel factors; a fitted one (dgx-h100) carries them with the runs they came from."""
-    for name in ("dgx-h100-datasheet", "dgx-a100-80g", "l40s-pcie"):
+    """Datasheet profiles carry no kernel factors; a fitted one (dgx-h100, dgx-a100-80g) carries them with the runs
+    they came from."""
+    for name in ("dgx-h100-datasheet", "dgx-a100-80g-datasheet", "l40s-pcie"):
         cluster = load_cluster(name)
         assert not cluster.device.kernel_factors
         assert not cluster.intra_node.collective_factors and not cluster.inter_node.collective_factors
-    fitted = load_cluster("dgx-h100")
-    assert fitted.device.kernel_factors and "refit by soap calibrate --from-runs" in fitted.device.sources["kernel_factors"]
+    for name in ("dgx-h100", "dgx-a100-80g"):
+        fitted = load_cluster(name)
+        assert fitted.device.kernel_factors and "refit by soap calibrate --from-runs" in fitted.device.sources["kernel_factors"]

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -225,9 +225,12 @@ class Fit:
 
 
 def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, prior_weight: float = PRIOR_WEIGHT,
-        iterations: int = 200, robust: float | None = None) -> Fit:
+        iterations: int = 200, robust: float | None = None,
+        bounds: Mapping[str, tuple[float, float]] | None = None) -> Fit:
     """Least squares on log ratios with a weak prior (module docstring). `free`: fit only these parameters
-    (the rest stay 1). `robust`: Cauchy's loss at that log ratio (module docstring); None: squares."""
+    (the rest stay 1). `robust`: Cauchy's loss at that log ratio (module docstring); None: squares. `bounds`:
+    narrower ranges for some parameters (e.g. a kernel class no faster than the datasheet peak), inside the
+    default ones."""
     if not prepared:
         raise SoapError("no runs to fit")
     names: list[str] = []
@@ -257,8 +260,9 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
             F[i, j] = value
             G[i, j, params] = 1.0
     floors = _link_floors(prepared)
-    low = np.log([max(_bounds(nm)[0], floors.get(nm, 0.0)) for nm in names])
-    high = np.log([_bounds(nm)[1] for nm in names])
+    bounds = bounds or {}
+    low = np.log([max(_bounds(nm)[0], floors.get(nm, 0.0), bounds.get(nm, (0.0,))[0]) for nm in names])
+    high = np.log([min(_bounds(nm)[1], bounds.get(nm, (0.0, np.inf))[1]) for nm in names])
     prior = np.sqrt(prior_weight)
 
     def residuals(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

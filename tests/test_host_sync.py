@@ -1,0 +1,96 @@
+"""Each per-layer TP/CP collective waits for the slowest host of its group (costmodel.host_sync): the order
+statistic by hand, the wait in the simulator, and the fast estimator never above it."""
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from costmodel.host_sync import expected_max_normal, sync_wait
+from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+from costmodel.simulator import simulate
+from costmodel.simulator.pricing import price_step
+from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
+from planner.estimate import Estimator
+from planner.space import MeshChoice
+from planner.units import model_units
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sim_graphs import tiny_decoder  # noqa: E402
+
+
+def _strategy(*, tp: int, seq: int) -> Strategy:
+    return Strategy(dims=ParallelDims(tp=tp), train=TrainingConfig(
+        global_batch=4, seq_len=seq, micro_batch=1, num_microbatches=4, grad_accum=4, precision="bf16",
+        recompute="full"))
+
+
+def _jittery(cluster, jitter_s: float):
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, host_jitter_s=jitter_s))
+
+
+def test_the_expected_maximum_of_normal_draws_matches_its_closed_forms():
+    """e_2 = 1/sqrt(pi), e_3 = 3/(2 sqrt(pi)) (the closed forms for two and three draws); more hosts, longer wait."""
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_normal(8) == pytest.approx(1.4236, abs=1e-4)
+    values = [expected_max_normal(n) for n in range(1, 17)]
+    assert values == sorted(values) and len(set(values)) == len(values)
+
+
+def test_each_collective_adds_sigma_times_the_expected_maximum():
+    assert sync_wait(6, 4, 10e-6) == pytest.approx(6 * 10e-6 * expected_max_normal(4))
+    assert sync_wait(6, 1, 10e-6) == 0.0 and sync_wait(6, 8, 0.0) == 0.0 and sync_wait(0, 8, 1.0) == 0.0
+    with pytest.raises(ValueError):
+        sync_wait(1, 2, -1e-6)
+
+
+def test_a_tp_chunk_pays_its_collectives_wait_and_tp1_pays_none():
+    """A block's forward waits sigma e_tp per all-reduce (a whole number of them, at least one), its backward under
+    full recompute twice that (its own and the recompute's); at tp1 nothing waits."""
+    graph = tiny_decoder(layers=2)
+    base = load_cluster("dgx-h100")
+    sigma = 50e-6
+    for tp in (1, 4):
+        strategy = _strategy(tp=tp, seq=graph.seq_len)
+        plain = price_step(graph, strategy, base)[0].stages[0].chunks
+        waited = price_step(graph, strategy, _jittery(base, sigma))[0].stages[0].chunks
+        blocks = 0
+        for p, w in zip(plain, waited):
+            extra_fwd, extra_bwd = w.fwd_comm_s - p.fwd_comm_s, w.bwd_comm_s - p.bwd_comm_s
+            if tp == 1:
+                assert extra_fwd == pytest.approx(0, abs=1e-15) and extra_bwd == pytest.approx(0, abs=1e-15)
+                continue
+            if p.name.startswith("<"):  # the embedding and the head: their own collectives, no recompute
+                continue
+            blocks += 1
+            waits = extra_fwd / (sigma * expected_max_normal(tp))
+            assert waits >= 1 and waits == pytest.approx(round(waits))
+            assert extra_bwd == pytest.approx(2 * extra_fwd)
+        assert blocks > 0 or tp == 1
+    one = [simulate(graph, _strategy(tp=1, seq=graph.seq_len), c).step_time_s for c in (base, _jittery(base, sigma))]
+    four = [simulate(graph, _strategy(tp=4, seq=graph.seq_len), c).step_time_s for c in (base, _jittery(base, sigma))]
+    assert one[1] == pytest.approx(one[0])
+    assert four[1] > four[0]
+
+
+def test_the_estimator_stays_at_or_below_the_simulator_with_host_jitter():
+    graph = tiny_decoder(layers=2)
+    cluster = _jittery(load_cluster("dgx-h100"), 200e-6)
+    for tp in (2, 4):
+        strategy = _strategy(tp=tp, seq=graph.seq_len)
+        simulated = simulate(graph, strategy, cluster).step_time_s
+        estimated = Estimator(graph, cluster, model_units(graph)).estimate(MeshChoice(strategy.dims, 0),
+                                                                           strategy.train).step_time_s
+        assert estimated <= simulated * (1 + 1e-9)
+
+
+def test_host_jitter_round_trips_through_the_profile_json_and_ships_as_zero():
+    cluster = load_cluster("dgx-h100")
+    assert cluster.device.host_jitter_s == 0.0
+    data = cluster_to_dict(_jittery(cluster, 12e-6))
+    assert data["device"]["host_jitter_us"]["value"] == pytest.approx(12)
+    assert cluster_from_dict(data).device.host_jitter_s == pytest.approx(12e-6)
