@@ -13,12 +13,6 @@ bandwidth) with every efficiency term borrowed, including the matmul curve: an H
 with HBM3e, and soap calibrate measured the same dense bf16 rate on both (h100-x1-measured 782.5 TFLOP/s,
 h200-x1-measured 793.2). `dgx-h200`'s links are the fitted `dgx-h100`'s (the same NVLink4/NVSwitch node and
 8x400G NDR fabric); the datasheet profile stays as `dgx-h200-datasheet`.
-
-`a100-sxm-40g-fitted` (the device of the default `dgx-a100-40g`) is likewise `a100-sxm-40g`'s datasheet figures
-(40 GB, 1,555 GB/s) with the terms fitted to vTrain's A100 grid (`a100-sxm-80g-fitted`, benchmarks/vtrain_a100.py)
-borrowed: the same GA100 die and clocks, HBM2 for HBM2e (the memory-bound multipliers scale time at the 40 GB
-part's own bandwidth). `dgx-a100-40g`'s links are the fitted `dgx-a100-80g`'s (the same NVLink3/NVSwitch node and
-8x200G HDR fabric); the datasheet profile stays as `dgx-a100-40g-datasheet`.
 """
 
 from __future__ import annotations
@@ -34,10 +28,6 @@ BORROWED_BY_H200 = ("matmul_efficiency", "memory_efficiency", "dtype_efficiency"
                     "collective_call_overhead_us", "context_overhead_gib", "kernel_factors", "compile_factors",
                     "activation_collective_factor")
 
-
-A100_LENDER = "a100-sxm-80g-fitted"
-BORROWED_BY_A100_40G = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_us", "collective_call_overhead_us",
-                        "context_overhead_gib", "kernel_factors", "compile_factors", "activation_collective_factor")
 
 
 def _read(kind: str, name: str) -> dict:
@@ -96,36 +86,11 @@ def h200() -> None:
     _write("clusters", "dgx-h200", cluster)
 
 
-def a100_40g() -> None:
-    lender = _read("devices", A100_LENDER)
-    device = _read("devices", "a100-sxm-40g")
-    device["name"] = "a100-sxm-40g-fitted"
-    device["description"] = (f"{device.get('description', 'NVIDIA A100 SXM4 40GB')}: datasheet memory, peaks and "
-                             f"bandwidth; efficiency terms of the A100 80GB fitted to vTrain's runs ({A100_LENDER})")
-    for key in BORROWED_BY_A100_40G:
-        if key in lender:
-            device[key] = _lent(lender[key], A100_LENDER)
-    _write("devices", "a100-sxm-40g-fitted", device)
-    cluster = copy.deepcopy(_read("clusters", "dgx-a100-40g-datasheet"))
-    cluster.update(name="dgx-a100-40g", device="a100-sxm-40g-fitted",
-                   description="NVIDIA DGX A100 40GB: 8 GPUs per node on NVSwitch (NVLink3), 8x200G HDR InfiniBand "
-                               "per node; compute terms and links of the A100 80GB fitted to vTrain's runs "
-                               "(dgx-a100-80g), datasheet memory and bandwidth")
-    links = copy.deepcopy(_read("clusters", "dgx-a100-80g")["links"])
-    for level in links.values():
-        for value in level.values():
-            if isinstance(value, dict) and "source" in value:
-                value["source"] = f"as dgx-a100-80g (same NVLink3 NVSwitch node and 8x200G HDR fabric): {value['source']}"
-    cluster["links"] = links
-    _write("clusters", "dgx-a100-40g", cluster)
-
-
 def main() -> None:
     h200()
-    a100_40g()
     for name in refresh():
         print(f"refreshed {name}")
-    print("wrote h200-sxm-fitted, dgx-h200, a100-sxm-40g-fitted and dgx-a100-40g")
+    print("wrote h200-sxm-fitted and dgx-h200")
 
 
 if __name__ == "__main__":

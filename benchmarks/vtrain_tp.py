@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 GRID = Path(__file__).resolve().parents[2] / "shared" / "published-runs" / "vtrain-megatron-ds-a100-1node.json"
-CLUSTER = "dgx-a100-80g"
+CLUSTER = "dgx-a100-80g-vtrain"
 HOST_RANGE_S = (1e-6, 300e-6)
 """Host time per kernel searched: from a bare launch (a few us) to a slow Python framework's op."""
 GOLDEN_STEPS = 14
@@ -137,7 +137,7 @@ def main() -> None:
     priced = [(p.plan, graphs[(p.plan.model.config_hash, p.plan.seq_len, p.plan.parallelism.precision, cluster.name)])
               for p in prices]
     before = [p.step_s for p in prices]
-    rows = ["| soap | tp1 | tp2 | tp4 | tp8 |", "|---|---:|---:|---:|---:|", error_row("shipped `dgx-a100-80g`, no stack terms", records, before)]
+    rows = ["| soap | tp1 | tp2 | tp4 | tp8 |", "|---|---:|---:|---:|---:|", error_row("shipped `dgx-a100-80g-vtrain`, no stack terms", records, before)]
     hosts = {}
     for fitted_on in ((1,), (1, 2)):
         chosen = [i for i, r in enumerate(records) if r.tp in fitted_on]

@@ -19,8 +19,9 @@ from planner.api import plan
 ROOT = Path(__file__).resolve().parents[1]
 BOUNDS = json.loads((ROOT / "profiles" / "published-mfu.json").read_text())["classes"]
 LLAMA_1B = str(ROOT / "benchmarks" / "configs" / "llama-3.2-1b.json")
-DEFAULT_GPU_CLUSTERS = {"dgx-h100": "h100", "dgx-a100-80g": "a100"}
-"""The default profiles whose GPU the corpus has runs of (H100, A100 80 GB)."""
+DEFAULT_GPU_CLUSTERS = {"dgx-h100": "h100", "dgx-a100-80g": "a100", "dgx-a100-80g-vtrain": "a100"}
+"""The default profiles whose GPU the corpus has runs of (H100, A100 80 GB), and the A100 fitted to vTrain's grid,
+which would become the A100 default once it passes."""
 DATASHEET_PEAK = {"h100": 989e12, "a100": 312e12}
 REFERENCE = [("1b", LLAMA_1B, 8, "one node"), ("1b", LLAMA_1B, 512, "multi-node"),
              ("8b", "llama-3-8b", 8, "one node"), ("8b", "llama-3-8b", 512, "multi-node")]
@@ -56,9 +57,13 @@ KNOWN_GAPS = {
     ("dgx-h100", "8b", "one node", True): _TORCHTITAN + "soap picks pp2 dp4 without recompute (47.3%)",
     ("dgx-h100", "8b", "multi-node", False): _TORCHTITAN + "soap predicts FSDP without recompute at 512 GPUs (43.2%)",
     ("dgx-h100", "8b", "multi-node", True): _TORCHTITAN + "soap predicts FSDP without recompute at 512 GPUs (46.6%)",
-    ("dgx-a100-80g", "1b", "one node", False): _VTRAIN + "soap picks zero2 dp8 without recompute (71.5%; the "
-    "datasheet profile 70.6%)",
-    ("dgx-a100-80g", "1b", "one node", True): _VTRAIN + "soap picks zero2 dp8 without recompute (71.5%)",
+    ("dgx-a100-80g", "1b", "one node", False): _VTRAIN + "the datasheet profile picks zero2 dp8 without recompute "
+    "(70.6%)",
+    ("dgx-a100-80g", "1b", "one node", True): _VTRAIN + "the datasheet profile picks zero2 dp8 without recompute",
+    ("dgx-a100-80g-vtrain", "1b", "one node", False): _VTRAIN + "the fitted profile picks zero2 dp8 without "
+    "recompute (71.5%): not made the default",
+    ("dgx-a100-80g-vtrain", "1b", "one node", True): _VTRAIN + "the fitted profile picks zero2 dp8 without "
+    "recompute (71.5%): not made the default",
 }
 """Classes where the fitted default still predicts more than the corpus's best run (issue 27 stays open for them)."""
 
@@ -94,4 +99,4 @@ def test_the_bounds_cover_what_the_corpus_has():
     assert ("a100", "1b", "one node") in checked  # vTrain's Megatron-DeepSpeed grid (fused): its best run bounds it
     assert ("a100", "8b", "one node") not in checked  # no A100 run of an 8B
     assert load_cluster("dgx-h100").device.name == "h100-sxm-fitted"
-    assert load_cluster("dgx-a100-80g").device.name == "a100-sxm-80g-fitted"
+    assert load_cluster("dgx-a100-80g").device.name == "a100-sxm-80g"  # the fit fails this test: not the default
