@@ -138,19 +138,15 @@ def main() -> None:
     parser.add_argument("--skip-run-out", action="store_true", help="leave out leave-one-run-out (1,440 refits)")
     args = parser.parse_args()
 
-    from benchmarks.vtrain_tp import GRID, fit_host_and_jitter, step_times, with_host
+    from benchmarks.vtrain_tp import GRID, fit_host_and_jitter, price_grid, step_times, with_host
     from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
     from executor.validation.external import Prepared, apply_fit, fit, step_terms, write_fitted
     from executor.validation.refit import simulate_on
-    from executor.validation.grid import geometric_mean, group_scores, price_row
-    from executor.validation.run_records import read_records
+    from executor.validation.grid import geometric_mean, group_scores
 
     start = time.perf_counter()
-    records = [r.model_copy(update={"zero": 0}) for r in read_records(GRID).records]
-    datasheet, graphs = load_cluster(DATASHEET), {}
-    prices = [price_row(r, datasheet, graphs=graphs) for r in records]
-    priced = [(p.plan, graphs[(p.plan.model.config_hash, p.plan.seq_len, p.plan.parallelism.precision, datasheet.name)])
-              for p in prices]
+    datasheet = load_cluster(DATASHEET)
+    records, prices, priced = price_grid(datasheet)
     stack_index = [i for i, r in enumerate(records) if r.tp in STACK_ROWS]
     source = f"vTrain's Megatron-DeepSpeed A100 grid, {GRID.name}"
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731

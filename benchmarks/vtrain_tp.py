@@ -120,6 +120,18 @@ def error_row(title: str, records, times) -> str:
     return f"| {title} | " + " | ".join(cells) + " |"
 
 
+def price_grid(cluster) -> tuple[list, list, list]:
+    """vTrain's rows (ZeRO 0, as the module docstring says) priced as published on `cluster`: the records, their
+    `grid.RowPrice`s, and (plan as run, traced graph) pairs to re-simulate on other profiles."""
+    from executor.validation.grid import graph_key, price_row
+    from executor.validation.run_records import read_records
+
+    records = [r.model_copy(update={"zero": 0}) for r in read_records(GRID).records]
+    graphs: dict = {}
+    prices = [price_row(r, cluster, graphs=graphs) for r in records]
+    return records, prices, [(p.plan, graphs[graph_key(p.plan, cluster)]) for p in prices]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print, but do not write docs")
@@ -127,15 +139,10 @@ def main() -> None:
 
     from costmodel.host_sync import expected_max_normal
     from costmodel.profiles import load_cluster
-    from executor.validation.grid import price_row
-    from executor.validation.run_records import read_records
 
     start = time.perf_counter()
-    records = [r.model_copy(update={"zero": 0}) for r in read_records(GRID).records]
-    cluster, graphs = load_cluster(CLUSTER), {}
-    prices = [price_row(r, cluster, graphs=graphs) for r in records]
-    priced = [(p.plan, graphs[(p.plan.model.config_hash, p.plan.seq_len, p.plan.parallelism.precision, cluster.name)])
-              for p in prices]
+    cluster = load_cluster(CLUSTER)
+    records, prices, priced = price_grid(cluster)
     before = [p.step_s for p in prices]
     rows = ["| soap | tp1 | tp2 | tp4 | tp8 |", "|---|---:|---:|---:|---:|", error_row("shipped `dgx-a100-80g-vtrain`, no stack terms", records, before)]
     hosts = {}
