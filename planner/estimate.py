@@ -8,7 +8,9 @@ Time of one micro-batch on pipeline rank r (`_rank_times`), summed over the unit
 stages:
     t_r = sum_u c_u [fwd_u + bwd_u + recompute_u + tp_u + cp_u] + 2 p2p
     fwd_u, bwd_u   `costmodel.opcost.op_time` over the unit's ops at local shapes
-                   (split: parameter=tp, attribute=cp) for micro-batch mb;
+                   (split: parameter=tp, attribute=cp) for micro-batch mb, under torch.compile's factors when
+                   the candidate compiles (as the simulator prices it; the search's compile variants of
+                   simulated eager candidates keep their eager estimate);
     recompute_u    full: fwd_u again; selective: the forward of the ops selective checkpointing does
                    not cache (every op but every other weight matmul and the SDPA cores:
                    `costmodel.memory_activations.selective_cached`), as the simulator prices it;
@@ -127,7 +129,7 @@ class Estimator:
 
     # --- cached per-unit costs ------------------------------------------------------------------
     def _unit_time_uncached(
-        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, attention: str
+        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, attention: str, compile: bool = False
     ) -> tuple[float, float, float, float]:
         """(forward, backward, attention-core forward, selective recompute) seconds of one instance of
         unit u; the selective recompute is the forward of the ops selective checkpointing does not cache,
@@ -139,7 +141,7 @@ class Estimator:
         for op in self._costed_ops[u]:
             cost = op_time(
                 op, device=self.cluster.device, precision=precision, micro_batch=mb,
-                batch_traced=self.graph.batch, split=experts if is_expert(op) else dense,
+                batch_traced=self.graph.batch, split=experts if is_expert(op) else dense, compile=compile,
             )
             fwd += cost.fwd_s
             bwd += cost.bwd_s
@@ -180,13 +182,14 @@ class Estimator:
         return ranks
 
     def _unit_costs_uncached(
-        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, recompute: str, attention: str
+        self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, recompute: str, attention: str,
+        compile: bool = False,
     ) -> tuple[float, float, float]:
         """(compute with recompute, critical path with TP/CP communication, backward) seconds of one
         instance of unit u for one micro-batch."""
         unit, gpn, seq = self.units[u], self.cluster.domain_size, self.graph.seq_len
         act_b = ACTIVATION_BYTES[precision]
-        fwd, bwd, attn, selective = self.unit_time(u, tp, cp, ep, mb, precision, attention)
+        fwd, bwd, attn, selective = self.unit_time(u, tp, cp, ep, mb, precision, attention, compile)
         policy = "none" if unit.id.startswith("<") else recompute
         compute = fwd + bwd + (fwd if policy == "full" else selective if policy == "selective" else 0.0)
         regions = 1 if unit.id.startswith("<") else unit.tp_regions
@@ -217,18 +220,18 @@ class Estimator:
         return 2 * v * self._comm("send_recv", nbytes, 2, 1)
 
     def time_floor(self, mesh: MeshChoice, mb: int, num_microbatches: int, grad_accum: int, precision: str,
-                   bubble_factor: float) -> float:
+                   bubble_factor: float, compile: bool = False) -> float:
         """A lower bound on `estimate(...).step_time_s` over every configuration of `mesh` with this
         micro-batching and precision: no recompute, no data-parallel or optimizer time, the busiest
         rank no busier than the average, and the smallest bubble factor ((pp-1)/v, halved for ZBV)
         of the schedules allowed."""
         d = mesh.dims
-        average = self._per_instance(d.tp, d.cp, d.ep, mb, precision) / d.pp + self._p2p(mesh, mb, precision, 1)
+        average = self._per_instance(d.tp, d.cp, d.ep, mb, precision, compile) / d.pp + self._p2p(mesh, mb, precision, 1)
         return num_microbatches * average + grad_accum * bubble_factor * (d.pp - 1) * average
 
-    def _per_instance_uncached(self, tp: int, cp: int, ep: int, mb: int, precision: str) -> float:
+    def _per_instance_uncached(self, tp: int, cp: int, ep: int, mb: int, precision: str, compile: bool = False) -> float:
         """One micro-batch through every unit instance without recompute (`time_floor`, memoized)."""
-        return sum(unit.repeat * self.unit_costs(u, tp, cp, ep, mb, precision, "none", "sdpa")[1]
+        return sum(unit.repeat * self.unit_costs(u, tp, cp, ep, mb, precision, "none", "sdpa", compile)[1]
                    for u, unit in enumerate(self.units))
 
     # --- the estimate ---------------------------------------------------------------------------
@@ -237,11 +240,11 @@ class Estimator:
         return tuple(t.recompute_for(None if unit.id.startswith("<") else unit.id) for unit in self.units)
 
     def _rank_tables_uncached(self, pp: int, v: int, schedule: str, tp: int, cp: int, ep: int, mb: int, precision: str,
-                              policies: tuple[str, ...], attention: str) -> _RankTables:
+                              policies: tuple[str, ...], attention: str, compile: bool = False) -> _RankTables:
         """The per-rank sums of one micro-batch's unit costs (memoized: they read none of the candidate's
         data-parallel, ZeRO, optimizer or offload choices, nor its micro-batch count)."""
         counts = self.rank_counts(pp, v, schedule)
-        costs = np.array([self.unit_costs(u, tp, cp, ep, mb, precision, policy, attention)
+        costs = np.array([self.unit_costs(u, tp, cp, ep, mb, precision, policy, attention, compile)
                           for u, policy in enumerate(policies)])
         compute_unit, per_unit, bwd_unit = costs.T
         # local parameters per unit instance, as `costmodel.memory.stage_params` shards them (time only)
@@ -263,7 +266,7 @@ class Estimator:
         d, t = mesh.dims, train
         policies = self._policies(t.recompute, t.recompute_per_block)
         tables_key = (d.pp, t.virtual_stages, t.schedule, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policies,
-                      t.attention)
+                      t.attention, t.compile)
         tables = self._rank_tables(*tables_key)
         bottleneck = tables.bottleneck
 

@@ -20,8 +20,8 @@ Pipeline (`search`):
    the chosen plan is never slower than a baseline.
 3b. Compile (after refinement): where the request leaves torch.compile free and the device's compile factors make some
    kernel class faster (`planner.space.compile_choices`), the `compile_top` best fitting simulated plans
-   are simulated again with compile on (`compile_variant`) and join the ranking. The estimator does not
-   price compile, and compile only lowers memory in soap's model (`costmodel.memory_activations.compiled_keep`:
+   are simulated again with compile on (`compile_variant`) and join the ranking. The estimator prices
+   compile only where it is pinned on (every candidate compiles), and compile only lowers memory in soap's model (`costmodel.memory_activations.compiled_keep`:
    a plan that fits eager fits compiled), so this is not a dimension the enumeration doubles; on a tie the plan without compile wins (the key orders off first).
 4. Refine (optional, `--time-budget`): FlexFlow-style MCMC over the estimated candidates. From the
    current plan, propose a random neighbour (a candidate differing in one or two independent choices,
@@ -234,6 +234,7 @@ def enumerate_candidates(
     every mesh expanded."""
     scored = []
     estimated = 0
+    compiled = req.pins.compile is True  # pinned on: every candidate compiles, and its floor is the compiled one
     meshes = list(mesh_choices(req))
     for i, mesh in enumerate(meshes):
         if progress:
@@ -246,7 +247,7 @@ def enumerate_candidates(
             continue
         floors = sorted(
             ((estimator.time_floor(mesh, h.micro_batch, h.num_microbatches, h.grad_accum, h.precision,
-                                   _bubble_factor(h)), i, h) for i, h in enumerate(heads)),
+                                   _bubble_factor(h), compiled), i, h) for i, h in enumerate(heads)),
             key=lambda x: (x[0], x[1]),
         )
         scored.append((floors[0][0], mesh.sort_key, mesh, [(f, h) for f, _, h in floors]))
