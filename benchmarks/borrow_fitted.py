@@ -29,7 +29,6 @@ BORROWED_BY_H200 = ("matmul_efficiency", "memory_efficiency", "dtype_efficiency"
                     "activation_collective_factor")
 
 
-
 def _read(kind: str, name: str) -> dict:
     return json.loads((PROFILES / kind / f"{name}.json").read_text())
 
@@ -38,9 +37,9 @@ def _write(kind: str, name: str, data: dict) -> None:
     (PROFILES / kind / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _lent(field: dict, lender: str = LENDER) -> dict:
+def _lent(field: dict) -> dict:
     out = copy.deepcopy(field)
-    out["source"] = f"borrowed from {lender} ({field.get('source', '')})"
+    out["source"] = f"{PREFIX} ({field.get('source', '')})"
     return out
 
 

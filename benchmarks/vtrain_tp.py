@@ -35,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from costmodel.calibration.fit import golden_section  # noqa: E402
+
 GRID = Path(__file__).resolve().parents[2] / "shared" / "published-runs" / "vtrain-megatron-ds-a100-1node.json"
 CLUSTER = "dgx-a100-80g-vtrain"
 HOST_RANGE_S = (1e-6, 300e-6)
@@ -61,22 +63,6 @@ def log_loss(records, times) -> float:
     return sum(math.log(t / r.measured_step_s) ** 2 for r, t in zip(records, times))
 
 
-def _golden(loss, low: float, high: float, steps: int) -> float:
-    golden = (math.sqrt(5) - 1) / 2
-    a, b = high - golden * (high - low), low + golden * (high - low)
-    fa, fb = loss(a), loss(b)
-    for _ in range(steps):
-        if fa <= fb:
-            high, b, fb = b, a, fa
-            a = high - golden * (high - low)
-            fa = loss(a)
-        else:
-            low, a, fa = a, b, fb
-            b = low + golden * (high - low)
-            fb = loss(b)
-    return (a + b) / 2
-
-
 def fit_jitter(records, priced, cluster, host_s: float) -> float:
     """The host jitter minimizing the squared log error of `records` at host floor `host_s`. Each collective's
     wait is added on the critical path (`costmodel.host_sync`), so a row's step is linear in the jitter: two
@@ -88,7 +74,7 @@ def fit_jitter(records, priced, cluster, host_s: float) -> float:
     def loss(sigma: float) -> float:
         return sum(math.log((a + sigma * d) / r.measured_step_s) ** 2 for r, a, d in zip(records, flat, slope))
 
-    return max(0.0, _golden(loss, *JITTER_RANGE_S, 30))
+    return max(0.0, golden_section(loss, *JITTER_RANGE_S, 30))
 
 
 def fit_host_and_jitter(records, priced, cluster, *, host_range=HOST_RANGE_S, steps=GOLDEN_STEPS) -> tuple[float, float]:
@@ -99,7 +85,7 @@ def fit_host_and_jitter(records, priced, cluster, *, host_range=HOST_RANGE_S, st
         jitter[x] = fit_jitter(records, priced, cluster, math.exp(x))
         return log_loss(records, step_times(priced, with_host(cluster, math.exp(x), jitter[x])))
 
-    host = math.exp(_golden(loss, *(math.log(x) for x in host_range), steps))
+    host = math.exp(golden_section(loss, *(math.log(x) for x in host_range), steps))
     return host, fit_jitter(records, priced, cluster, host)
 
 
@@ -109,7 +95,7 @@ def fit_host(records, priced, cluster) -> float:
     def loss(x: float) -> float:
         return log_loss(records, step_times(priced, with_host(cluster, math.exp(x))))
 
-    return math.exp(_golden(loss, *(math.log(x) for x in HOST_RANGE_S), GOLDEN_STEPS))
+    return math.exp(golden_section(loss, *(math.log(x) for x in HOST_RANGE_S), GOLDEN_STEPS))
 
 
 def error_row(title: str, records, times) -> str:

@@ -167,7 +167,7 @@ class Estimator:
             return (0, len(layers))
         # one precision for every candidate, so that all share the partition: bf16 where the device has it
         precision = next(p for p in ("bf16", "fp16", "fp32") if p in self.cluster.device.peak_flops)
-        times = [sum(self.unit_time(i, 1, 1, 1, 1, precision, "sdpa")[:2]) for i in layers]
+        times = [sum(self.unit_time(i, 1, 1, 1, 1, precision, "sdpa", False)[:2]) for i in layers]
         zeros = [0.0] * len(layers)
         part = partition_stages(times, zeros, zeros, in_flight=[1] * stages, memory_limit=math.inf)
         assert part is not None, "a partition without memory limits always exists when stages <= layers"

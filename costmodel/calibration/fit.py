@@ -115,6 +115,23 @@ def refine_knots(values: Sequence[float], objective: Callable[[Sequence[float]],
     return tuple(current)
 
 
+def golden_section(loss: Callable[[float], float], low: float, high: float, steps: int) -> float:
+    """The minimum of a unimodal `loss` on [low, high] by golden-section search, `steps` narrowings."""
+    golden = (math.sqrt(5) - 1) / 2
+    a, b = high - golden * (high - low), low + golden * (high - low)
+    fa, fb = loss(a), loss(b)
+    for _ in range(steps):
+        if fa <= fb:
+            high, b, fb = b, a, fa
+            a = high - golden * (high - low)
+            fa = loss(a)
+        else:
+            low, a, fa = a, b, fb
+            b = low + golden * (high - low)
+            fb = loss(b)
+    return (a + b) / 2
+
+
 FACTOR_BOUNDS = (1e-3, 1000.0)
 """Range a fitted time factor may take (the profile loader accepts (0, 1000])."""
 FACTOR_NEEDED = 0.05

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from costmodel.calibration.fit import golden_section
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.profiles import ClusterSpec, EfficiencyCurve, LinkLevel
 from tracer.errors import SoapError
@@ -214,28 +215,16 @@ def _fit_level(cluster: ClusterSpec, level: str, logs: list[NcclLog], source: st
         pred = np.log([collective_time(log.collective, size, log.group, trial) for log, size, _ in rows])
         return float(np.sum((pred - meas) ** 2))
 
-    golden = (math.sqrt(5) - 1) / 2
     for _ in range(SWEEPS):
         for j, (low_bound, high_bound) in enumerate(bounds):
             low, high = max(low_bound, theta[j] - 2.0), min(high_bound, theta[j] + 2.0)
-            a, b = high - golden * (high - low), low + golden * (high - low)
 
             def value(x: float) -> float:
                 trial = theta.copy()
                 trial[j] = x
                 return loss(trial)
 
-            fa, fb = value(a), value(b)
-            for _ in range(GOLDEN_STEPS):
-                if fa <= fb:
-                    high, b, fb = b, a, fa
-                    a = high - golden * (high - low)
-                    fa = value(a)
-                else:
-                    low, a, fa = a, b, fb
-                    b = low + golden * (high - low)
-                    fb = value(b)
-            best = (a + b) / 2
+            best = golden_section(value, low, high, GOLDEN_STEPS)
             if value(best) < loss(theta):
                 theta[j] = best
     fitted = at(theta)
