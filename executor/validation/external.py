@@ -563,9 +563,11 @@ def refit_external(records: Sequence[RunRecord], *, target: str | None = None,
                          in_sample=tuple(predict(p, result) for p in prepared), leave_out=groupings, profile=profile)
 
 
-def write_fitted(profile: dict, *, name: str, output: Any = None, device_name: str | None = None) -> tuple[Any, ...]:
+def write_fitted(profile: dict, *, name: str, output: Any = None, device_name: str | None = None,
+                 description: str | None = None) -> tuple[Any, ...]:
     """Write the fitted profile: one inline file at `output`, else device and cluster files in the user's profile folder
-    as NAME (cluster) and `device_name` (default: the device's name with NAME's suffix)."""
+    as NAME (cluster) and `device_name` (default: the device's name with NAME's suffix). `description`: the cluster's
+    (default: the base profile's, marked refitted)."""
     import json
     from pathlib import Path
 
@@ -578,7 +580,7 @@ def write_fitted(profile: dict, *, name: str, output: Any = None, device_name: s
     device = profile["device"]
     suffix = name[len(base):] if name.startswith(base) else f"-{name}"
     device["name"] = device_name or f"{device['name']}{suffix}"
-    profile["description"] = f"{profile.get('description', base)}; refitted by soap calibrate --from-runs"
+    profile["description"] = description or f"{profile.get('description', base)}; refitted by soap calibrate --from-runs"
     cluster_from_dict(profile)  # the loader's bounds hold for every fitted number
     if output is not None:
         targets = {Path(output): profile}
