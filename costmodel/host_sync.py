@@ -27,7 +27,26 @@ Parameter. sigma is one number per software stack (`DeviceProfile.host_jitter_s`
 GPU, like `host_dispatch_s`. It is fitted on a stack's runs without TP beyond 2 and judged on the larger
 groups (benchmarks/vtrain_tp.py). 0 (every shipped profile): no wait, the simulator as before.
 
-Constraints. sigma >= 0; the wait is added to the activation collectives' time in the chunk's forward and
+In a pipelined run (`chain_wait`). A pipeline's blocking stage hand-offs drain each rank's launch queue: after a
+rank has waited for its neighbour stage, its GPU runs at its host's pace (nothing is queued ahead). A
+synchronous ring collective of n ranks then goes round at the pace of its ranks' hosts, each step waiting for
+the next rank to have launched its part, so the wait grows with the length of the ring rather than as the
+maximum of n draws:
+
+    wait per collective = n delta                                              (pp > 1 only)
+
+delta one number per stack (`DeviceProfile.pipelined_sync_s`; profile key `pipelined_sync_us`), 0 in every
+shipped profile. What the form follows: on the Ultra-Scale Playbook's 1B grid (nanotron, 1-64 nodes of 8 H100,
+benchmarks/playbook_grid.py) the pipelined runs with TP measured, beyond their priced step, per TP collective
+and micro-batch 0.56 / 1.34 / 2.62 / 6.5 / 21.9 ms at tp 2 / 4 / 8 / 16 / 32 (median over micro-batches up to
+4): about 0.33 ms per rank inside a node, the same at pp 2, 4 and 8, and the same across micro-batch sizes
+(so not bandwidth), while the same TP degrees without a pipeline measured 0.9-1.1x their priced step (no
+wait). The mechanism (drained queues, ring steps at host pace) is this module's reading of that law, not a
+measurement of it; what it leaves out: at micro-batches of 16 and more the measured wait falls (more GPU work
+per collective refills the queue), which a constant delta over-charges; and across nodes (tp 16, 32) the wait
+per rank grows (0.41, 0.68 ms).
+
+Constraints. sigma >= 0, delta >= 0; the wait is added to the activation collectives' time in the chunk's forward and
 backward (`costmodel.simulator.pricing._UnitPricer._comm`), on the critical path as those collectives are. The
 fast estimator (`planner.estimate`) leaves it out, so it stays at or below the simulator.
 """
@@ -68,3 +87,13 @@ def sync_wait(collectives: int, group_size: int, jitter_s: float) -> float:
     if collectives <= 0 or jitter_s == 0:
         return 0.0
     return collectives * jitter_s * expected_max_normal(group_size)
+
+
+def chain_wait(collectives: int, group_size: int, delta_s: float) -> float:
+    """Seconds `collectives` synchronous collectives on a group of `group_size` ranks add to the critical path of a
+    pipelined run when each rank's host paces its ring step by `delta_s` (module docstring: n delta each)."""
+    if delta_s < 0:
+        raise ValueError(f"the pipelined wait per rank must be >= 0, got {delta_s}")
+    if collectives <= 0 or delta_s == 0 or group_size <= 1:
+        return 0.0
+    return collectives * group_size * delta_s

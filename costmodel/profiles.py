@@ -31,7 +31,8 @@ by `costmodel.simulator.step`), `activation_collective_factor` (TP/SP/CP/EP coll
 their microbenchmark, read by `costmodel.simulator.pricing`), `collective_call_overhead_us` (host time a training framework spends
 per collective it issues, read by the simulator's pricer), `host_dispatch_us` (host time per kernel an eager
 framework dispatches: the host-bound floor of a chunk, `costmodel.simulator.pricing`) and `host_jitter_us` (the
-spread of the hosts' arrival at a synchronous activation collective, `costmodel.host_sync`). Absent, they are neutral (factor 1,
+spread of the hosts' arrival at a synchronous activation collective, `costmodel.host_sync`) and `pipelined_sync_us`
+(the wait per rank of such a collective's group in a pipelined run, `costmodel.host_sync.chain_wait`). Absent, they are neutral (factor 1,
 efficiency 1, overlap 1, overhead 0): a GPU's optimizer is one fused kernel pass, its neighbours do not
 slow its kernels, NCCL runs beside compute, and the host's per-call work hides behind queued kernels. The inline form stored in plan.json (`cluster_to_dict` / `cluster_from_dict`) is the cluster JSON
 with the device JSON embedded under "device"; it keeps every source, so a plan carries its provenance.
@@ -176,6 +177,10 @@ class DeviceProfile:
     """Standard deviation of a rank's host arrival at a synchronous activation collective (TP/SP/CP/EP): each
     one waits for the slowest of its group's hosts, `costmodel.host_sync`. 0: no wait (the shipped profiles;
     like `host_dispatch_s` a stack's value, fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
+    pipelined_sync_s: float = 0.0
+    """Wait per rank of its group that a synchronous activation collective (TP/SP/CP/EP) adds in a pipelined run
+    (pp > 1), `costmodel.host_sync.chain_wait`. 0: none (the shipped profiles; a stack's value, fitted from its
+    runs, e.g. benchmarks/playbook_grid.py)."""
     communication_overlap: float = 1.0
     """Fraction [0, 1] of a collective's time the rank's compute can run beside it; the rest occupies the
     compute stream too (gloo's threads need the CPU cores the ranks compute on). 1 where absent."""

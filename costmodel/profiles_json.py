@@ -162,7 +162,7 @@ _DEVICE_REQUIRED = {
 }
 _DEVICE_STEP_FIELDS = ("optimizer_factors", "concurrency_efficiency", "communication_overlap",
                        "collective_call_overhead_us", "activation_collective_factor", "host_dispatch_us",
-                       "host_jitter_us")
+                       "host_jitter_us", "pipelined_sync_us")
 """Optional device fields about a rank inside a training step (`costmodel.profiles` module docstring)."""
 MAX_STEP_FACTOR = 1000.0
 """Bound on a fitted step multiplier (`activation_collective_factor`): beyond it the profile is wrong."""
@@ -250,6 +250,10 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
     host_jitter = 0.0
     if "host_jitter_us" in data:
         host_jitter, sources["host_jitter_us"] = r.number(data["host_jitter_us"], "host_jitter_us", positive=False)
+    pipelined_sync = 0.0
+    if "pipelined_sync_us" in data:
+        pipelined_sync, sources["pipelined_sync_us"] = r.number(data["pipelined_sync_us"], "pipelined_sync_us",
+                                                                positive=False)
     activation_factor = 1.0
     if "activation_collective_factor" in data:
         activation_factor, sources["activation_collective_factor"] = r.number(
@@ -291,6 +295,7 @@ def device_from_json(data: Any, origin: str) -> DeviceProfile:
         collective_call_overhead_s=call_overhead * 1e-6,
         host_dispatch_s=host_dispatch * 1e-6,
         host_jitter_s=host_jitter * 1e-6,
+        pipelined_sync_s=pipelined_sync * 1e-6,
         activation_collective_factor=activation_factor,
         allocator_reserve_fraction=reserve,
         sources=sources,
@@ -452,6 +457,8 @@ def device_to_dict(device: DeviceProfile) -> dict:
         out["host_dispatch_us"] = _number(_us(device.host_dispatch_s), src("host_dispatch_us"))
     if device.host_jitter_s or "host_jitter_us" in device.sources:
         out["host_jitter_us"] = _number(_us(device.host_jitter_s), src("host_jitter_us"))
+    if device.pipelined_sync_s or "pipelined_sync_us" in device.sources:
+        out["pipelined_sync_us"] = _number(_us(device.pipelined_sync_s), src("pipelined_sync_us"))
     if device.collective_call_overhead_s or "collective_call_overhead_us" in device.sources:
         out["collective_call_overhead_us"] = _number(_us(device.collective_call_overhead_s),
                                                      src("collective_call_overhead_us"))

@@ -1,5 +1,6 @@
 """Each per-layer TP/CP collective waits for the slowest host of its group (costmodel.host_sync): the order
-statistic by hand, the wait in the simulator, and the fast estimator never above it."""
+statistic by hand, the wait in the simulator, and the fast estimator never above it; in a pipelined run, for its
+ring's hosts (chain_wait): n delta per collective, only where the plan has a pipeline."""
 
 import dataclasses
 import math
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from costmodel.host_sync import expected_max_normal, sync_wait
+from costmodel.host_sync import chain_wait, expected_max_normal, sync_wait
 from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
 from costmodel.simulator import simulate
 from costmodel.simulator.pricing import price_step
@@ -94,3 +95,57 @@ def test_host_jitter_round_trips_through_the_profile_json_and_ships_as_zero():
     data = cluster_to_dict(_jittery(cluster, 12e-6))
     assert data["device"]["host_jitter_us"]["value"] == pytest.approx(12)
     assert cluster_from_dict(data).device.host_jitter_s == pytest.approx(12e-6)
+
+
+def _pipelined(*, tp: int, pp: int, seq: int) -> Strategy:
+    return Strategy(dims=ParallelDims(tp=tp, pp=pp), train=TrainingConfig(
+        global_batch=4, seq_len=seq, micro_batch=1, num_microbatches=4, grad_accum=4, precision="bf16",
+        recompute="none", schedule="1F1B"))
+
+
+def _synced(cluster, delta_s: float):
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, pipelined_sync_s=delta_s))
+
+
+def test_a_pipelined_collective_waits_delta_per_rank_of_its_group():
+    assert chain_wait(3, 8, 250e-6) == pytest.approx(3 * 8 * 250e-6)
+    assert chain_wait(3, 1, 250e-6) == 0.0 and chain_wait(0, 8, 1.0) == 0.0 and chain_wait(3, 8, 0.0) == 0.0
+    with pytest.raises(ValueError):
+        chain_wait(1, 2, -1e-6)
+
+
+def test_only_a_pipelined_plan_with_tp_pays_the_chain_wait():
+    """The Playbook grid's law (costmodel.host_sync): pipelined TP runs waited per TP collective in proportion to
+    the group, TP runs without a pipeline did not. In the simulator: a pp2 x tp4 block chunk's forward grows by
+    a whole number of 4 delta waits (its backward by as many again, no recompute), pp1 x tp4 and pp2 x tp1 do not
+    move, and the step of the pipelined TP plan grows."""
+    graph = tiny_decoder(layers=2)
+    base = load_cluster("dgx-h100")
+    delta = 100e-6
+    for tp, pp, pays in ((4, 2, True), (4, 1, False), (1, 2, False)):
+        strategy = _pipelined(tp=tp, pp=pp, seq=graph.seq_len)
+        plain = [c for s in price_step(graph, strategy, base)[0].stages for c in s.chunks]
+        waited = [c for s in price_step(graph, strategy, _synced(base, delta))[0].stages for c in s.chunks]
+        blocks = 0
+        for p, w in zip(plain, waited):
+            extra_fwd, extra_bwd = w.fwd_comm_s - p.fwd_comm_s, w.bwd_comm_s - p.bwd_comm_s
+            if not pays:
+                assert extra_fwd == pytest.approx(0, abs=1e-15) and extra_bwd == pytest.approx(0, abs=1e-15)
+                continue
+            if p.name.startswith("<"):
+                continue
+            blocks += 1
+            waits = extra_fwd / (tp * delta)
+            assert waits >= 1 and waits == pytest.approx(round(waits))
+            assert extra_bwd == pytest.approx(extra_fwd)
+        assert blocks > 0 or not pays
+        steps = [simulate(graph, strategy, c).step_time_s for c in (base, _synced(base, delta))]
+        assert (steps[1] > steps[0]) if pays else steps[1] == pytest.approx(steps[0])
+
+
+def test_the_pipelined_wait_round_trips_through_the_profile_json_and_ships_as_zero():
+    cluster = load_cluster("dgx-h100")
+    assert cluster.device.pipelined_sync_s == 0.0
+    data = cluster_to_dict(_synced(cluster, 250e-6))
+    assert data["device"]["pipelined_sync_us"]["value"] == pytest.approx(250)
+    assert cluster_from_dict(data).device.pipelined_sync_s == pytest.approx(250e-6)

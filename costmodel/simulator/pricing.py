@@ -21,7 +21,8 @@ every instance and every stage (`_UnitPricer.chunk`):
   `collective_time` on its mesh group, times the device's `activation_collective_factor` (fitted from
   runs: these synchronous collectives cost more in a step than in their microbenchmark), plus each one's wait
   for the slowest host of its group (`costmodel.host_sync.sync_wait`, the device's `host_jitter_s`; 0 in
-  the shipped profiles);
+  the shipped profiles) and, in a pipelined run, for its ring's hosts (`costmodel.host_sync.chain_wait`, the
+  device's `pipelined_sync_s`; 0 in the shipped profiles);
 - gradient bucket: the segment's local gradients (fp32, `memory.GRAD_BYTES`):
   zero 0/1 all-reduce over dp (DDP's buckets: per chunk its bytes' transfer time, the stage's bucket
   count of fixed call costs shared out by bytes, `_ddp_buckets`); zero 2/3 reduce-scatter over
@@ -113,7 +114,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.host_sync import sync_wait
+from costmodel.host_sync import chain_wait, sync_wait
 from costmodel.memory import (
     FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes, fsdp_param_bytes,
     model_state_bytes, stage_params, workspace_bytes,
@@ -256,7 +257,8 @@ def price_step(
     units = _UnitPricer(graph, strategy, pricer, groups, shape,
                         activation_factor=cluster.device.activation_collective_factor,
                         host_dispatch_s=cluster.device.host_dispatch_s, kernel_s=cluster.device.kernel_overhead_s,
-                        host_jitter_s=cluster.device.host_jitter_s)
+                        host_jitter_s=cluster.device.host_jitter_s,
+                        pipelined_sync_s=cluster.device.pipelined_sync_s if d.pp > 1 else 0.0)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
     schedule, passes = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
@@ -289,7 +291,7 @@ class _UnitPricer:
 
     def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape,
                  *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0, kernel_s: float = 0.0,
-                 host_jitter_s: float = 0.0) -> None:
+                 host_jitter_s: float = 0.0, pipelined_sync_s: float = 0.0) -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
         self.activation_factor = activation_factor
         """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
@@ -299,6 +301,9 @@ class _UnitPricer:
         """The device's `kernel_overhead_s` (a per-tensor gather's list copies, `costmodel.param_gathers`)."""
         self.host_jitter_s = host_jitter_s
         """The device's `host_jitter_s` (each activation collective's wait for its group's slowest host)."""
+        self.pipelined_sync_s = pipelined_sync_s
+        """The device's `pipelined_sync_s` in a pipelined run, else 0 (each activation collective's wait for its
+        ring's hosts)."""
         self._chunks: dict[int, ChunkCost] = {}
         self._params: dict[int, int] = {}
 
@@ -328,7 +333,8 @@ class _UnitPricer:
         """The phase's activation collectives: their time and each one's wait for its group's slowest host."""
         group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
         issued = [c for p in placements for c in p.collectives if c.phase == phase]
-        wait = sum(sync_wait(1, group[c.group].size, self.host_jitter_s) for c in issued)
+        wait = sum(sync_wait(1, group[c.group].size, self.host_jitter_s)
+                   + chain_wait(1, group[c.group].size, self.pipelined_sync_s) for c in issued)
         return self.activation_factor * sum(self.pricer.collective(c.kind, c.nbytes, group[c.group])
                                             for c in issued) + wait
 
