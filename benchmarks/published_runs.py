@@ -12,7 +12,9 @@
    and leave-one-run-out (a fit without that row), and peak memory against the published peak; then the
    MAPE per stack, and leave-one-model / GPU-count / stack-out errors.
 4. The fitted `dgx-h100-datasheet` is written as `dgx-h100` (device `h100-sxm-fitted`), the default cluster,
-   with the unaligned-GEMM factor measured on an H100 (`benchmarks.unaligned_gemm`: no corpus row has one):
+   with the unaligned-GEMM factor measured on an H100 (`benchmarks.unaligned_gemm`: no corpus row has one) and
+   the host-bound floor of soap's executor fitted on its own H100 runs (`benchmarks.gpu_repredict.host_floor`:
+   every corpus row is compute-bound, none constrains it):
    torch-native predictions calibrated on published runs. `SOAP_PROFILES_DIR=profiles` writes the shipped
    files; without it they land in the user's profile folder, where they shadow the shipped ones.
 5. Out of sample (`another_model`): the Ultra-Scale Playbook's one-node rows (30 configurations of its 1B model on
@@ -126,9 +128,12 @@ def main() -> None:
     within = sum(abs(e) <= MEMORY_TOLERANCE for e in memory_errors)
     fitted = ["| multiplier | value | runs it scales |", "|---|---:|---:|"]
     fitted += [f"| {name} | {value:.3g} | {len(refit.fit.runs[name])} |" for name, value in refit.fit.multipliers.items()]
+    from benchmarks.gpu_repredict import host_floor, with_host_floor
     from benchmarks.unaligned_gemm import with_unaligned
 
-    profile = {**refit.profile, "device": with_unaligned(refit.profile["device"])}  # measured, not fitted: no row has it
+    floor, _ = host_floor()
+    # measured on soap's own runs, not fitted here: no corpus row has an unaligned GEMM or a host-bound step
+    profile = {**refit.profile, "device": with_host_floor(with_unaligned(refit.profile["device"]), floor)}
     written = () if args.dry_run else write_fitted(profile, name=FITTED, device_name=FITTED_DEVICE,
                                                          description=DESCRIPTION)
     outside = another_model(profile)

@@ -149,3 +149,18 @@ def test_the_pipelined_wait_round_trips_through_the_profile_json_and_ships_as_ze
     data = cluster_to_dict(_synced(cluster, 250e-6))
     assert data["device"]["pipelined_sync_us"]["value"] == pytest.approx(250)
     assert cluster_from_dict(data).device.pipelined_sync_s == pytest.approx(250e-6)
+
+
+def test_the_default_h100_carries_its_executors_host_floor_and_only_eager_chunks_feel_it():
+    """dgx-h100 ships the host-bound floor fitted on soap's own H100 runs (benchmarks/gpu_repredict.py); a tiny
+    model's eager step is host-bound under it, and a compiled step (Inductor's generated code, no per-op Python)
+    is priced as without it."""
+    graph = tiny_decoder(layers=2)
+    shipped = load_cluster("dgx-h100")
+    assert 20e-6 < shipped.device.host_dispatch_s < 80e-6
+    bare = dataclasses.replace(shipped, device=dataclasses.replace(shipped.device, host_dispatch_s=0.0))
+    for compiled in (False, True):
+        strategy = dataclasses.replace(_strategy(tp=1, seq=graph.seq_len), train=dataclasses.replace(
+            _strategy(tp=1, seq=graph.seq_len).train, compile=compiled))
+        floored, free = (simulate(graph, strategy, c).step_time_s for c in (shipped, bare))
+        assert (floored > 1.5 * free) if not compiled else floored == pytest.approx(free)

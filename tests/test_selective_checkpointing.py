@@ -127,7 +127,7 @@ def test_the_simulator_and_the_estimator_price_the_uncached_forward_as_the_recom
 
     config, task = _family("llama")
     graph = trace(config, task=task, batch=BATCH, seq_len=SEQ, dtype="bfloat16")
-    cluster = load_cluster("dgx-h100")
+    cluster = load_cluster("dgx-h100-datasheet")  # no host-bound floor: the ops' own prices, not the host's pace
     train = TrainingConfig(global_batch=BATCH, seq_len=SEQ, micro_batch=BATCH, precision="bf16",
                            recompute="selective", attention=attention)
     costs, _ = price_step(graph, Strategy(dims=ParallelDims(), train=train), cluster)

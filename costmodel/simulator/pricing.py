@@ -13,7 +13,10 @@ every instance and every stage (`_UnitPricer.chunk`):
   device's `host_dispatch_s`, its backward at least its backward kernels x that (scaled up in proportion):
   an eager framework dispatches each kernel from Python through autograd, and when the kernels are
   shorter than that (small models, small micro-batches, TP shards) the GPU waits for the host. Summed per
-  chunk, not per kernel: the launch queue lets a long kernel hide the dispatch of the short ones after it;
+  chunk, not per kernel: the launch queue lets a long kernel hide the dispatch of the short ones after it.
+  Eager only: a compiled chunk runs Inductor's generated code, which launches its fused kernels without
+  autograd's and the dispatcher's per-op Python (each launch is the device's `kernel_overhead_s`; no compiled
+  floor has been measured);
 - recompute (`recompute_for(block)`): full -> the block's whole forward again in backward (its
   activation collectives too); selective -> the forward of the ops whose saved tensors it drops (all
   but matmuls, embeddings and losses); none -> 0;
@@ -352,7 +355,7 @@ class _UnitPricer:
             if not kept:  # selective checkpointing recomputes it
                 selective += f
                 selective_kernels += f > 0
-        host = self.host_dispatch_s
+        host = 0.0 if t.compile else self.host_dispatch_s
         if host > 0:  # the host-bound floor: the GPU cannot run kernels faster than the host dispatches them
             fwd, selective = max(fwd, fwd_kernels * host), max(selective, selective_kernels * host)
             if bwd_in + bwd_w < bwd_kernels * host:

@@ -11,6 +11,8 @@ predicts runs it was not fitted on.
      they are the step's compute C = T - K - M (what is left, the optimizer step and bubbles among it,
      is `other` and is not fitted);
    - `kernel-launch` K = T - T(kernel_overhead 0);
+   - `host-floor`: the step's share set by the host-bound floor (`DeviceProfile.host_dispatch_s`: an eager
+     chunk's kernels cannot run faster than the host dispatches them), 0 in a run whose kernels outlast it;
    - `inter-node` = T - T(inter-node links free), `intra-node` = T - T(every link free, no per-call
      overhead) - inter-node - activation; `activation` = T - T(activation collectives free) for tp, cp, ep.
 2. The measured step m_i is modelled as the parts times fitted multipliers,
@@ -62,8 +64,8 @@ error on the published corpus."""
 MULTIPLIER_RANGE = (1e-2, 1e2)
 COMPILE_RANGE = (0.02, 10.0)
 """`costmodel.profiles_json`'s MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR."""
-PART_NAMES = ("matmul", "attention", "memory-bound", "kernel-launch", "intra-node", "inter-node", "activation",
-              "other")
+PART_NAMES = ("matmul", "attention", "memory-bound", "kernel-launch", "host-floor", "intra-node", "inter-node",
+              "activation", "other")
 
 
 @dataclass
@@ -116,6 +118,7 @@ def _variants(cluster: ClusterSpec, factor: float) -> dict[str, ClusterSpec]:
         "attention": _scale_classes(cluster, ("attention",), factor),
         "memory-bound": _scale_classes(cluster, MEMORY_BOUND_CLASSES, factor),
         "kernel-launch": replace(cluster, device=replace(device, kernel_overhead_s=device.kernel_overhead_s * factor)),
+        "host-floor": replace(cluster, device=replace(device, host_dispatch_s=device.host_dispatch_s * factor)),
         "intra-node": _scale_link(cluster, "intra_node", factor),
         "inter-node": _scale_link(cluster, "inter_node", factor),
         "activation": replace(cluster, device=replace(
@@ -182,6 +185,7 @@ def part_parameters(prepared: Prepared) -> dict[str, tuple[str, ...]]:
         "attention": ("attention", *stack),
         "memory-bound": (*memory, *fused),
         "kernel-launch": ("kernel-launch",),
+        "host-floor": ("host-floor",),
         "intra-node": ("intra-node",),
         "inter-node": ("inter-node",),
         "activation": ("activation",),
@@ -220,7 +224,7 @@ class Fit:
         total = 0.0
         for part, params in part_parameters(prepared).items():
             scale = np.prod([self.multipliers.get(p, 1.0) for p in params if stack or not p.startswith("stack:")])
-            total += prepared.parts[part] * float(scale)
+            total += prepared.parts.get(part, 0.0) * float(scale)
         return total
 
 
@@ -239,7 +243,7 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
     for p in prepared:
         terms = []
         for part, params in part_parameters(p).items():
-            value = p.parts[part]
+            value = p.parts.get(part, 0.0)
             if value <= 0:
                 continue
             params = tuple(n for n in params if free is None or n in free)
@@ -374,6 +378,8 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
         compile_table["source"] = f"memory-bound classes under torch.compile {note('compile')}"
     if "kernel-launch" in m:
         scale_entry(device["kernel_overhead_us"], m["kernel-launch"], stamp("kernel-launch"))
+    if "host-floor" in m and "host_dispatch_us" in device:
+        scale_entry(device["host_dispatch_us"], m["host-floor"], stamp("host-floor"))
     for part, link_name in (("intra-node", "intra_node"), ("inter-node", "inter_node")):
         if part in m and link_name in out["links"]:
             link = out["links"][link_name]
