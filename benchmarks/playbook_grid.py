@@ -12,7 +12,7 @@ model that ran on 1 to 64 nodes of 8 H100 (EFA between nodes), nanotron, global 
    collective's own s(N) fitted) calibrates `dgx-h100`'s links (same line rates: NVLink4 450 GB/s, 8 x 400 Gb/s
    per node; EFA's 3,200 Gb/s per p5 node is the same 50 GB/s per GPU).
 2. Every configuration that ran, priced as published (`executor.validation.grid.price_row`): nanotron's own TP
-   with sequence parallelism, 1F1B, ZeRO-0/1, no recompute, no compile, bf16, gradients accumulated locally
+   with sequence parallelism on its fixed placement (`grid.FIXED_TP_STACKS`: no per-op split search), 1F1B, ZeRO-0/1, no recompute, no compile, bf16, gradients accumulated locally
    and synced once per step (`TrainingConfig.accumulate_locally`).
 3. Per node count: Spearman's rank correlation of predicted vs measured tokens/s per GPU, and pick/best (the
    measured throughput of the configuration soap predicts fastest over the best measured), and their geometric
@@ -28,7 +28,8 @@ model that ran on 1 to 64 nodes of 8 H100 (EFA between nodes), nanotron, global 
    (`fit_pipelined_sync`, Cauchy's loss as the full fit's), 16-64 nodes held out. Like the floor, a stack term:
    printed here, not written into the shipped profile.
 4. Where the misses are (`failure_table`): per node count and class (no pipeline; pipeline without TP; TP
-   with a pipeline), the median measured / predicted step and the share of runs measured over 3x slower.
+   with a pipeline), the median measured / predicted step and the share of runs measured over 3x slower; and
+   TP across nodes per micro-batch (`cross_node_tp_table`), alone and beside data parallelism.
 Every collective reads the fall-off at its ranks in whole nodes (`costmodel.collectives.scale_nodes`): a data-
 parallel group of 64 ranks beside tp4 on 32 nodes falls off as the 64-rank (8-node) measurement, not the
 256-rank one.
@@ -158,6 +159,25 @@ def _steps(records, nodes: int, shapes, predicted=None) -> str:
         tokens = predicted[i] if predicted is not None else r.measured_tokens_per_s_per_gpu
         out.append(f"{r.batch * r.seq / (tokens * r.gpus):.3f}")
     return ", ".join(out)
+
+
+def cross_node_tp_table(records, predicted) -> list[str]:
+    """Markdown rows: per TP group spanning nodes (tp > 8, pp 1) and node count, measured / predicted milliseconds
+    per micro-batch (step / grad_accum; zero 0 where the grid has it, else zero 1) at micro-batch 1, 16 and 32
+    (`predicted`: tokens/s per GPU in the order of `records`)."""
+    cells: dict = {}
+    for r, tokens in zip(records, predicted):
+        if r.tp > 8 and r.pp == 1 and r.nodes <= 32 and r.micro_batch in (1, 16, 32):
+            key = (r.tp, r.nodes, r.dp, r.micro_batch)
+            if key not in cells or r.zero < cells[key][0]:
+                per_mb = r.batch * r.seq / r.gpus / r.grad_accum
+                cells[key] = (r.zero, per_mb / r.measured_tokens_per_s_per_gpu, per_mb / tokens)
+    lines = ["| tp across nodes | nodes (dp beside) | mb 1 | mb 16 | mb 32 |", "|---|---|---:|---:|---:|"]
+    for tp, nodes, dp in sorted({k[:3] for k in cells}):
+        row = [f"{1e3 * cells[(tp, nodes, dp, mb)][1]:.0f} / {1e3 * cells[(tp, nodes, dp, mb)][2]:.0f}"
+               if (tp, nodes, dp, mb) in cells else "-" for mb in (1, 16, 32)]
+        lines.append(f"| tp{tp} | {nodes} ({'alone' if dp == 1 else f'dp{dp}'}) | " + " | ".join(row) + " |")
+    return lines
 
 
 def _ratio_range(records, predicted, nodes: int) -> str:
@@ -304,6 +324,37 @@ def main() -> None:
         f"{scores[floor_title][-2].pick_best:.2f} (collectives + floor) and the collectives-only profile's from "
         f"0.31 to {scores['network from collectives only'][-2].pick_best:.2f}; before it the geometric means were "
         "0.76 / 0.65 (collectives + floor) and 0.66 / 0.53 (collectives only).",
+        "",
+        "TP across nodes (tp16: two whole nodes, nanotron's TP being its innermost, consecutive ranks; tp32: four), "
+        "measured / predicted milliseconds per micro-batch (collectives + host floor):",
+        "",
+        *cross_node_tp_table(ran, with_floor),
+        "",
+        "At micro-batch 1 a group costs the same alone as beside 1-15 others: each owns its nodes' NICs (the g NIC "
+        "shares of `costmodel.collectives.flat_path`), so neighbours sharing NICs is not what soap misses. What it "
+        "misses is per collective and shrinks with the message: alone, at micro-batch 16-64 (GPU-bound, past the host "
+        "floor) the measured time per micro-batch is 120 ms + 11.4 ms per sequence (tp16) and 213 ms + 12.1 ms "
+        "(tp32), soap's 44 ms + 14.7 ms and 65 ms + 19.0 ms. Over the 128 TP collectives of a micro-batch that is "
+        "0.59 ms (tp16, 15 ring steps) and 1.16 ms (tp32, 31 steps) per collective beyond soap's price, 37-40 us "
+        "on every ring step, and more bandwidth than soap gives (about 264 and 196 GB/s bus, against the all-gather "
+        "medians' 185 and 119 that soap reads at every size). Read that way the medians themselves agree: at 38 us "
+        "a step and those bandwidths, the 2- and 4-node all-gather medians both say they were measured at about "
+        "370 MB, a size the source does not state. But 38 us is 4x the network hop of NCCL's tuner for the "
+        "Simple protocol (9.6 us) and the step count is not NCCL's (it charges the network latency only on the N-1 "
+        "steps that enter a node): no latency in published ranges reaches it, so soap does not ship it. Read "
+        "through soap's own model, EFA's 123 us small-message floor of a 2-node all-reduce "
+        "(shared/reference/hardware.md) is 48 us per inter-node step: it takes tp16 at micro-batch 1 from 1.46x "
+        "to 1.37x, and the all-reduce medians' fit errors from 41% to 51% (2 nodes) and 2-4% to 8-16% (4-64); "
+        "charged on every ring step "
+        "instead, 15 us and more cannot fit the medians as soap reads them (the same busbw from 64 MB up: "
+        "20-120% errors). Beside data parallelism a second cost comes per step: 115-270 ms at 16-32 "
+        "nodes for tp16 (soap: under 10 ms at micro-batch 4 and up), about 0.7x at zero 1 of zero 0's (their "
+        "gradient bytes: 0.75x), i.e. the gradient sync at about 3 GB/s per rank, where beside tp8 at 16 nodes it "
+        "is 25-90 ms for twice the bytes. TP and DP share the NIC there (soap lets TP go first), but a NIC shared "
+        "by any rule that keeps it busy moves those bytes (543 MB per rank at dp8) in 11-21 ms at the priced "
+        "rates, so no contention term reaches it either; nor does neighbours' load on the fabric read as the "
+        "measured fall-off at the job's nodes (tp16 at 16 nodes would take 3.2x its bandwidth time, about +380 "
+        "ms per micro-batch at micro-batch 16; measured +56-92 ms).",
         "",
         "Where the misses are: measured / predicted step (collectives + host floor) per node count and class of "
         f"configuration, and the share of runs measured over {FAILED:g}x slower than predicted:",

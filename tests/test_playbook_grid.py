@@ -57,3 +57,28 @@ def test_playbook_grid_file_loads():
     ran, crashed = load_grid(PLAYBOOK, cluster="dgx-h100")
     assert len(ran) == 527 and len(crashed) == 266
     assert {r.nodes for r in ran} == {1, 2, 4, 8, 16, 32, 64}
+
+
+def test_nanotron_rows_are_priced_with_its_fixed_tensor_parallel_placement():
+    """nanotron's TP is a fixed column/row split with sequence parallelism: a row is priced on the Megatron default
+    placement, not on the per-op splits soap's search would pick for its own executor (at 8 nodes it dropped
+    sequence parallelism around the norms of the Playbook's dp2 x tp32 rows and priced their TP 4x the tp32 rows
+    at 4 nodes)."""
+    from dataclasses import replace
+
+    from costmodel.strategy import ParallelDims, Strategy, TrainingConfig
+    from executor.validation.grid import as_run
+    from executor.validation.run_records import RunRecord
+
+    searched = Strategy(dims=ParallelDims(tp=2), train=TrainingConfig(global_batch=8, seq_len=16),
+                        op_splits=(("model.layers.0.input_layernorm:mul", (("attribute", 1), ("parameter", 1))),))
+
+    class Plan:
+        def strategy(self):
+            return searched
+
+    row = dict(name="r", model="gpt2", gpus=8, seq=16, micro_batch=1, tp=2, precision="bf16", step_time_s=1.0)
+    assert as_run(Plan(), RunRecord(**row)).strategy().op_splits  # soap's own stack keeps its search
+    priced = as_run(Plan(), RunRecord(**row, stack="nanotron")).strategy()
+    assert priced.op_splits == () and priced == replace(searched, op_splits=(), train=priced.train)
+    assert priced.train.accumulate_locally

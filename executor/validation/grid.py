@@ -73,12 +73,20 @@ LOCAL_ACCUMULATION_STACKS = ("nanotron", "megatron-deepspeed", "megatron-lm", "n
 (Megatron's and nanotron's own DP); soap's executor runs DP beside TP on FSDP2, which syncs every micro-batch."""
 
 
-class StackPlan:
-    """A plan as another stack runs it: the plan's own strategy with `train` fields replaced (simulated through
-    `executor.validation.refit.simulate_on`, which reads `strategy()` and the plan's stages)."""
+FIXED_TP_STACKS = ("nanotron",)
+"""Stacks whose tensor parallelism is a fixed module placement (nanotron's own column/row-parallel linears with
+sequence parallelism, Megatron's layout), priced with the Megatron default placement (`Strategy.op_splits` empty):
+the planner's per-op split search (`planner.block_splits`) is soap's executor's, not theirs. (The Megatron-family
+stacks run the same layout; their grids were priced before this and are not re-checked here.)"""
 
-    def __init__(self, plan: Any, **train: Any) -> None:
-        self.plan, self.train = plan, train
+
+class StackPlan:
+    """A plan as another stack runs it: the plan's own strategy with `train` fields replaced, and without the
+    searched per-op splits where `megatron_tp` (simulated through `executor.validation.refit.simulate_on`, which
+    reads `strategy()` and the plan's stages)."""
+
+    def __init__(self, plan: Any, megatron_tp: bool = False, **train: Any) -> None:
+        self.plan, self.megatron_tp, self.train = plan, megatron_tp, train
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.plan, name)
@@ -87,7 +95,8 @@ class StackPlan:
         from dataclasses import replace
 
         strategy = self.plan.strategy()
-        return replace(strategy, train=replace(strategy.train, **self.train))
+        strategy = replace(strategy, train=replace(strategy.train, **self.train))
+        return replace(strategy, op_splits=()) if self.megatron_tp else strategy
 
 
 HALF_MODEL_STACKS = ("deepspeed-2021", "megatron-lm")
@@ -101,7 +110,7 @@ soap's executor gathers per block (FSDP2)."""
 
 def as_run(plan: Any, record: RunRecord) -> Any:
     """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`, `TENSOR_GATHER_STACKS`,
-    `HALF_MODEL_STACKS`), else the plan itself."""
+    `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`), else the plan itself."""
     train: dict[str, Any] = {}
     if record.stack in LOCAL_ACCUMULATION_STACKS:
         train["accumulate_locally"] = True
@@ -109,7 +118,8 @@ def as_run(plan: Any, record: RunRecord) -> Any:
         train["param_gather"] = "tensor"
     if record.stack in HALF_MODEL_STACKS:
         train["half_model"] = True
-    return StackPlan(plan, **train) if train else plan
+    megatron_tp = record.stack in FIXED_TP_STACKS
+    return StackPlan(plan, megatron_tp, **train) if train or megatron_tp else plan
 
 
 @dataclass(frozen=True)
