@@ -4,7 +4,7 @@
 
 ../shared/published-runs/vtrain-megatron-ds-a100-1node.json: 1,440 measured iteration times of GPT models
 (hidden 1024/2048, 12-24 layers, seq 1024, full recompute, fp16) on 2, 4 or 8 A100 of one node, tp 1-8,
-pp 1-4, micro-batch 1-16. Each row is priced as published on `dgx-a100-80g` (`executor.validation.grid.
+pp 1-4, micro-batch 1-16. Each row is priced as published on `dgx-a100-80g-vtrain` (`executor.validation.grid.
 price_row`; ZeRO 0: the grid states none and Megatron-DeepSpeed runs without one unless configured; a
 pipeline with fewer micro-batches than stages as GPipe, 1F1B's timeline then).
 
@@ -231,7 +231,7 @@ def main() -> None:
     body = "\n".join([
         f"`benchmarks/vtrain_tp.py`: vTrain's {len(records)} measured Megatron-DeepSpeed iteration times (GPT hidden "
         "1024/2048, 12-24 layers, seq 1024, fp16, full recompute, 2-8 A100 of one node; rows per tp: "
-        + ", ".join(f"tp{tp} {n}" for tp, n in counts.items()) + ") priced as published on `dgx-a100-80g` (the A100 "
+        + ", ".join(f"tp{tp} {n}" for tp, n in counts.items()) + ") priced as published on `dgx-a100-80g-vtrain` (the A100 "
         "fitted to this grid, `benchmarks/vtrain_a100.py`: device terms only, no stack terms). Each "
         f"cell: mean signed / mean absolute error of the step time. {elapsed:.0f} s.",
         "",

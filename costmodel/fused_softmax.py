@@ -41,7 +41,8 @@ of the fp32 copies (saved for backward only inside a recompute window under full
 
 Scope. Only a stack that runs this attention prices it (`TrainingConfig.megatron_softmax`, set by
 `executor.validation.grid.as_run` for the Megatron-DeepSpeed rows): soap's own executor runs SDPA, whose
-kernels have no such rule. The rule is fixed by Megatron's source; nothing in it is fitted.
+kernels have no such rule, and the planner's fast estimator (`planner.estimate`) never sees the flag. The rule
+is fixed by Megatron's source; nothing in it is fitted.
 """
 
 from __future__ import annotations
