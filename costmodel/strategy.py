@@ -174,6 +174,10 @@ class TrainingConfig:
     `--fp16`: the model in half, fp32 master weights in the optimizer): priced on the 16-bit trace, without
     autocast's casts (`planner.regimes.regime_dtype`). False: the executor's regime. Set to price another
     stack's run as it ran."""
+    megatron_softmax: bool = False
+    """The attention's softmax is Megatron's `FusedScaleMaskSoftmax`: one fused kernel where its availability
+    rule holds, else the unfused PyTorch path with its extra kernels (`costmodel.fused_softmax`). False: the
+    executor's SDPA. Set to price another stack's run as it ran."""
     peft: str | None = None
     """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
     run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""

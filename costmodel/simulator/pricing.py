@@ -17,6 +17,10 @@ every instance and every stage (`_UnitPricer.chunk`):
   Eager only: a compiled chunk runs Inductor's generated code, which launches its fused kernels without
   autograd's and the dispatcher's per-op Python (each launch is the device's `kernel_overhead_s`; no compiled
   floor has been measured);
+- Megatron's softmax (`TrainingConfig.megatron_softmax`, another stack's attention): where its fused kernel is
+  unavailable (`costmodel.fused_softmax.fused_kernel_available`: at a 16-head model's tp8 and micro-batch 1,
+  for one) the unfused path's extra kernels join the chunk's forward and backward, in time and in the host
+  floor's kernel count (`_UnitPricer._softmax_fallback`);
 - recompute (`recompute_for(block)`): full -> the block's whole forward again in backward (its
   activation collectives too); selective -> the forward of the ops whose saved tensors it drops (all
   but matmuls, embeddings and losses); none -> 0;
@@ -117,6 +121,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from costmodel.collectives import CommGroup, collective_time
+from costmodel.fused_softmax import FallbackCost, fallback_cost, fused_kernel_available
 from costmodel.host_sync import chain_wait, sync_wait
 from costmodel.memory import (
     FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes, fsdp_param_bytes,
@@ -355,6 +360,12 @@ class _UnitPricer:
             if not kept:  # selective checkpointing recomputes it
                 selective += f
                 selective_kernels += f > 0
+        softmax = self._softmax_fallback(placements)
+        if softmax is not None:  # the unfused path's casts, scale and mask, recomputed with an attention not kept
+            fwd, bwd_in = fwd + softmax.fwd_s, bwd_in + softmax.bwd_s
+            fwd_kernels, bwd_kernels = fwd_kernels + softmax.fwd_kernels, bwd_kernels + softmax.bwd_kernels
+            if not all(kept for p, kept in zip(placements, cached) if p.op.kind is OpKind.ATTENTION):
+                selective, selective_kernels = selective + softmax.fwd_s, selective_kernels + softmax.fwd_kernels
         host = 0.0 if t.compile else self.host_dispatch_s
         if host > 0:  # the host-bound floor: the GPU cannot run kernels faster than the host dispatches them
             fwd, selective = max(fwd, fwd_kernels * host), max(selective, selective_kernels * host)
@@ -378,6 +389,22 @@ class _UnitPricer:
             fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, grad_sync_s=self._grad_sync(params),
             param_gather_s=self._gather(params), activation_bytes=kept, recompute_bytes=recompute_bytes,
         )
+
+    def _softmax_fallback(self, placements: Sequence[OpPlacement]) -> FallbackCost | None:
+        """What Megatron's unfused softmax adds to the chunk's attention, where the stack runs Megatron's softmax
+        and its fused kernel is unavailable (`costmodel.fused_softmax`); None elsewhere."""
+        t, d = self.strategy.train, self.strategy.dims
+        attention = sum(p.op.kind is OpKind.ATTENTION for p in placements)
+        if not t.megatron_softmax or not attention:
+            return None
+        heads, sq, sk = self.graph.dims.heads // d.tp, t.seq_len // d.cp, t.seq_len
+        half = t.precision in ("fp16", "bf16")
+        if fused_kernel_available(micro_batch=t.micro_batch, local_heads=heads, sq=sq, sk=sk, half=half):
+            return None
+        one = fallback_cost(scores=t.micro_batch * heads * sq * sk, width=2 if half else 4,
+                            pass_time=self.pricer.memory_time, launch_s=self.kernel_s)
+        return FallbackCost(fwd_s=attention * one.fwd_s, bwd_s=attention * one.bwd_s,
+                            fwd_kernels=attention * one.fwd_kernels, bwd_kernels=attention * one.bwd_kernels)
 
     @property
     def fsdp(self) -> bool:

@@ -10,7 +10,8 @@ Pricing (`price_row`): the record planned as published (`RunRecord.pins`, no mem
 soap thinks too big is still priced; a pipeline with fewer micro-batches than stages as GPipe: 1F1B's
 warm-up then holds every micro-batch, the same timeline; a stack that accumulates gradients locally across
 micro-batches, `LOCAL_ACCUMULATION_STACKS`, gathers ZeRO-3 parameters per tensor, `TENSOR_GATHER_STACKS`,
-or holds a 16-bit model, `HALF_MODEL_STACKS`, priced so: `as_run`) and simulated on the given cluster: step
+holds a 16-bit model, `HALF_MODEL_STACKS`, or runs Megatron's softmax, `MEGATRON_SOFTMAX_STACKS`, priced so:
+`as_run`) and simulated on the given cluster: step
 time, tokens/s per GPU and the simulated peak memory (allocated, GiB). Graphs are cached per (model, seq,
 precision, half model or not: `graph_key`) in `graphs`.
 
@@ -108,10 +109,17 @@ recompute (DeepSpeed's `partition_parameters._allgather_param` of 2021: `costmod
 soap's executor gathers per block (FSDP2)."""
 
 
+MEGATRON_SOFTMAX_STACKS = ("megatron-deepspeed",)
+"""Stacks whose attention is Megatron's baddbmm, `FusedScaleMaskSoftmax` and bmm, the softmax falling back to
+unfused PyTorch ops where its kernel is unavailable (`costmodel.fused_softmax`); soap's executor runs SDPA."""
+
+
 def as_run(plan: Any, record: RunRecord) -> Any:
     """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`, `TENSOR_GATHER_STACKS`,
-    `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`), else the plan itself."""
+    `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`, `MEGATRON_SOFTMAX_STACKS`), else the plan itself."""
     train: dict[str, Any] = {}
+    if record.stack in MEGATRON_SOFTMAX_STACKS:
+        train["megatron_softmax"] = True
     if record.stack in LOCAL_ACCUMULATION_STACKS:
         train["accumulate_locally"] = True
     if record.stack in TENSOR_GATHER_STACKS:
