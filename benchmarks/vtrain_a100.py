@@ -31,7 +31,7 @@ and section `vtrain-a100` of docs/benchmarks.md.
 
 Not the default: `dgx-a100-80g` stays the datasheet profile. The issue's rule is that a fitted profile becomes
 the default once it passes the believability test, and this one does not: it predicts a Llama 1B on one node
-at 71.5% MFU, against the 46.8% best of its class (`tests/test_believable_profiles.py`). With one fused stack in
+at 71.3% MFU, against the 46.8% best of its class (`tests/test_believable_profiles.py`). With one fused stack in
 the grid, what Megatron-DeepSpeed's kernels gain over soap's eager executor stays in the device's terms.
 """
 
@@ -291,7 +291,7 @@ def main() -> None:
         "",
         f"Fitted profile: `{FITTED}` (device `{FITTED_DEVICE}`){'' if written else ' (not written: --dry-run)'}. "
         "Every changed number's source names the runs it was fitted on. It is not the default: `dgx-a100-80g` stays "
-        "the datasheet profile, because the fit predicts a Llama 1B on one node at 71.5% MFU, above the 46.8% best "
+        "the datasheet profile, because the fit predicts a Llama 1B on one node at 71.3% MFU, above the 46.8% best "
         "of its class (`tests/test_believable_profiles.py`), and one fused stack leaves Megatron-DeepSpeed's kernel "
         "gains in the device's terms.",
     ])
