@@ -106,20 +106,11 @@ def fit_pipelined_sync(records, plans, cluster) -> float:
     loss at `ROBUST` on the log ratio of `records` (the full fit's: a failed run stops pulling). The wait is added
     on every chunk's critical path, so each row's step is linear in it: two simulations per row (none and
     `SYNC_PROBE_S`) give the line, and the golden-section search runs on it."""
-    from dataclasses import replace
+    from benchmarks.vtrain_tp import fit_on_line, step_times
 
-    from benchmarks.vtrain_tp import step_times
-    from costmodel.calibration.fit import golden_section
-
-    flat = step_times(plans, cluster)
-    probed = step_times(plans, replace(cluster, device=replace(cluster.device, pipelined_sync_s=SYNC_PROBE_S)))
-    slope = [(b - a) / SYNC_PROBE_S for a, b in zip(flat, probed)]
-
-    def loss(delta: float) -> float:
-        r = [math.log((a + delta * d) / rec.measured_step_s) for rec, a, d in zip(records, flat, slope)]
-        return sum(ROBUST * ROBUST * math.log1p((x / ROBUST) ** 2) for x in r)
-
-    return max(0.0, golden_section(loss, *SYNC_RANGE_S, 30))
+    flat, probed = step_times(plans, cluster), step_times(plans, with_pipelined_sync(cluster, SYNC_PROBE_S))
+    return fit_on_line(records, flat, probed, SYNC_PROBE_S, SYNC_RANGE_S,
+                       penalty=lambda r: ROBUST * ROBUST * math.log1p((r / ROBUST) ** 2))
 
 
 def with_pipelined_sync(cluster, delta_s: float):

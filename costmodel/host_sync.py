@@ -38,13 +38,13 @@ maximum of n draws:
 delta one number per stack (`DeviceProfile.pipelined_sync_s`; profile key `pipelined_sync_us`), 0 in every
 shipped profile. What the form follows: on the Ultra-Scale Playbook's 1B grid (nanotron, 1-64 nodes of 8 H100,
 benchmarks/playbook_grid.py) the pipelined runs with TP measured, beyond their priced step, per TP collective
-and micro-batch 0.56 / 1.34 / 2.62 / 6.5 / 21.9 ms at tp 2 / 4 / 8 / 16 / 32 (median over micro-batches up to
-4): about 0.33 ms per rank inside a node, the same at pp 2, 4 and 8, and the same across micro-batch sizes
+and micro-batch 0.65 / 1.36 / 2.67 / 6.5 / 22.5 ms at tp 2 / 4 / 8 / 16 / 32 (median over micro-batches up to
+4 at 1-16 nodes): about 0.33 ms per rank inside a node, the same at pp 2, 4 and 8, and the same across micro-batch sizes
 (so not bandwidth), while the same TP degrees without a pipeline measured 0.9-1.1x their priced step (no
 wait). The mechanism (drained queues, ring steps at host pace) is this module's reading of that law, not a
 measurement of it; what it leaves out: at micro-batches of 16 and more the measured wait falls (more GPU work
 per collective refills the queue), which a constant delta over-charges; and across nodes (tp 16, 32) the wait
-per rank grows (0.41, 0.68 ms).
+per rank grows (0.41, 0.70 ms).
 
 Constraints. sigma >= 0, delta >= 0; the wait is added to the activation collectives' time in the chunk's forward and
 backward (`costmodel.simulator.pricing._UnitPricer._comm`), on the critical path as those collectives are. The

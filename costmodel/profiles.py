@@ -171,8 +171,9 @@ class DeviceProfile:
     host_dispatch_s: float = 0.0
     """Host (CPU) time the training framework spends per kernel it dispatches in eager mode (Python, autograd,
     the launch): a chunk's forward or backward takes at least its kernel count times this, however short its
-    kernels (`costmodel.simulator.pricing`, the host-bound floor). 0: no floor (the shipped profiles; a
-    stack's value is fitted from its runs, e.g. benchmarks/vtrain_tp.py)."""
+    kernels (`costmodel.simulator.pricing`, the host-bound floor). 0: no floor. A stack's value is fitted from
+    its runs: soap's own executor's in the default H100/H200 (benchmarks/gpu_repredict.py), other stacks' in their
+    benchmarks only (e.g. benchmarks/vtrain_tp.py)."""
     host_jitter_s: float = 0.0
     """Standard deviation of a rank's host arrival at a synchronous activation collective (TP/SP/CP/EP): each
     one waits for the slowest of its group's hosts, `costmodel.host_sync`. 0: no wait (the shipped profiles;

@@ -338,7 +338,8 @@ class _UnitPricer:
         return default
 
     def _comm(self, placements: Sequence[OpPlacement], phase: str) -> float:
-        """The phase's activation collectives: their time and each one's wait for its group's slowest host."""
+        """The phase's activation collectives: their time and each one's wait for its group's hosts (the slowest
+        of them, and in a pipelined run its ring's, `costmodel.host_sync`)."""
         group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
         issued = [c for p in placements for c in p.collectives if c.phase == phase]
         wait = sum(sync_wait(1, group[c.group].size, self.host_jitter_s)
