@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
-LOGS = ("h100-runs-execute.jsonl", "h100-runs-validate.jsonl")
+LOGS = ("h100-runs-execute.jsonl", "h100-runs-validate.jsonl", "h100-runs-8b-shapes.jsonl")
 CLUSTERS = ("dgx-h100", "h100-x1-measured")
 HOST_RANGE_S = (1e-6, 300e-6)
 HOST_STEPS = 20
@@ -143,8 +143,9 @@ def markdown(table: list[dict]) -> str:
         return f"{100 * (p - m) / m:+.0f}%"
 
     lines = [
-        "Runs measured on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, NCCL, 1 rank, bf16 autocast) earlier "
-        "today and kept in `benchmarks/data/h100-runs-*.jsonl`; re-predicted by `benchmarks/gpu_repredict.py` "
+        "Runs measured on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, NCCL, 1 rank, bf16 autocast) on "
+        "2026-11-22 (gpt2, bert, small Llamas) and 2026-11-26 (8b4l: four Llama-3-8B layers; 1b: Llama 3.2 1B; plans "
+        "made on the CPU, since the GPU's torch 2.11 cannot trace GQA) and kept in `benchmarks/data/h100-runs-*.jsonl`; re-predicted by `benchmarks/gpu_repredict.py` "
         "with the current cost model (each plan traced in the precision regime it ran in). \"then\" is what "
         "soap predicted when the run was made. Memory: torch.cuda max_memory_allocated against the simulator's "
         "peak without the CUDA context.",
@@ -152,12 +153,16 @@ def markdown(table: list[dict]) -> str:
         "`dgx-h100` is the default, fitted to the published Llama 3.1 8B and Nemotron 15B runs "
         "(`benchmarks/published_runs.py`): none of these models, and not soap's executor. So its column is the "
         "fit's check on other models (GPT-2, BERT-large, a small Llama) run by soap's own torch-native executor: "
-        "a leave-model-out check on measured runs. `h100-x1-measured` is soap calibrate's microbenchmarks alone. "
-        "Both price GPT-2's and BERT-large's LM heads (vocabularies 50,257 and 30,522, not multiples of 8) with the "
-        "unaligned-GEMM factor measured on the gpt2-dgx-h100 run's own step (`benchmarks/unaligned_gemm.py`), so that "
-        "row is not out of sample for it; bert-large's is. `dgx-h100` also carries the host-bound floor of soap's "
-        "executor fitted on these runs (last table), so its column is in sample for the two small-Llama runs the "
-        "floor binds on; the last table predicts each run with the floor fitted on the others.",
+        "a leave-model-out check on measured runs. `h100-x1-measured` is soap calibrate's microbenchmarks of 2026-11-26 "
+        "with the optimizer step, the host floor and one step factor on memory-bound kernels measured on the same GPU "
+        "(`benchmarks/h100_measured.py`): the factor comes from torch.profiler over one micro-batch of the 8b4l-eager "
+        "run, so that run is in sample for it and the other eleven are not. "
+        "Both price GPT-2's and BERT-large's LM heads (vocabularies 50,257 and 30,522, not multiples of 8) with an "
+        "unaligned-GEMM factor: `dgx-h100` with the one measured on the gpt2-dgx-h100 run's own step "
+        "(`benchmarks/unaligned_gemm.py`), so that row is not out of sample for it; `h100-x1-measured` with calibrate's "
+        "own sweep (x6.0-6.4, the profiler's x6.1). Both carry the host-bound floor of soap's "
+        "executor fitted on these runs (last table), so their columns are in sample for the two "
+        "small-Llama runs the floor binds on; the last table predicts each run with the floor fitted on the others.",
         "",
         "| run | measured step | then | now dgx-h100 | now h100-x1-measured | after refit (held out) | measured memory | then | now dgx-h100 | now h100-x1-measured |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

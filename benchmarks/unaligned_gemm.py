@@ -18,7 +18,10 @@ The factor a profile stores is over its own aligned price, `kernel_time` without
 so a profile whose curve is the datasheet's (989 TFLOP/s x 0.807) and one measured by soap calibrate (782.5
 x 0.972) both price the same 20.3 ms per GEMM. One point (one shape was measured): a flat factor. fp16 takes
 bf16's (the same sm75 kernel family; not measured). `soap calibrate --device cuda` now measures a curve
-(`costmodel.calibration.suite`'s `mm unaligned` sweep), which replaces this where a GPU is calibrated.
+(`costmodel.calibration.suite`'s `mm unaligned` sweep), which replaces this where a GPU is calibrated: the
+H100 calibrated on 2026-11-26 (`h100-x1-measured`) measured x6.4, x6.3 and x6.0 at 7.9e10, 1.3e12 and 5.1e12 FLOPs
+over its own aligned price, the profiler's x6.1 within 5%; so this writes only the fitted default, which has no
+GPU of its own.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ MEASURED_S = (26.434e-3, 17.866e-3, 16.598e-3)
 SOURCE = ("matmul-unaligned/bf16, fp16: GPT-2's LM head GEMMs (vocabulary 50,257; forward 26.4, backward 17.9 "
           "and 16.6 ms at 2.53e12 FLOPs) measured by torch.profiler on one H100 80GB HBM3, 2026-11-22 "
           "(docs/benchmarks.md gpu_step_profile; benchmarks/unaligned_gemm.py), over this profile's aligned price")
-DEVICES = ("h100-x1-measured", "h100-sxm-fitted")
+DEVICES = ("h100-sxm-fitted",)
 
 
 def factor(device_json: dict) -> float:

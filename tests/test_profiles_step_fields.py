@@ -35,8 +35,8 @@ def test_gpu_profiles_leave_the_step_fields_neutral(name):
     per-kernel launch figure (issue 16, tests/test_physics.py)."""
     device = load_device(name)
     written = device_to_dict(device)
-    if device.optimizer_factors:  # a GPU calibrated by `soap calibrate --device cuda` times its optimizer step
-        assert written["optimizer_factors"]["source"].startswith("measured by soap calibrate")
+    if device.optimizer_factors:  # a GPU profile's optimizer step, where it has one, was timed on that GPU
+        assert written["optimizer_factors"]["source"].startswith("measured")
     assert device.concurrency_efficiency is None
     assert device.communication_overlap == 1.0 and device.collective_call_overhead_s > 0
     assert not {"concurrency_efficiency", "communication_overlap"} & set(written)

@@ -5,9 +5,14 @@ training step differs in three ways this module measures, each written to an opt
 (`costmodel.profiles`):
 
 - `optimizer_factors` (`measure_optimizer`, `optimizer_factor_points`): torch's optimizer as the
-  executor builds it (AdamW, foreach on CPU, fused on CUDA) stepping over parameter sets of 2^17 to
-  2^23 elements (tensors of `OPTIMIZER_TENSOR_ELEMENTS`), each time divided by the cost model's
-  one-pass estimate at the fitted memory curve (`costmodel.optimizer_step`): the factor per byte size.
+  executor builds it (AdamW, foreach on CPU, fused on CUDA, over fp32 parameters: the executor keeps fp32
+  masters at every precision) stepping over parameter sets of 2^17 to 2^23 elements on CPU, 2^23 to 2^27
+  on CUDA (tensors of `OPTIMIZER_TENSOR_ELEMENTS`: a model's weight matrices, 4M elements on CUDA), each
+  time divided by the cost model's one-pass estimate at the fitted memory curve (`costmodel.optimizer_step`):
+  the factor per byte size. The tensor size matters: on an H100 (2026-11-26,
+  benchmarks/data/h100-2026-11-26/adamw-fused.json) fused AdamW over 2^28 fp32 elements took 57 ms in
+  32K-element tensors and 3.1 ms in 4M-element ones (2.4 TB/s); the 32K sweep had priced a 1.9B-parameter
+  step at 177 ms where the run's whole step was 359 ms.
 - `concurrency_efficiency` (`measure_concurrency`): a kernel mix (`_kernel_mix`: a matmul, an add over
   4 MiB, a tanh) timed on 1 process, then on n = 2, 4, ... up to `nproc` processes at once (started
   together); the efficiency at n is the time alone over the mean time at n, each the fastest of two
@@ -40,9 +45,10 @@ from dataclasses import dataclass
 
 from costmodel.calibration.microbench_comm import check_workers, stop_workers
 
-OPTIMIZER_TENSOR_ELEMENTS = 2**15
-"""Elements per parameter tensor of the optimizer sweep (the validate suite's tiny models average 32-64K)."""
-OPTIMIZER_SWEEP_ELEMENTS = tuple(2**k for k in range(17, 24, 2))
+OPTIMIZER_TENSOR_ELEMENTS = {"cpu": 2**15, "cuda": 2**22}
+"""Elements per parameter tensor of the optimizer sweep: on CPU the validate suite's tiny models (32-64K
+average), on a GPU a model's weight matrices (Llama's are 4M-59M elements)."""
+OPTIMIZER_SWEEP_ELEMENTS = {"cpu": tuple(2**k for k in range(17, 24, 2)), "cuda": (2**23, 2**25, 2**27)}
 OPTIMIZER_QUICK_ELEMENTS = (2**17,)
 OVERLAP_MESSAGE_BYTES = 8 * 2**20
 CALL_OVERHEAD_UNITS = 6
@@ -79,13 +85,14 @@ def measure_optimizer(device: str, *, precision: str, quick: bool, repeats: int 
     """Median step time of AdamW over parameter sets of each size (see the module docstring)."""
     import torch
 
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    kind = "cuda" if device == "cuda" else "cpu"
+    size = OPTIMIZER_TENSOR_ELEMENTS[kind]
     sync = _sync(device)
     samples = []
-    for elements in OPTIMIZER_QUICK_ELEMENTS if quick else OPTIMIZER_SWEEP_ELEMENTS:
-        count = max(1, elements // OPTIMIZER_TENSOR_ELEMENTS)
-        params = [torch.nn.Parameter(torch.randn(OPTIMIZER_TENSOR_ELEMENTS, device=device, dtype=dtype))
-                  for _ in range(count)]
+    for elements in OPTIMIZER_QUICK_ELEMENTS if quick else OPTIMIZER_SWEEP_ELEMENTS[kind]:
+        tensor = min(size, elements)
+        count = max(1, elements // tensor)
+        params = [torch.nn.Parameter(torch.randn(tensor, device=device, dtype=torch.float32)) for _ in range(count)]
         for p in params:
             p.grad = torch.randn_like(p)
         kwargs = {"fused": True} if device == "cuda" else {"foreach": True}
@@ -98,7 +105,7 @@ def measure_optimizer(device: str, *, precision: str, quick: bool, repeats: int 
             opt.step()
             sync()
             times.append(time.perf_counter() - start)
-        samples.append(OptimizerSample("adamw", precision, count * OPTIMIZER_TENSOR_ELEMENTS, statistics.median(times[1:])))
+        samples.append(OptimizerSample("adamw", precision, count * tensor, statistics.median(times[1:])))
         del opt, params
     return samples
 
