@@ -14,20 +14,21 @@ Everything comes from `benchmarks/data/h100-2026-11-26/` (the device call: `benc
   Llama-3-8B layers at 1 x 8,192 tokens, every CUDA kernel summed by group (`kernel_groups`).
 - the six `*.run.json` / `../h100-runs-8b-shapes.jsonl`: `soap execute` runs (reserved and allocated memory).
 
-The step factor on memory-bound kernels. In the profiled step the GEMMs ran at 789 TFLOP/s (68.7 TFLOP in
+The step factor on memory-bound kernels (`costmodel.calibration.step_factor`, which `soap calibrate --device cuda`
+now runs on a reference step of its own). In the profiled step the GEMMs ran at 789 TFLOP/s (68.7 TFLOP in
 87.1 ms; calibrate prices them at 85.9 ms), attention took 15.2 ms (priced 13.0), the optimizer 21.6 ms
 (priced 22.2). The rest, the memory-bound kernels (elementwise, autocast's casts and copies, the loss's
-log-softmax: 634 kernels), took 62.3 ms where calibrate's microbenchmarks price the same ops at 27.9 ms. So a
-step's memory-bound kernels run at
+log-softmax: 634 kernels), took 62.2 ms where calibrate's microbenchmarks price the same ops at 27.9 ms. So a
+step's memory-bound kernels run at 1/k of the microbenchmarks' rate, k solved from
 
-    k = T_measured(memory-bound) / T_priced(memory-bound) = 2.23
+    T_priced(memory-bound; k) = T_measured(memory-bound):  k = 2.31 (2.23 as a plain ratio; launches are not scaled)
 
-of the microbenchmarks' rate (contiguous, vectorized kernels at one size; a step's are broadcast and strided,
+ (contiguous, vectorized kernels at one size; a step's are broadcast and strided,
 fp32 under autocast, and share the GPU with its GEMMs). `k` multiplies every memory-bound class's kernel factor
-(`MEMORY_BOUND`), so the effective bandwidth of such a kernel is 1.4 TB/s of the H100's 3.35, inside the
-physical bound. One step fits `k`; the checks are the other runs (`benchmarks.gpu_repredict`: GPT-2, BERT-large,
+(`costmodel.calibration.step_factor.MEMORY_BOUND`), so the effective bandwidth of such a kernel is about 1.4 TB/s
+of the H100's 3.35, inside the physical bound. One step fits `k`; the checks are the other runs (`benchmarks.gpu_repredict`: GPT-2, BERT-large,
 Llama 3.2 1B and small Llamas, eager and compiled, none of which set it) and `leave_model_out`: `k` fitted on the
-step times of every other model's runs, model by model (2.29-2.48 where the profile gave 2.23).
+step times of every other model's runs, model by model (2.29-2.48 where the profiled step gives 2.31).
 
 The host floor of soap's executor (`benchmarks.gpu_repredict.host_floor`, 40.5 us per eager kernel) is a
 property of the executor on this machine, so this profile carries it too.
@@ -36,17 +37,13 @@ property of the executor on this machine, so this profile carries it too.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "h100-2026-11-26"
 PROFILE = ROOT / "profiles" / "devices" / "h100-x1-measured.json"
-MEMORY_BOUND = ("arithmetic", "transcendental", "tanh", "softmax", "norm", "dropout")
-PRECISIONS = ("bf16", "fp16", "fp32", "tf32")
 PROFILED_RUN = "8b4l-eager"
 """The `soap execute` run whose model, sequence and micro-batch the profiled step ran (one micro-batch of it)."""
-GROUPS = (("gemm", r"nvjet|cutlass|gemm|xmma"), ("attention", r"sdpa|flash|fmha"), ("optimizer", r"multi_tensor_apply"))
 COLLECTIVE_CALL_OVERHEAD = {
     "value": 7,
     "source": "assumed equal to the per-kernel launch and framework overhead: a collective is one NCCL kernel launched "
@@ -57,17 +54,15 @@ COLLECTIVE_CALL_OVERHEAD = {
 
 
 def kernel_groups(profile: dict) -> dict[str, float]:
-    """Seconds of the profiled step per kernel group: `GROUPS` by kernel name, the rest memory-bound."""
-    out = {name: 0.0 for name, _ in GROUPS} | {"memory-bound": 0.0}
-    for name, us, _calls in profile["kernels_us"]:
-        group = next((g for g, pattern in GROUPS if re.search(pattern, name)), "memory-bound")
-        out[group] += us * 1e-6
-    return out
+    """Seconds of the profiled step per kernel group (`costmodel.calibration.step_factor.kernel_groups`)."""
+    from costmodel.calibration.step_factor import kernel_groups as groups
+
+    return groups((name, us * 1e-6) for name, us, _calls in profile["kernels_us"])
 
 
 def priced_groups(device_json: dict) -> dict[str, float]:
     """What `device_json` prices one micro-batch of `PROFILED_RUN` at, per group (forward and backward)."""
-    from costmodel.opcost import kernel_class, op_time
+    from costmodel.calibration.step_factor import priced_groups as priced
     from costmodel.profiles import cluster_from_dict
     from executor.runs_log import read_runs
     from executor.validation.refit import trace_plan_model
@@ -77,34 +72,14 @@ def priced_groups(device_json: dict) -> dict[str, float]:
                   if r["name"].removesuffix(".plan") == PROFILED_RUN)
     cluster_json = json.loads((ROOT / "profiles" / "clusters" / "h100-x1-measured.json").read_text())
     cluster = cluster_from_dict({**cluster_json, "device": device_json})
-    plan = plan_from_dict(record["plan"])
-    graph = trace_plan_model(plan, cluster)
-    out = {"gemm": 0.0, "attention": 0.0, "memory-bound": 0.0}
-    for segment in graph.segments():
-        for op in segment.ops:
-            cost = op_time(op, device=cluster.device, precision="bf16", micro_batch=1, batch_traced=graph.batch)
-            kind = kernel_class(op)
-            group = "gemm" if kind == "matmul" else "attention" if kind == "attention" else "memory-bound"
-            out[group] += (cost.fwd_s + cost.bwd_s) * segment.repeat
-    return out
+    return priced(trace_plan_model(plan_from_dict(record["plan"]), cluster), cluster.device, micro_batch=1)
 
 
-def with_step_factor(device_json: dict, k: float, source: str) -> dict:
-    """`device_json` with every memory-bound class's kernel factor multiplied by `k` (flat `k` where it had none)."""
-    out = json.loads(json.dumps(device_json))
-    factors = out["kernel_factors"]["factors"]
-    for kind in MEMORY_BOUND:
-        for precision in PRECISIONS:
-            key = f"{kind}/{precision}"
-            factors[key] = [[x, round(v * k, 4)] for x, v in factors[key]] if key in factors else [[1.0, round(k, 4)]]
-    out["kernel_factors"]["source"] += f"; {', '.join(MEMORY_BOUND)} (every precision) x{k:.2f}: {source}"
-    return out
-
-
-def build() -> tuple[dict, dict[str, float], dict[str, float]]:
-    """The profile, the profiled step's measured groups and their price before the step factor."""
+def build() -> tuple[dict, dict[str, float], dict[str, float], float]:
+    """The profile, the profiled step's measured groups, their price before the step factor, and the factor."""
     from benchmarks.gpu_repredict import HOST_SOURCE, host_floor
     from costmodel.calibration.node import OptimizerSample, optimizer_factor_points
+    from costmodel.calibration.step_factor import solve_step_factor, with_step_factor
 
     device = json.loads((DATA / "calibrate-output.json").read_text())
     adamw = [r for r in json.loads((DATA / "adamw-fused.json").read_text())
@@ -118,7 +93,7 @@ def build() -> tuple[dict, dict[str, float], dict[str, float]]:
         "factors": optimizer_factor_points(samples, device)}
     measured = kernel_groups(json.loads((DATA / "step-profile-8b4l.json").read_text()))
     priced = priced_groups(device)
-    k = measured["memory-bound"] / priced["memory-bound"]
+    k = solve_step_factor(lambda f: priced_groups(with_step_factor(device, f, ""))["memory-bound"], measured["memory-bound"])
     device = with_step_factor(device, k, (
         f"a step's memory-bound kernels over calibrate's price of the same ops: {measured['memory-bound'] * 1e3:.1f} ms "
         f"measured by torch.profiler in one eager bf16 step of four Llama-3-8B layers at 1 x 8,192 tokens on this H100 "
@@ -141,15 +116,15 @@ def build() -> tuple[dict, dict[str, float], dict[str, float]]:
         "with its fused AdamW, a step's memory-bound kernels and soap's executor's host floor measured on the same GPU "
         "(benchmarks/h100_measured.py). memory_bandwidth_gbps is the fastest copy of the sweep, an L2-resident size "
         "(6-25 MB; the L2 is 50 MB); at 400 MB copies bandwidth x efficiency is 3.10 TB/s, under the 3.35 TB/s datasheet")
-    return device, measured, priced
+    return device, measured, priced, k
 
 
 MODEL_OF = (("8b4l", "Llama-3-8B, 4 layers"), ("1b", "Llama 3.2 1B"), ("llama", "small Llama"), ("bert", "BERT-large"),
             ("gpt2", "GPT-2"))
 """Run-name prefixes to the model each of soap's H100 runs trained (`benchmarks.gpu_repredict.runs`)."""
-STEP_FACTOR_RANGE = (1.0, 1 / 0.3)
-"""Where `leave_model_out` searches the step factor: no slower than the microbenchmarks' kernels would make it, no
-faster than 30% of the datasheet's bandwidth (the physical bound `tests/test_h100_measured.py` holds)."""
+STEP_FACTOR_RANGE = (1.0, 3.3)
+"""Where `leave_model_out` searches the step factor: inside `costmodel.calibration.step_factor.BOUNDS`, and no
+faster than the microbenchmarks' kernels."""
 
 
 def leave_model_out() -> list[tuple[str, str, float, float, float]]:
@@ -161,12 +136,12 @@ def leave_model_out() -> list[tuple[str, str, float, float, float]]:
 
     from benchmarks.gpu_repredict import runs
     from costmodel.calibration.fit import golden_section
+    from costmodel.calibration.step_factor import with_step_factor
     from costmodel.profiles import cluster_from_dict
     from executor.validation.refit import simulate_on, trace_plan_model
     from planner.plan import plan_from_dict
 
-    device, measured, priced = build()
-    shipped_k = measured["memory-bound"] / priced["memory-bound"]
+    device, measured, priced, shipped_k = build()
     cluster_json = json.loads((ROOT / "profiles" / "clusters" / "h100-x1-measured.json").read_text())
     base = with_step_factor(device, 1 / shipped_k, "undone")  # the profile before its step factor
     records = runs()
@@ -203,8 +178,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print, but write neither the profile nor docs")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    device, measured, priced = build()
-    k = measured["memory-bound"] / priced["memory-bound"]
+    device, measured, priced, k = build()
     if not args.dry_run:
         PROFILE.write_text(json.dumps(device, indent=2) + "\n")
     held = leave_model_out()

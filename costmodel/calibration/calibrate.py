@@ -14,6 +14,9 @@ Pipeline (`calibrate`):
    need nproc >= 2 and are skipped by --quick).
 3c. `microbench_compile`: each kernel class in its Hugging Face chain, eager against torch.compile,
    becomes the device's `compile_factors` (skipped by --quick: compiling the chains takes minutes).
+3d. `step_factor` (GPU only, skipped by --quick): one profiled training step of a reference model; its
+   memory-bound kernels over the fitted profile's price of the same ops multiply the memory-bound classes'
+   kernel factors.
 4. `validate` predicts the held-out points with the fitted profile through `costmodel.opcost.op_time`
    and `costmodel.collectives.collective_time` and reports the median absolute % error.
 
@@ -42,6 +45,7 @@ from costmodel.calibration.predict import PointError, predict_comm, predict_kern
 from costmodel.calibration.suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
 from costmodel.calibration.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
 from costmodel.calibration.microbench_compile import CompileSample, compile_cases, compile_factors_json, measure_compile
+from costmodel.calibration.step_factor import apply_step_factor, measure_step
 from costmodel.calibration.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
 from costmodel.profiles import ClusterSpec, cluster_from_dict, user_profile_paths
 from tracer.errors import SoapError
@@ -104,6 +108,9 @@ class Measurements:
     """The optimizer step, concurrency and overlap measurements (`costmodel.calibration.node`)."""
     compile: tuple[CompileSample, ...] = ()
     """Eager against torch.compile per kernel class (`costmodel.calibration.microbench_compile`); empty: not measured."""
+    step: tuple[tuple[str, float], ...] = ()
+    """A profiled training step's kernel seconds by group (`costmodel.calibration.step_factor`; GPU only); empty: not
+    measured."""
 
     @property
     def source(self) -> str:
@@ -144,7 +151,8 @@ def planned_points(config: CalibrationConfig) -> int:
     optimizer = len(OPTIMIZER_QUICK_ELEMENTS if config.quick else OPTIMIZER_SWEEP_ELEMENTS["cuda" if config.device == "cuda" else "cpu"])
     node = 0 if config.quick or config.nproc < 2 else 2
     compiled = 0 if config.quick or not config.compile else len(compile_cases(device=config.device))
-    return (kernels + comms) * config.rounds + 1 + (optimizer > 0) + node + compiled
+    step = 0 if config.quick or config.device != "cuda" else 1
+    return (kernels + comms) * config.rounds + 1 + (optimizer > 0) + node + compiled + step
 
 
 def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda _: None) -> Measurements:
@@ -174,6 +182,9 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         progress("optimizer step")
         compiled = () if config.quick or not config.compile else tuple(
             measure_compile(dev, threads=config.threads, rounds=config.rounds, timing=timing, progress=progress))
+        step = () if config.quick or dev != "cuda" else tuple(measure_step().items())
+        if step:
+            progress("training step")
     finally:
         torch.set_num_threads(old_threads)
     kernels = [Point(name, i, sample) for (name, i), sample in best.items()]
@@ -215,6 +226,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         node=NodeMeasurements(optimizer=optimizer, concurrency=tuple(concurrency), overlap=overlap,
                               call_overhead_s=call_overhead),
         compile=compiled,
+        step=step,
     )
 
 
@@ -282,6 +294,8 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
         device_json["kind"] = "cpu"  # ranks are host processes: `soap execute` runs them without a GPU
     if meas.compile:
         device_json["compile_factors"] = compile_factors_json(meas.compile, source=meas.source)
+    if meas.step:
+        device_json, _ = apply_step_factor(device_json, dict(meas.step), source=meas.source)
     cluster: dict | None = None
     if fit_comms:
         group = max(p.sample.case.group_size for p in meas.comms)
