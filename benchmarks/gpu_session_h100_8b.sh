@@ -10,26 +10,9 @@
 # are in benchmarks/data/h100-2026-11-26/plans; the results landed there too (benchmarks/h100_measured.py).
 #   run: python3 -m pip install ... --target /tmp/site .whl/*.whl .whl-tf/*.whl; bash benchmarks/gpu_session_h100_8b.sh
 set -u
-T0=$SECONDS; DEADLINE=${DEADLINE:-540}
-W=/tmp/gs; mkdir -p "$W"
-export PYTHONUNBUFFERED=1 SOAP_PROFILES_DIR="$W/profiles" SOAP_RUNS_LOG="$W/runs.jsonl"
-pack() { tar czf "$OUT/session.tgz" -C "$W" . 2>/dev/null; cp "$W/steps.txt" "$OUT/" 2>/dev/null; }
-trap pack EXIT
-step() {  # step LABEL SECONDS COMMAND...
-    local label=$1 limit=$2; shift 2
-    local left=$((DEADLINE - (SECONDS - T0)))
-    [ "$left" -lt 25 ] && { echo "$label skipped (no time)" | tee -a "$W/steps.txt"; return; }
-    [ "$limit" -gt "$left" ] && limit=$left
-    local t0=$SECONDS
-    timeout -k 5 "$limit" "$@" >"$W/$label.out" 2>"$W/$label.err"
-    local rc=$?
-    echo "$label rc=$rc $((SECONDS - t0))s (limit $limit)" | tee -a "$W/steps.txt"
-    tail -4 "$W/$label.err"
-}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
-  python3 -c "import torch, transformers, pydantic, ortools; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
-  nproc; free -g | head -2; } >"$W/env.txt" 2>&1
-cat "$W/env.txt"
+DEADLINE=${DEADLINE:-540}
+W=/tmp/gs
+source "$(dirname "$0")/gpu_lib.sh"
 ex() { step "$1" "$2" python3 -m soap execute "benchmarks/data/h100-2026-11-26/plans/$1.plan.json" --steps "$3" --report "$W/$1.run.json" --json; }
 ex 8b4l-eager 70 6
 ex 8b4l-compile 100 8
