@@ -44,7 +44,8 @@ TARGET = "dgx-h100-datasheet"
 FITTED, FITTED_DEVICE = "dgx-h100", "h100-sxm-fitted"  # the shipped default H100 cluster is this fit
 DESCRIPTION = ("NVIDIA DGX/HGX H100: 8 GPUs per node on NVSwitch (NVLink4, NVLS SHARP), 8x400G NDR InfiniBand per node; "
                "dgx-h100-datasheet refitted by soap calibrate --from-runs to the published H100 runs of "
-               "../shared/published-runs (benchmarks/published_runs.py), each fitted number naming its runs")
+               "../shared/published-runs (benchmarks/published_runs.py), each fitted number naming its runs"
+               "; its compute terms are fitted mostly on torchtitan's 500 W H100 96GB HBM2e rows: on a 700 W H100 80GB (2026-11-26) soap's executor ran the 8B's GEMMs 1.6x faster and its memory-bound kernels 2.3x slower than this profile prices, which nearly cancel on an 8B step (docs/benchmarks.md, 'One H100, 2026-11-26'; h100-x1-measured prices them as measured)")
 PLAYBOOK = "nanotron-playbook-1b-h100.json"
 FLOOR_FIT_TP = 2
 """`another_model` fits nanotron's host floor on the rows of tp up to this and judges it on the others."""
