@@ -70,3 +70,21 @@ def test_a_training_step_is_profiled_on_the_gpu():
 
     groups = measure_step(warmup=1)
     assert all(groups[g] > 0 for g in ("gemm", "attention", "optimizer", "memory-bound"))
+
+
+def test_a_step_that_cannot_run_or_be_priced_loses_no_calibration(monkeypatch, capsys, graph):
+    """A GPU calibration spends minutes on kernels before the step: a failing step or pricing only warns."""
+    from costmodel.calibration import calibrate, step_factor
+    from costmodel.calibration.calibrate import CalibrationConfig, fit, measure
+
+    def broken():
+        raise RuntimeError("no CUDA kernels here")
+
+    monkeypatch.setattr(calibrate, "measure_step", broken)
+    assert calibrate._measured_step() == ()
+    monkeypatch.setattr(step_factor, "reference_graph", broken)
+    config = CalibrationConfig(quick=True, nproc=1, rounds=1)
+    meas = dataclasses.replace(measure(config), step=(("memory-bound", 1.0),))
+    device_json = fit(meas, config).device_json
+    assert "training step" not in device_json.get("kernel_factors", {}).get("source", "")
+    assert capsys.readouterr().err.count("warning:") == 2

@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,7 +183,7 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         progress("optimizer step")
         compiled = () if config.quick or not config.compile else tuple(
             measure_compile(dev, threads=config.threads, rounds=config.rounds, timing=timing, progress=progress))
-        step = () if config.quick or dev != "cuda" else tuple(measure_step().items())
+        step = () if config.quick or dev != "cuda" else _measured_step()
         if step:
             progress("training step")
     finally:
@@ -228,6 +229,16 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         compile=compiled,
         step=step,
     )
+
+
+def _measured_step() -> tuple[tuple[str, float], ...]:
+    """`step_factor.measure_step`'s groups; empty, with a warning, where the reference step cannot run (a failed
+    step must not lose the minutes of kernels measured before it)."""
+    try:
+        return tuple(measure_step().items())
+    except Exception as exc:
+        print(f"warning: the training step was not profiled ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return ()
 
 
 def _device_memory(device: str) -> int:
@@ -295,7 +306,10 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
     if meas.compile:
         device_json["compile_factors"] = compile_factors_json(meas.compile, source=meas.source)
     if meas.step:
-        device_json, _ = apply_step_factor(device_json, dict(meas.step), source=meas.source)
+        try:
+            device_json, _ = apply_step_factor(device_json, dict(meas.step), source=meas.source)
+        except Exception as exc:  # the reference model cannot be traced here: the kernels alone are still a profile
+            print(f"warning: the training step's factor was not applied ({type(exc).__name__}: {exc})", file=sys.stderr)
     cluster: dict | None = None
     if fit_comms:
         group = max(p.sample.case.group_size for p in meas.comms)
