@@ -2,17 +2,22 @@
 "One H100" section's errors).
 
     python -m benchmarks.gpu_step_profile gpt2 32 1024 > FILE      # on a CUDA machine
+    python -m benchmarks.gpu_step_profile benchmarks/configs/llama-3-8b-4l.json 1 8192 --compile --json OUT.json
 
 It runs the step the executor runs for a single-rank bf16 plan: fp32 parameters, `torch.autocast(cuda,
 bf16)` around forward and loss, cross-entropy on `logits.float()`, fused AdamW. It prints the median step
 time, the peak allocated memory, the bytes saved for backward by dtype (a `saved_tensors_hooks` count)
-and torch.profiler's top kernels by CUDA time.
+and torch.profiler's top kernels by CUDA time. `--compile` compiles each block in place as the executor does
+(`executor.api.compile_blocks`); `--json` also writes every CUDA kernel of one profiled step (name, microseconds,
+calls) with their sum per group (`costmodel.calibration.step_factor.kernel_groups`), the form
+`benchmarks.h100_measured` reads (benchmarks/data/h100-2026-11-26/step-profile-8b4l.json is one, eager).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
-import sys
+import json
 import time
 
 import torch
@@ -23,8 +28,20 @@ from tracer import build_model, resolve_spec
 
 
 def main() -> None:
-    name, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model", help="preset name or config.json path")
+    parser.add_argument("batch", type=int)
+    parser.add_argument("seq", type=int)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block, as the executor does")
+    parser.add_argument("--json", help="write every kernel of one profiled step and their groups here")
+    args = parser.parse_args()
+    name, batch, seq = args.model, args.batch, args.seq
     model = build_model(resolve_spec(name), device="cuda")
+    if args.compile:
+        from executor.tensor_parallel import all_blocks
+
+        for block in all_blocks(model):
+            block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     saved: collections.Counter[str] = collections.Counter()
@@ -54,13 +71,29 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    print(f"{name} batch {batch} x seq {seq}, bf16 autocast, {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    print(f"{name} batch {batch} x seq {seq}, bf16 autocast{', compiled blocks' if args.compile else ''}, "
+          f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"step {sorted(times)[2]:.4f} s (median of 5); peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     print("saved for backward: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(saved.items())))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    if args.json:
+        from costmodel.calibration.step_factor import kernel_groups
+
+        us: collections.Counter[str] = collections.Counter()
+        calls: collections.Counter[str] = collections.Counter()
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                us[event.name] += event.device_time_total
+                calls[event.name] += 1
+        groups = kernel_groups((n, t * 1e-6) for n, t in us.items())
+        with open(args.json, "w") as out:
+            json.dump({"model": name, "batch": batch, "seq": seq, "compile": args.compile,
+                       "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "step_s": sorted(times)[2], "groups_s": groups, "kernel_total_us": sum(us.values()),
+                       "kernels_us": [[n, round(t, 1), calls[n]] for n, t in us.most_common()]}, out, indent=1)
 
 
 if __name__ == "__main__":
