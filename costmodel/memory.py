@@ -120,7 +120,7 @@ from costmodel.placement import (is_expert, linear_style, moe_blocks, replicated
 from costmodel.profiles import DeviceProfile
 from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
 from tracer.errors import SoapError
-from tracer.ir import OpGraph, OpNode
+from tracer.ir import OpGraph, OpKind, OpNode
 
 WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 6, "bf16": 6, "fp8": 6}
 FROZEN_WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 2}
@@ -222,6 +222,7 @@ def model_state_bytes(
     fsdp: bool = False,
     quantized: int = 0,
     autocast: bool = True,
+    autocast_copied: int | None = None,
 ) -> StateBytes:
     """Weights, gradients and optimizer state for `params` parameters held by one rank before DP sharding
     (the module docstring's table).
@@ -233,7 +234,8 @@ def model_state_bytes(
     offload), where zero 0/1 hold the zero-2 row (FSDP2 without resharding over dp_shard); `autocast`:
     a 16-bit run autocasts its fp32 trainable weights (False for PEFT, `TrainingConfig.peft`: its fp32
     adapters compute in fp32 beside a 16-bit base, so no 16-bit copy of them lives, 4 bytes per element
-    instead of 6 without FSDP)."""
+    instead of 6 without FSDP); `autocast_copied`: the trainable elements autocast copies (`ParamSet.autocast_copied`;
+    None: all), the rest holding their fp32 tensor alone."""
     _check_state_args(precision, optimizer, zero, dp_shard)
     if fsdp and zero < 2:
         zero = 2
@@ -241,13 +243,14 @@ def model_state_bytes(
     frozen_bytes = frozen * FROZEN_WEIGHT_BYTES[precision]
     state_bytes = _model_state_bytes(params, precision=precision, zero=zero, dp_shard=dp_shard, state=state,
                                      offload_optimizer=offload_optimizer, frozen_bytes=frozen_bytes, pipeline=pipeline,
-                                     autocast=autocast)
+                                     autocast=autocast, uncopied=0 if autocast_copied is None else
+                                     max(params - autocast_copied, 0))
     return StateBytes(weights=state_bytes.weights + quantized, grads=state_bytes.grads,
                       optimizer=state_bytes.optimizer, offloaded=state_bytes.offloaded)
 
 
 def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int, state: int, offload_optimizer: bool,
-                       frozen_bytes: int, pipeline: bool, autocast: bool) -> StateBytes:
+                       frozen_bytes: int, pipeline: bool, autocast: bool, uncopied: int = 0) -> StateBytes:
     if offload_optimizer:
         host = math.ceil(params * (FSDP_MASTER_BYTES + FSDP_GRAD_BYTES) / dp_shard) + math.ceil(state / dp_shard)
         gathered = 0 if zero == 3 else params * fsdp_param_bytes(precision)
@@ -266,8 +269,10 @@ def _model_state_bytes(params: int, *, precision: str, zero: int, dp_shard: int,
     def shard(nbytes: int, stage: int) -> int:
         return math.ceil(nbytes / dp_shard) if zero >= stage else nbytes
 
+    held = (params * WEIGHT_BYTES[precision] - uncopied * (WEIGHT_BYTES[precision] - GRAD_BYTES[precision]) if autocast
+            else params * GRAD_BYTES[precision])
     return StateBytes(
-        weights=shard(params * (WEIGHT_BYTES[precision] if autocast else GRAD_BYTES[precision]) + frozen_bytes, 3),
+        weights=shard(held + frozen_bytes, 3),
         grads=shard(params * GRAD_BYTES[precision], 2),
         optimizer=optimizer_local,
         offloaded=0,
@@ -297,6 +302,10 @@ class ParamSet:
     """Trainable elements of the unit with the most (what FSDP reduce-scatters); None: `largest_unit`."""
     largest_quantized: int = 0
     """Elements of the largest 4-bit weight (its dequantized copy is a transient buffer)."""
+    autocast_copied: int | None = None
+    """Trainable elements a 16-bit autocast run holds a 16-bit copy of: the parameters matmuls read (weights,
+    biases; a tied embedding through its LM head); an untied token embedding, norms' weights and the like are
+    read in fp32 and never copied. None: all of `trainable`."""
 
 
 def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert_parallel: int = 1,
@@ -351,7 +360,8 @@ def stage_params(
         degrees = parameter_degrees(ops, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                                     vocab_parallel=vocab_parallel)
     seen: set[str] = set()
-    trainable = frozen = quantized = largest_quantized = 0
+    trainable = frozen = quantized = largest_quantized = copied = 0
+    matmul_read = {p.name for op in ops if op.kind is OpKind.MATMUL for p in op.params}
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
     trainable_units: dict[str | None, int] = {}
@@ -367,6 +377,7 @@ def stage_params(
             if p.trainable:
                 trainable_units[op.block_id] = trainable_units.get(op.block_id, 0) + local
                 trainable += local * count
+                copied += local * count if p.name in matmul_read else 0
                 shape = (math.ceil(p.shape[0] / degree), *p.shape[1:]) if p.shape else ()
                 shapes.extend([shape] * count)
             elif p.dtype in FLOAT_DTYPES:
@@ -376,7 +387,7 @@ def stage_params(
                 largest_quantized = max(largest_quantized, local)
     return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0), quantized_bytes=quantized,
                     largest_quantized=largest_quantized,
-                    largest_trainable_unit=max(trainable_units.values(), default=0))
+                    largest_trainable_unit=max(trainable_units.values(), default=0), autocast_copied=copied)
 
 
 def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False,
@@ -456,6 +467,7 @@ def estimate_memory(
         frozen=params.frozen,
         quantized=params.quantized_bytes,
         autocast=train.peft is None,
+        autocast_copied=params.autocast_copied,
     )
     activations = in_flight_microbatches * activation_bytes(
         ops,

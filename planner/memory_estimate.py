@@ -139,6 +139,7 @@ class MemoryTables:
             largest_quantized=max([alone[u].largest_quantized for u in blocks] + [outside.largest_quantized]),
             largest_trainable_unit=max([alone[u].largest_trainable_unit or 0 for u in blocks]
                                        + [outside.largest_trainable_unit or 0]),
+            autocast_copied=int(sum(counts[u] * _copied(alone[u]) for u in blocks)) + _copied(outside),
         )
 
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
@@ -153,12 +154,13 @@ class MemoryTables:
         same: dict[tuple[int, int, int], object] = {}  # stages holding as many parameters hold as much state
         for s in range(len(bounds) - 1):
             params = self.held(bounds, (s,), tp, ep, vocab, adafactor)
-            key = (params.trainable, params.frozen, params.quantized_bytes)
+            key = (params.trainable, params.frozen, params.quantized_bytes, params.autocast_copied)
             if adafactor or key not in same:
                 same[key] = model_state_bytes(
                     params.trainable, precision=precision, optimizer=optimizer, zero=zero, dp_shard=dp_shard,
                     offload_optimizer=offload, param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
-                    pipeline=pipeline, fsdp=fsdp, quantized=params.quantized_bytes, autocast=autocast)
+                    pipeline=pipeline, fsdp=fsdp, quantized=params.quantized_bytes, autocast=autocast,
+                    autocast_copied=params.autocast_copied)
             state.append(same[key])
         out = []
         for mine in rank_stages(schedule, pp, v):
@@ -202,3 +204,8 @@ def rank_stages(schedule: str, pp: int, v: int) -> tuple[tuple[int, ...], ...]:
     """The stages each pipeline rank runs (`costmodel.schedule.stage_to_rank`), rank by rank."""
     owner = stage_to_rank(schedule, pp, v)
     return tuple(tuple(s for s, r in enumerate(owner) if r == rank) for rank in range(pp))
+
+
+def _copied(params: ParamSet) -> int:
+    """`ParamSet.autocast_copied`, None read as every trainable element."""
+    return params.trainable if params.autocast_copied is None else params.autocast_copied

@@ -36,10 +36,19 @@ def test_traced_parameters_give_exact_state_bytes(name):
     params = stage_params(graph.ops, block_counts={b.id: b.count for b in graph.blocks})
     assert params.trainable == numel
 
+    # autocast copies what matmuls read (Linear / GPT-2's Conv1D weights and biases, a tied embedding through the
+    # LM head), not an untied embedding, position embeddings or norms
+    from transformers.pytorch_utils import Conv1D
+
+    matmul_read = {id(p): p.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))
+                   for p in m.parameters(recurse=False)}
+    assert params.autocast_copied == sum(matmul_read.values()) < numel
+
     train = TrainingConfig(global_batch=1, seq_len=SEQ, precision="bf16", optimizer="adamw")
     est = estimate_memory(graph, device=load_device("h100-sxm"), train=train)
     assert est.grads == 4 * numel and est.optimizer == 8 * numel
-    assert est.weights == 6 * numel + 2 * params.frozen  # frozen float buffers (rotary inv_freq) at 16 bit
+    # fp32 masters, 16-bit copies of what autocast copies, frozen float buffers (rotary inv_freq) at 16 bit
+    assert est.weights == 4 * numel + 2 * params.autocast_copied + 2 * params.frozen
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

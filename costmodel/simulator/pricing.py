@@ -470,7 +470,7 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                               dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
                               pipeline=d.pp > 1, fsdp=fsdp_engine(strategy), quantized=params.quantized_bytes,
-                              autocast=t.peft is None)
+                              autocast=t.peft is None, autocast_copied=params.autocast_copied)
     sp = t.sequence_parallel and d.tp > 1
     hidden = shape.hidden_bytes(d.cp) / (d.tp if sp else 1)
     p2p = pricer.collective("send_recv", hidden, groups.pp_pair) if d.pp > 1 else 0.0
