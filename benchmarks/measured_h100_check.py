@@ -46,7 +46,7 @@ PLAYBOOK = "h100-efa-playbook"
 DGX = "dgx-h100"
 
 
-def _with_device(cluster: str, device: str, folder: Path) -> str:
+def with_device(cluster: str, device: str, folder: Path) -> str:
     """Write `cluster` with `device` under `folder` (a profiles dir); return its name."""
     data = json.loads((ROOT / "profiles" / "clusters" / f"{cluster}.json").read_text())
     name = f"{cluster}--{device}"
@@ -60,7 +60,7 @@ def corpus(device: str, folder: Path) -> dict[tuple[str, str, str], list[float]]
     """Predicted over published tokens/s per GPU, grouped by (source, model, precision)."""
     from executor.validation.external import load_records, predict, prepare
 
-    specs = [f"{CORPUS / name}:{_with_device(cluster, device, folder)}" for name, cluster in FILES]
+    specs = [f"{CORPUS / name}:{with_device(cluster, device, folder)}" for name, cluster in FILES]
     graphs: dict = {}
     out: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for record in load_records(specs, cluster=None):
@@ -78,7 +78,7 @@ def playbook(device: str, folder: Path) -> tuple[list, float, float, float, floa
     from costmodel.profiles import load_cluster
     from executor.validation.grid import graph_key, group_scores, load_grid, price_row
 
-    cluster = load_cluster(_with_device(PLAYBOOK, device, folder))
+    cluster = load_cluster(with_device(PLAYBOOK, device, folder))
     ran, _ = load_grid(GRID, cluster=cluster.name)
     graphs: dict = {}
     priced = [price_row(r, cluster, graphs=graphs) for r in ran]
@@ -98,7 +98,7 @@ def playbook(device: str, folder: Path) -> tuple[list, float, float, float, floa
 def reference_plans(device: str, folder: Path) -> list[str]:
     from planner.api import plan
 
-    cluster = _with_device(DGX, device, folder)
+    cluster = with_device(DGX, device, folder)
     cells = []
     for gpus in (8, 64):
         p = plan("llama-3-8b", gpus=gpus, cluster=cluster, precision="bf16")

@@ -40,3 +40,19 @@ def test_the_step_factor_prices_the_profiled_step_as_measured_and_stays_physical
         assert after[group] == pytest.approx(measured[group], rel=0.2)
     factors = device["kernel_factors"]["factors"]
     assert all(f"{kind}/bf16" in factors for kind in MEMORY_BOUND)
+
+
+def test_a_runs_log_is_repredicted_with_either_devices_compute_and_the_profile_folder_restored(monkeypatch, tmp_path):
+    """benchmarks/profile_choice: swapping a cluster's device for the one it already has changes no prediction,
+    swapping the default's for the measured one changes them; the user's profile folder is left as it was."""
+    import os
+
+    from benchmarks.profile_choice import compare
+
+    monkeypatch.setenv("SOAP_PROFILES_DIR", str(tmp_path))
+    log = str(DATA.parent / "h100-runs-8b-shapes.jsonl")
+    same = compare(log, "h100-x1-measured")
+    assert len(same) == 6 and all(a == pytest.approx(b) for _, _, a, b in same)
+    swapped = compare(log, "dgx-h100")
+    assert all(a != pytest.approx(b) for _, _, a, b in swapped)
+    assert os.environ["SOAP_PROFILES_DIR"] == str(tmp_path) and not any(tmp_path.iterdir())
