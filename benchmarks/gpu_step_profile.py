@@ -80,15 +80,14 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     if args.json:
-        from costmodel.calibration.step_factor import kernel_groups
+        from costmodel.calibration.step_factor import cuda_kernels, kernel_groups
 
+        kernels = cuda_kernels(prof)
         us: collections.Counter[str] = collections.Counter()
-        calls: collections.Counter[str] = collections.Counter()
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                us[event.name] += event.device_time_total
-                calls[event.name] += 1
-        groups = kernel_groups((n, t * 1e-6) for n, t in us.items())
+        calls = collections.Counter(name for name, _ in kernels)
+        for name, seconds in kernels:
+            us[name] += seconds * 1e6
+        groups = kernel_groups(kernels)
         with open(args.json, "w") as out:
             json.dump({"model": name, "batch": batch, "seq": seq, "compile": args.compile,
                        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,

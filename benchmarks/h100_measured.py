@@ -60,9 +60,8 @@ def kernel_groups(profile: dict) -> dict[str, float]:
     return groups((name, us * 1e-6) for name, us, _calls in profile["kernels_us"])
 
 
-def priced_groups(device_json: dict) -> dict[str, float]:
-    """What `device_json` prices one micro-batch of `PROFILED_RUN` at, per group (forward and backward)."""
-    from costmodel.calibration.step_factor import priced_groups as priced
+def profiled_graph(device_json: dict) -> object:
+    """`PROFILED_RUN`'s plan traced as it ran (on `device_json`'s regime; the graph does not depend on its rates)."""
     from costmodel.profiles import cluster_from_dict
     from executor.runs_log import read_runs
     from executor.validation.refit import trace_plan_model
@@ -70,16 +69,29 @@ def priced_groups(device_json: dict) -> dict[str, float]:
 
     record = next(r for r in read_runs(str(DATA.parent / "h100-runs-8b-shapes.jsonl"))
                   if r["name"].removesuffix(".plan") == PROFILED_RUN)
-    cluster_json = json.loads((ROOT / "profiles" / "clusters" / "h100-x1-measured.json").read_text())
-    cluster = cluster_from_dict({**cluster_json, "device": device_json})
-    return priced(trace_plan_model(plan_from_dict(record["plan"]), cluster), cluster.device, micro_batch=1)
+    return trace_plan_model(plan_from_dict(record["plan"]), cluster_from_dict({**_cluster_json(), "device": device_json}))
 
 
-def build() -> tuple[dict, dict[str, float], dict[str, float], float]:
-    """The profile, the profiled step's measured groups, their price before the step factor, and the factor."""
+def priced_groups(device_json: dict, graph: object = None) -> dict[str, float]:
+    """What `device_json` prices one micro-batch of `PROFILED_RUN` at, per group (forward and backward)."""
+    from costmodel.calibration.step_factor import priced_groups as priced
+    from costmodel.profiles_json import device_from_json
+
+    graph = profiled_graph(device_json) if graph is None else graph
+    return priced(graph, device_from_json(device_json, PROFILE.stem), micro_batch=1)
+
+
+def _cluster_json() -> dict:
+    return json.loads((ROOT / "profiles" / "clusters" / "h100-x1-measured.json").read_text())
+
+
+def unstepped() -> dict:
+    """The profile before its step factor: calibrate's output with the fused AdamW, the allocator reserve and the
+    host floor measured on the same GPU."""
+    from statistics import median
+
     from benchmarks.gpu_repredict import HOST_SOURCE, host_floor
     from costmodel.calibration.node import OptimizerSample, optimizer_factor_points
-    from costmodel.calibration.step_factor import solve_step_factor, with_step_factor
 
     device = json.loads((DATA / "calibrate-output.json").read_text())
     adamw = [r for r in json.loads((DATA / "adamw-fused.json").read_text())
@@ -91,19 +103,10 @@ def build() -> tuple[dict, dict[str, float], dict[str, float], float]:
                   + ") (benchmarks/data/h100-2026-11-26/adamw-fused.json), over the one-pass "
                   "estimate at this profile's memory curve",
         "factors": optimizer_factor_points(samples, device)}
-    measured = kernel_groups(json.loads((DATA / "step-profile-8b4l.json").read_text()))
-    priced = priced_groups(device)
-    k = solve_step_factor(lambda f: priced_groups(with_step_factor(device, f, ""))["memory-bound"], measured["memory-bound"])
-    device = with_step_factor(device, k, (
-        f"a step's memory-bound kernels over calibrate's price of the same ops: {measured['memory-bound'] * 1e3:.1f} ms "
-        f"measured by torch.profiler in one eager bf16 step of four Llama-3-8B layers at 1 x 8,192 tokens on this H100 "
-        f"(benchmarks/data/h100-2026-11-26/step-profile-8b4l.json) over {priced['memory-bound'] * 1e3:.1f} ms priced "
-        f"(benchmarks/h100_measured.py)"))
     runs = [json.loads(p.read_text()) for p in sorted(DATA.glob("*.run.json"))]
     gaps = sorted(r["peak_memory_reserved_gib"] / r["peak_memory_allocated_gib"] - 1 for r in runs)
-    median = (gaps[len(gaps) // 2 - 1] + gaps[len(gaps) // 2]) / 2 if len(gaps) % 2 == 0 else gaps[len(gaps) // 2]
     device["allocator_reserve_fraction"] = {
-        "value": round(median, 4),
+        "value": round(median(gaps), 4),
         "source": f"median max_memory_reserved / max_memory_allocated - 1 of {len(runs)} soap execute runs on this H100 "
                   f"(benchmarks/data/h100-runs-8b-shapes.jsonl: Llama 3.2 1B and four Llama-3-8B layers, eager and "
                   f"compiled, recompute none/selective/full, 8k and 16k tokens; {100 * gaps[0]:.1f}% to "
@@ -116,7 +119,23 @@ def build() -> tuple[dict, dict[str, float], dict[str, float], float]:
         "with its fused AdamW, a step's memory-bound kernels and soap's executor's host floor measured on the same GPU "
         "(benchmarks/h100_measured.py). memory_bandwidth_gbps is the fastest copy of the sweep, an L2-resident size "
         "(6-25 MB; the L2 is 50 MB); at 400 MB copies bandwidth x efficiency is 3.10 TB/s, under the 3.35 TB/s datasheet")
-    return device, measured, priced, k
+    return device
+
+
+def build(base: dict | None = None) -> tuple[dict, dict[str, float], dict[str, float], float]:
+    """The profile (`base`, default `unstepped()`, with the profiled step's factor), the profiled step's measured
+    groups, their price before the step factor, and the factor."""
+    from costmodel.calibration.step_factor import apply_step_factor
+
+    base = unstepped() if base is None else base
+    graph = profiled_graph(base)
+    measured = kernel_groups(json.loads((DATA / "step-profile-8b4l.json").read_text()))
+    device, k = apply_step_factor(
+        base, measured, graph=graph, micro_batch=1,
+        step="one eager step of four Llama-3-8B layers at 1 x 8,192 tokens, "
+             "benchmarks/data/h100-2026-11-26/step-profile-8b4l.json",
+        source="measured by torch.profiler on this H100, 2026-11-26 (benchmarks/h100_measured.py)")
+    return device, measured, priced_groups(base, graph), k
 
 
 MODEL_OF = (("8b4l", "Llama-3-8B, 4 layers"), ("1b", "Llama 3.2 1B"), ("llama", "small Llama"), ("bert", "BERT-large"),
@@ -127,7 +146,7 @@ STEP_FACTOR_RANGE = (1.0, 3.3)
 faster than the microbenchmarks' kernels."""
 
 
-def leave_model_out() -> list[tuple[str, str, float, float, float]]:
+def leave_model_out(base: dict | None = None) -> list[tuple[str, str, float, float, float]]:
     """Soap's own H100 runs, each model predicted with the step factor fitted on the other models' runs (their step
     times, golden-section on the squared log error) instead of the profiled 8B step: (run, model, measured step,
     the factor fitted without the model, predicted step). The host floor stays the one fitted on every run (it
@@ -141,14 +160,13 @@ def leave_model_out() -> list[tuple[str, str, float, float, float]]:
     from executor.validation.refit import simulate_on, trace_plan_model
     from planner.plan import plan_from_dict
 
-    device, measured, priced, shipped_k = build()
-    cluster_json = json.loads((ROOT / "profiles" / "clusters" / "h100-x1-measured.json").read_text())
-    base = with_step_factor(device, 1 / shipped_k, "undone")  # the profile before its step factor
+    base = unstepped() if base is None else base
+    cluster_json = _cluster_json()
     records = runs()
     names = [r["name"].removesuffix(".plan") for r in records]
     models = [next(label for prefix, label in MODEL_OF if n.startswith(prefix)) for n in names]
     plans = [plan_from_dict(r["plan"]) for r in records]
-    graphs = [trace_plan_model(p, cluster_from_dict({**cluster_json, "device": device})) for p in plans]
+    graphs = [trace_plan_model(p, cluster_from_dict({**cluster_json, "device": base})) for p in plans]
     cache: dict[float, list[float]] = {}
 
     def steps(x: float) -> list[float]:
@@ -178,10 +196,11 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print, but write neither the profile nor docs")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    device, measured, priced, k = build()
+    base = unstepped()
+    device, measured, priced, k = build(base)
     if not args.dry_run:
         PROFILE.write_text(json.dumps(device, indent=2) + "\n")
-    held = leave_model_out()
+    held = leave_model_out(base)
     lines = ["`benchmarks/h100_measured.py` builds `h100-x1-measured` from the lent H100's measurements of 2026-11-26 "
              "(module docstring). One eager micro-batch of four Llama-3-8B layers at 1 x 8,192 tokens, torch.profiler "
              "against calibrate's price of the same ops:", "",

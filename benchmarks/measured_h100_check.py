@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,6 +46,22 @@ FILES = (("torchtitan-llama3-8b-h100.json", "grand-teton-h100"), ("nvidia-dgxc-8
 DEVICES = {"h100-sxm-fitted": "default (`h100-sxm-fitted`)", "h100-x1-measured": "measured (`h100-x1-measured`)"}
 PLAYBOOK = "h100-efa-playbook"
 DGX = "dgx-h100"
+
+
+@contextmanager
+def swap_folder() -> Iterator[Path]:
+    """A temporary profiles folder for `with_device`'s clusters, `$SOAP_PROFILES_DIR` while in use (the shipped
+    devices are found behind it), the variable restored after."""
+    previous = os.environ.get("SOAP_PROFILES_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SOAP_PROFILES_DIR"] = tmp
+        try:
+            yield Path(tmp)
+        finally:
+            if previous is None:
+                os.environ.pop("SOAP_PROFILES_DIR", None)
+            else:
+                os.environ["SOAP_PROFILES_DIR"] = previous
 
 
 def with_device(cluster: str, device: str, folder: Path) -> str:
@@ -118,9 +136,7 @@ def main() -> None:
     from executor.validation.grid import geometric_mean
 
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["SOAP_PROFILES_DIR"] = tmp  # the swapped clusters; shipped devices are found behind them
-        folder = Path(tmp)
+    with swap_folder() as folder:
         rows = {d: corpus(d, folder) for d in DEVICES}
         grids = {d: playbook(d, folder) for d in DEVICES}
         plans = {d: reference_plans(d, folder) for d in DEVICES}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,27 +29,19 @@ MEASURED_DEVICE = "h100-x1-measured"
 
 def compare(log: str, cluster: str) -> list[tuple[str, float, float, float]]:
     """(run, measured step, predicted on `cluster`, predicted with the measured device) for each run of `log`."""
-    from benchmarks.measured_h100_check import with_device
+    from benchmarks.measured_h100_check import swap_folder, with_device
     from costmodel.profiles import load_cluster
     from executor.runs_log import read_runs
     from executor.validation.refit import simulate_on, trace_plan_model
     from planner.plan import plan_from_dict
 
+    with swap_folder() as folder:
+        profiles = (load_cluster(cluster), load_cluster(with_device(cluster, MEASURED_DEVICE, folder)))
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        previous = os.environ.get("SOAP_PROFILES_DIR")
-        os.environ["SOAP_PROFILES_DIR"] = tmp
-        try:
-            profiles = (load_cluster(cluster), load_cluster(with_device(cluster, MEASURED_DEVICE, Path(tmp))))
-        finally:
-            if previous is None:
-                os.environ.pop("SOAP_PROFILES_DIR")
-            else:
-                os.environ["SOAP_PROFILES_DIR"] = previous
-        for record in read_runs(log):
-            plan = plan_from_dict(record["plan"])
-            steps = [simulate_on(plan, trace_plan_model(plan, c), c).step_time_s for c in profiles]
-            out.append((record["name"].removesuffix(".plan"), record["step_time_s"], *steps))
+    for record in read_runs(log):
+        plan = plan_from_dict(record["plan"])
+        steps = [simulate_on(plan, trace_plan_model(plan, c), c).step_time_s for c in profiles]
+        out.append((record["name"].removesuffix(".plan"), record["step_time_s"], *steps))
     return out
 
 

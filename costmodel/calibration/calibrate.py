@@ -149,10 +149,11 @@ def planned_points(config: CalibrationConfig) -> int:
     """How many measurements `measure` makes (for a progress bar)."""
     kernels = sum(len(s.cases) for s in kernel_sweeps(config.device, quick=config.quick))
     comms = sum(len(s.cases) for s in comm_sweeps(config.nproc, quick=config.quick))
-    optimizer = len(OPTIMIZER_QUICK_ELEMENTS if config.quick else OPTIMIZER_SWEEP_ELEMENTS["cuda" if config.device == "cuda" else "cpu"])
+    kind = "cuda" if config.device == "cuda" else "cpu"
+    optimizer = len(OPTIMIZER_QUICK_ELEMENTS if config.quick else OPTIMIZER_SWEEP_ELEMENTS[kind])
     node = 0 if config.quick or config.nproc < 2 else 2
     compiled = 0 if config.quick or not config.compile else len(compile_cases(device=config.device))
-    step = 0 if config.quick or config.device != "cuda" else 1
+    step = 0 if config.quick or kind != "cuda" else 1
     return (kernels + comms) * config.rounds + 1 + (optimizer > 0) + node + compiled + step
 
 

@@ -78,16 +78,28 @@ def with_step_factor(device_json: dict, k: float, source: str) -> dict:
     return out
 
 
-def reference_graph() -> Any:
-    """`REFERENCE` traced at its batch and sequence in the executor's bf16 autocast regime."""
+def reference_config() -> Any:
+    """`REFERENCE` as a transformers config."""
     from transformers import AutoConfig
 
+    fields = dict(REFERENCE)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def reference_graph() -> Any:
+    """`REFERENCE` traced at its batch and sequence in the executor's bf16 autocast regime."""
     import tracer
 
-    fields = dict(REFERENCE)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return tracer.trace(config, task="causal-lm", seq_len=REFERENCE_SEQ, batch=REFERENCE_BATCH,
+    return tracer.trace(reference_config(), task="causal-lm", seq_len=REFERENCE_SEQ, batch=REFERENCE_BATCH,
                         dtype="autocast-bfloat16")
+
+
+def cuda_kernels(prof: Any) -> list[tuple[str, float]]:
+    """(name, seconds) of every CUDA kernel a torch.profiler run recorded, one entry per launch."""
+    import torch
+
+    return [(e.name, e.device_time_total * 1e-6) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def measure_step(warmup: int = 3) -> dict[str, float]:
@@ -95,13 +107,10 @@ def measure_step(warmup: int = 3) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoConfig
 
     import tracer
 
-    fields = dict(REFERENCE)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    model = tracer.build_model(tracer.resolve_spec(config, task="causal-lm"), device="cuda")
+    model = tracer.build_model(tracer.resolve_spec(reference_config(), task="causal-lm"), device="cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, REFERENCE["vocab_size"], (REFERENCE_BATCH, REFERENCE_SEQ), device="cuda")
 
@@ -120,28 +129,30 @@ def measure_step(warmup: int = 3) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    kernels = [(e.name, e.device_time_total * 1e-6) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
     del model, optimizer
     torch.cuda.empty_cache()
-    return kernel_groups(kernels)
+    return kernel_groups(cuda_kernels(prof))
 
 
-def apply_step_factor(device_json: dict, measured: dict[str, float], *, source: str,
-                      graph: Any = None) -> tuple[dict, float]:
-    """`device_json` with the step factor of a profiled `REFERENCE` step (`measured`, seconds by group), and k."""
+def apply_step_factor(device_json: dict, measured: dict[str, float], *, source: str, graph: Any = None,
+                      micro_batch: int = REFERENCE_BATCH,
+                      step: str = "REFERENCE of costmodel.calibration.step_factor") -> tuple[dict, float]:
+    """`device_json` with the step factor of a profiled step (`measured`, seconds by group), and k: by default the
+    `REFERENCE` step calibrate runs; another profiled step passes its `graph`, `micro_batch` and what it was."""
+    import functools
+
     from costmodel.profiles_json import device_from_json
 
     graph = reference_graph() if graph is None else graph
 
+    @functools.cache
     def price(k: float) -> float:
         scaled = with_step_factor(device_json, k, "") if k != 1 else device_json
-        return priced_groups(graph, device_from_json(scaled, "calibrated device"), REFERENCE_BATCH)["memory-bound"]
+        return priced_groups(graph, device_from_json(scaled, "calibrated device"), micro_batch)["memory-bound"]
 
     k = solve_step_factor(price, measured["memory-bound"])
     note = (f"a profiled bf16 training step's memory-bound kernels ({measured['memory-bound'] * 1e3:.1f} ms; "
-            f"REFERENCE of costmodel.calibration.step_factor) over this profile's price of the same ops "
-            f"({price(1.0) * 1e3:.1f} ms), {source}")
+            f"{step}) over this profile's price of the same ops ({price(1.0) * 1e3:.1f} ms), {source}")
     return with_step_factor(device_json, k, note), k
 
 
