@@ -11,7 +11,10 @@ on the CPU), gathered; `peak_memory_gib` is their max. On CUDA the caching alloc
 and, at the end, measured against predicted. A `Watchdog` (`executor.watchdog`) is told each activity
 (building the model, a micro-batch, a pipeline action, the optimizer step, a collective) so that a rank
 that stops making progress is named with what it waited on. With `save_hf` the trained model is written
-after the last step as a transformers directory (`executor.hf_export`).
+after the last step as a transformers directory (`executor.hf_export`). With `memory_snapshot` (CUDA) the
+caching allocator's history of one steady step (the second run, after compilation and the optimizer's first
+states) is written per rank as `rank{R}.pickle`, the file https://pytorch.org/memory_viz draws and
+`benchmarks.memory_snapshot_peak` reads (torchtitan's `enable_memory_snapshot`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class RunConfig:
     """With `save_hf` and a PEFT plan: also write the model with its adapters merged (`DIR/merged`)."""
     progress: bool = True
     """Show the progress bar (rank 0, stderr)."""
+    memory_snapshot: str | None = None
+    """A directory: record the CUDA caching allocator's history (with Python stacks) over one steady step and
+    write it there as `rank{R}.pickle`; None: don't. Ignored off CUDA, with a note on stderr."""
     timeout_s: float | None = None
     """Seconds a rank may go without progress inside a step before the run is ended (the setup and the
     first step get at least `executor.watchdog.WARMUP_S`); None: derived from the plan's predicted step
@@ -163,10 +169,12 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
         print(f"data: synthetic token ids (seed {config.seed}); pass --data FILE or --dataset PATH --tokenizer DIR "
               "to train on text", file=sys.stderr)
     with _progress(config.progress and dist.get_rank() == 0, config.steps, start, tokens) as advance:
+        snapshot_step = min(start + 1, config.steps - 1) if config.memory_snapshot else None
         for step in range(start, config.steps):
             begin = _now(device)
-            loss = train_step(parallel, optimizers, loss_fn, source.batch_for_step(step), slicer, device,
-                              watch=_StepWatch(watch, step, first=step == start))
+            with _memory_snapshot(config.memory_snapshot if step == snapshot_step else None, device):
+                loss = train_step(parallel, optimizers, loss_fn, source.batch_for_step(step), slicer, device,
+                                  watch=_StepWatch(watch, step, first=step == start))
             times.append(_now(device) - begin)
             losses.append(loss)
             advance(step, loss, times[-1])
@@ -295,6 +303,29 @@ def _reduce_partial_grads(params: list) -> None:
         grad = param.grad
         if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
             param.grad = grad.redistribute(grad.device_mesh, param.placements)
+
+
+@contextlib.contextmanager
+def _memory_snapshot(directory: str | None, device: torch.device):
+    """Record the caching allocator's alloc/free history with Python stacks while the block runs, then
+    write it to `directory/rank{R}.pickle` (nothing without a directory; a note off CUDA)."""
+    if directory is None:
+        yield
+        return
+    if device.type != "cuda":
+        if dist.get_rank() == 0:
+            print("--memory-snapshot: the allocator history is CUDA's; this run is on the CPU, nothing written",
+                  file=sys.stderr)
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=500_000, context="alloc", stacks="python")
+    try:
+        yield
+        torch.cuda.synchronize(device)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(Path(directory) / f"rank{dist.get_rank()}.pickle"))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _now(device: torch.device) -> float:

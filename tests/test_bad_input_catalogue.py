@@ -156,6 +156,8 @@ CASES = [
     Case("corrupt checkpoint", lambda t: _execute(t, "--resume", "--checkpoint-dir", _corrupt_checkpoint(t)),
          ("corrupt", "step-00000004")),
     Case("--resume without --checkpoint-dir", lambda t: _execute(t, "--resume"), ("--checkpoint-dir",)),
+    Case("--memory-snapshot names a file", lambda t: _execute(t, "--memory-snapshot", _write(t / "snap", "x")),
+         ("--memory-snapshot", "not a directory")),
     # models
     Case("architecture the tracer cannot capture",
          lambda t: ["trace", _config(t, num_key_value_heads=3), "--seq-len", "16", "--no-cache"],

@@ -122,6 +122,25 @@ def test_training_on_synthetic_tokens_says_so(single_process_group, tmp_path, ca
                                         "--tokenizer DIR to train on text"])
 
 
+def test_memory_snapshot_records_one_steady_step_on_cuda_and_says_so_on_cpu(single_process_group, tmp_path,
+                                                                            capsys, monkeypatch):
+    import executor.train as train_module
+    from executor.train import RunConfig, train
+
+    train(make_plan("llama"), RunConfig(steps=2, progress=False, memory_snapshot=str(tmp_path / "snap")))
+    assert "--memory-snapshot: the allocator history is CUDA's" in capsys.readouterr().err
+    assert not (tmp_path / "snap").exists()
+    # on CUDA: the allocator's history recorded around the block, written as rank0.pickle, then switched off
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(("record", k)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    with train_module._memory_snapshot(str(tmp_path / "snap"), torch.device("cuda")):
+        pass
+    assert [c[0] for c in calls] == ["record", "dump", "record"]
+    assert calls[1][1] == str(tmp_path / "snap" / "rank0.pickle") and calls[2][1] == {"enabled": None}
+
+
 def test_fsdp2_on_a_head_with_a_bias_trains_without_warnings(single_process_group):
     import warnings
 

@@ -10,6 +10,7 @@
     soap execute plan.json --dataset corpus.jsonl --tokenizer tok/  # tokenized, packed and cached once
     soap execute plan.json --save-hf trained/           # then AutoModelForCausalLM.from_pretrained("trained/")
     soap execute plan.json --timeout 120                 # end a stuck run after 2 minutes without progress
+    soap execute plan.json --memory-snapshot snap/       # CUDA allocator history of one step: snap/rank0.pickle
 
 Progress and the measured-vs-predicted summary go to stderr; the run report is written as JSON
 (`--report`, default `<plan>.run.json`); `--json` prints one object on stdout: losses, step_time_s,
@@ -56,6 +57,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="end the run when a rank makes no progress for this long inside a step, naming what "
                         "it waited on (default: 20x the plan's predicted step time, at least 60 s; the setup "
                         "and the first step get at least 300 s)")
+    p.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                   help="CUDA: record the caching allocator's history over one steady step (the second) and write "
+                        "DIR/rank{R}.pickle, drawn by https://pytorch.org/memory_viz (as torchtitan's "
+                        "enable_memory_snapshot); a note and nothing written on the CPU")
     add_launch_flags(p)
     return p
 
@@ -138,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         check_writable_dir(args.checkpoint_dir, what="--checkpoint-dir")
     if args.save_hf:
         check_writable_dir(args.save_hf, what="--save-hf")
+    if args.memory_snapshot:
+        check_writable_dir(args.memory_snapshot, what="--memory-snapshot")
     if args.merge and (not args.save_hf or plan.model.peft is None):
         raise SoapError("--merge folds a PEFT plan's adapters into its base when saving: it needs --save-hf DIR "
                         "and a plan made with --peft")
@@ -163,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     config = RunConfig(steps=args.steps, seed=args.seed, lr=args.lr, data=data, weights=args.weights,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, save_hf=args.save_hf, merge=args.merge, progress=True,
-                       timeout_s=args.timeout)
+                       memory_snapshot=args.memory_snapshot, timeout_s=args.timeout)
     result = run_plan(plan, config, launch)
     if result is None:  # not global rank 0
         return 0
