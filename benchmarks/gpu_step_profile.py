@@ -84,9 +84,9 @@ def main() -> None:
 
         kernels = cuda_kernels(prof)
         us: collections.Counter[str] = collections.Counter()
-        calls = collections.Counter(name for name, _ in kernels)
-        for name, seconds in kernels:
-            us[name] += seconds * 1e6
+        calls = collections.Counter(kernel for kernel, _ in kernels)
+        for kernel, seconds in kernels:
+            us[kernel] += seconds * 1e6
         groups = kernel_groups(kernels)
         with open(args.json, "w") as out:
             json.dump({"model": name, "batch": batch, "seq": seq, "compile": args.compile,

@@ -41,6 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "h100-2026-11-26"
+COMPILED_DATA = ROOT / "benchmarks" / "data" / "h100-2026-11-26b"
+"""The second lent H100 of that day (`benchmarks/gpu_session_h100_compile.sh`): the compiled
+step's profile and the 16k run's memory snapshots."""
 PROFILE = ROOT / "profiles" / "devices" / "h100-x1-measured.json"
 PROFILED_RUN = "8b4l-eager"
 """The `soap execute` run whose model, sequence and micro-batch the profiled step ran (one micro-batch of it)."""
@@ -123,19 +126,36 @@ def unstepped() -> dict:
 
 
 def build(base: dict | None = None) -> tuple[dict, dict[str, float], dict[str, float], float]:
-    """The profile (`base`, default `unstepped()`, with the profiled step's factor), the profiled step's measured
-    groups, their price before the step factor, and the factor."""
-    from costmodel.calibration.step_factor import apply_step_factor
+    """The profile (`base`, default `unstepped()`, with the profiled step's factor and the compiled step's compile
+    factor), the profiled step's measured groups, their price before the step factor, and the step factor."""
+    device, measured, priced, k, _ = build_compiled(base)
+    return device, measured, priced, k
+
+
+def build_compiled(base: dict | None = None) -> tuple[dict, dict[str, float], dict[str, float], float, dict]:
+    """`build`'s four, and what the compiled step says: its measured groups, their price with the step factor
+    and the calibrated compile chains (`priced_before`), with the compile factor (`priced_after`), and `k_c`."""
+    from costmodel.calibration.step_factor import apply_compile_factor, apply_step_factor
+    from costmodel.calibration.step_factor import priced_groups as priced
+    from costmodel.profiles_json import device_from_json
 
     base = unstepped() if base is None else base
     graph = profiled_graph(base)
     measured = kernel_groups(json.loads((DATA / "step-profile-8b4l.json").read_text()))
-    device, k = apply_step_factor(
+    stepped, k = apply_step_factor(
         base, measured, graph=graph, micro_batch=1,
         step="one eager step of four Llama-3-8B layers at 1 x 8,192 tokens, "
              "benchmarks/data/h100-2026-11-26/step-profile-8b4l.json",
         source="measured by torch.profiler on this H100, 2026-11-26 (benchmarks/h100_measured.py)")
-    return device, measured, priced_groups(base, graph), k
+    compiled = kernel_groups(json.loads((COMPILED_DATA / "step-profile-compile.json").read_text()))
+    device, k_c = apply_compile_factor(
+        stepped, compiled, graph=graph, micro_batch=1,
+        step="the same step with each block torch.compiled, benchmarks/data/h100-2026-11-26b/step-profile-compile.json",
+        source="measured by torch.profiler on a lent H100 80GB HBM3, 2026-11-26 (benchmarks/h100_measured.py)")
+    check = {"measured": compiled, "k_c": k_c,
+             "priced_before": priced(graph, device_from_json(stepped, PROFILE.stem), 1, compile=True),
+             "priced_after": priced(graph, device_from_json(device, PROFILE.stem), 1, compile=True)}
+    return device, measured, priced_groups(base, graph), k, check
 
 
 MODEL_OF = (("8b4l", "Llama-3-8B, 4 layers"), ("1b", "Llama 3.2 1B"), ("llama", "small Llama"), ("bert", "BERT-large"),
@@ -146,16 +166,16 @@ STEP_FACTOR_RANGE = (1.0, 3.3)
 faster than the microbenchmarks' kernels."""
 
 
-def leave_model_out(base: dict | None = None) -> list[tuple[str, str, float, float, float]]:
+def leave_model_out(base: dict | None = None, compile_k: float = 1.0) -> list[tuple[str, str, float, float, float]]:
     """Soap's own H100 runs, each model predicted with the step factor fitted on the other models' runs (their step
     times, golden-section on the squared log error) instead of the profiled 8B step: (run, model, measured step,
     the factor fitted without the model, predicted step). The host floor stays the one fitted on every run (it
-    binds only on the small Llama's runs)."""
+    binds only on the small Llama's runs); the compile factor is `compile_k`, the profiled compiled step's."""
     import math
 
     from benchmarks.gpu_repredict import runs
     from costmodel.calibration.fit import golden_section
-    from costmodel.calibration.step_factor import with_step_factor
+    from costmodel.calibration.step_factor import with_compile_factor, with_step_factor
     from costmodel.profiles import cluster_from_dict
     from executor.validation.refit import simulate_on, trace_plan_model
     from planner.plan import plan_from_dict
@@ -171,7 +191,8 @@ def leave_model_out(base: dict | None = None) -> list[tuple[str, str, float, flo
 
     def steps(x: float) -> list[float]:
         if x not in cache:
-            cluster = cluster_from_dict({**cluster_json, "device": with_step_factor(base, math.exp(x), "fitted")})
+            device = with_compile_factor(with_step_factor(base, math.exp(x), "fitted"), compile_k, "profiled")
+            cluster = cluster_from_dict({**cluster_json, "device": device})
             cache[x] = [simulate_on(p, g, cluster).step_time_s for p, g in zip(plans, graphs)]
         return cache[x]
 
@@ -197,16 +218,25 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     base = unstepped()
-    device, measured, priced, k = build(base)
+    device, measured, priced, k, compiled = build_compiled(base)
     if not args.dry_run:
         PROFILE.write_text(json.dumps(device, indent=2) + "\n")
-    held = leave_model_out(base)
+    held = leave_model_out(base, compiled["k_c"])
     lines = ["`benchmarks/h100_measured.py` builds `h100-x1-measured` from the lent H100's measurements of 2026-11-26 "
              "(module docstring). One eager micro-batch of four Llama-3-8B layers at 1 x 8,192 tokens, torch.profiler "
              "against calibrate's price of the same ops:", "",
              "| kernels | measured | priced by calibrate's microbenchmarks |", "|---|---:|---:|"]
     lines += [f"| {g} | {measured[g] * 1e3:.1f} ms | {priced[g] * 1e3:.1f} ms |" for g in ("gemm", "attention", "memory-bound")]
     lines += [f"| optimizer (fused AdamW) | {measured['optimizer'] * 1e3:.1f} ms | (from the AdamW sweep) |", "",
+              "The same step with each block compiled (`executor.api.compile_blocks`; the embedding, LM head and loss "
+              "eager), torch.profiler on the second lent H100 of the day, against the price with the step factor and "
+              "calibrate's compile chains, then with the compile factor k_c solved on it "
+              "(`costmodel.calibration.step_factor.apply_compile_factor`):", "",
+              "| kernels | measured | priced, chains | priced, k_c |", "|---|---:|---:|---:|"]
+    lines += [f"| {g} | {compiled['measured'][g] * 1e3:.1f} ms | {compiled['priced_before'][g] * 1e3:.1f} ms | "
+              f"{compiled['priced_after'][g] * 1e3:.1f} ms |" for g in ("gemm", "attention", "memory-bound")]
+    lines += ["", f"k_c = {compiled['k_c']:.2f}: in a block Inductor fuses across classes, so a step's compiled "
+              "kernels beat the one-class chains. Outside the blocks nothing is compiled and nothing is discounted.", "",
               f"Step factor on the memory-bound classes: k = {k:.2f}. Leave one model out: each model's runs predicted "
               "with k fitted on the other models' step times instead (host floor as fitted on every run):", "",
               "| run | model | measured step | k without the model | predicted | error |", "|---|---|---:|---:|---:|---:|"]

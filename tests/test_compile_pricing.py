@@ -28,8 +28,8 @@ TINY_GPT2 = {
 X = TensorMeta((4096, 1024), "float32", (DimRole.SAMPLE, DimRole.NONE))
 
 
-def _op(kind: OpKind, target: str, flops: int = 0) -> OpNode:
-    return OpNode(name="op", kind=kind, target=target, module_fqn="m", block_id=None, inputs=(X,), outputs=(X,),
+def _op(kind: OpKind, target: str, flops: int = 0, block_id: str | None = "model.layers") -> OpNode:
+    return OpNode(name="op", kind=kind, target=target, module_fqn="m", block_id=block_id, inputs=(X,), outputs=(X,),
                   params=(), fwd_flops=flops, bwd_flops=2 * flops, bytes_moved=2 * X.nbytes, saved=(X,), attrs={})
 
 
@@ -54,6 +54,42 @@ def test_compile_scales_each_pass_by_its_class_factor():
     # another class keeps its eager time
     add = _op(OpKind.ELEMENTWISE, "aten.add.Tensor")
     assert _cost(add, compiled, compile=True) == _cost(add, compiled, compile=False)
+
+
+def test_compile_prices_only_the_blocks_the_executor_compiles():
+    # executor.api.compile_blocks compiles each block; the embedding, final norm, LM head and loss run eagerly
+    compiled = _with_factors(load_device("h100-sxm"), {"softmax/fwd": [(1.0, 0.4)], "softmax/bwd": [(1.0, 0.4)]})
+    in_block = _op(OpKind.SOFTMAX, "aten._softmax.default")
+    loss = _op(OpKind.SOFTMAX, "aten._log_softmax.default", block_id=None)
+    assert _cost(in_block, compiled, compile=True).fwd_s == pytest.approx(0.4 * _cost(in_block, compiled, compile=False).fwd_s)
+    assert _cost(loss, compiled, compile=True) == _cost(loss, compiled, compile=False)
+
+
+def test_compile_factor_solved_from_a_profiled_compiled_step():
+    # the executor's compiled step: blocks at their compile factors times k_c, the rest eager; k_c is solved so
+    # the priced memory-bound kernels match the profiled ones, and scales every memory-bound class alike
+    from costmodel.calibration.step_factor import apply_compile_factor, priced_groups
+    from transformers import AutoConfig
+
+    from tracer import trace
+
+    fields = dict(TINY_GPT2)
+    fields.pop("architectures")
+    graph = trace(AutoConfig.for_model(fields.pop("model_type"), **fields), task="causal-lm", seq_len=256, batch=2)
+    base = device_to_dict(_with_factors(load_device("h100-sxm"), {"arithmetic/fwd": [(1.0, 0.6)],
+                                                                  "norm/bwd": [(1.0, 0.8)]}))
+    priced = priced_groups(graph, device_from_json(base, "t"), 2, compile=True)["memory-bound"]
+    eager = priced_groups(graph, device_from_json(base, "t"), 2)["memory-bound"]
+    target = 0.9 * priced
+    device, k = apply_compile_factor(base, {"memory-bound": target}, graph=graph, micro_batch=2, source="s", step="t")
+    assert 0.05 < k < 1
+    assert priced_groups(graph, device_from_json(device, "t"), 2, compile=True)["memory-bound"] == pytest.approx(target, rel=0.02)
+    assert priced_groups(graph, device_from_json(device, "t"), 2)["memory-bound"] == pytest.approx(eager)  # eager untouched
+    factors = device["compile_factors"]["factors"]
+    assert factors["arithmetic/fwd"][0][1] == pytest.approx(0.6 * k, abs=1e-4)
+    assert factors["softmax/bwd"][0][1] == pytest.approx(k, abs=1e-4)  # a class without a chain factor gets k
+    assert "matmul/fwd" not in factors  # library kernels keep their eager time
+    assert all(0.02 <= v <= 1 for curve in factors.values() for _, v in curve)
 
 
 def test_compile_without_factors_prices_as_eager():

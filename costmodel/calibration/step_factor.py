@@ -50,14 +50,17 @@ def kernel_groups(kernels: Iterable[tuple[str, float]]) -> dict[str, float]:
     return out
 
 
-def priced_groups(graph: Any, device: Any, micro_batch: int, precision: str = "bf16") -> dict[str, float]:
-    """What `device` prices one forward and backward of `graph` at, per group (no optimizer, no host floor)."""
+def priced_groups(graph: Any, device: Any, micro_batch: int, precision: str = "bf16",
+                  compile: bool = False) -> dict[str, float]:
+    """What `device` prices one forward and backward of `graph` at, per group (no optimizer, no host floor);
+    `compile`: its blocks under torch.compile, as the executor runs them."""
     from costmodel.opcost import kernel_class, op_time
 
     out = {"gemm": 0.0, "attention": 0.0, "memory-bound": 0.0}
     for segment in graph.segments():
         for op in segment.ops:
-            cost = op_time(op, device=device, precision=precision, micro_batch=micro_batch, batch_traced=graph.batch)
+            cost = op_time(op, device=device, precision=precision, micro_batch=micro_batch, batch_traced=graph.batch,
+                           compile=compile)
             kind = kernel_class(op)
             group = "gemm" if kind == "matmul" else "attention" if kind == "attention" else "memory-bound"
             out[group] += (cost.fwd_s + cost.bwd_s) * segment.repeat
@@ -78,6 +81,61 @@ def with_step_factor(device_json: dict, k: float, source: str) -> dict:
     return out
 
 
+def with_compile_factor(device_json: dict, k: float, source: str) -> dict:
+    """`device_json` with every memory-bound class's torch.compile factor (`compile_factors`, both passes)
+    multiplied by `k` (flat `k` where it had none), within `MIN_COMPILE_FACTOR`..1: compiled kernels are
+    no slower than eager ones."""
+    from costmodel.profiles_json import MIN_COMPILE_FACTOR
+
+    def bound(v: float) -> float:
+        return round(min(max(v, MIN_COMPILE_FACTOR), 1.0), 4)
+
+    out = json.loads(json.dumps(device_json))
+    table = out.setdefault("compile_factors", {"source": "", "factors": {}})
+    factors = table["factors"]
+    for kind in MEMORY_BOUND:
+        for direction in ("fwd", "bwd"):
+            key = f"{kind}/{direction}"
+            factors[key] = [[x, bound(v * k)] for x, v in factors[key]] if key in factors else [[1.0, bound(k)]]
+    table["source"] = "; ".join(p for p in (table.get("source", ""), f"{', '.join(MEMORY_BOUND)} (both passes) "
+                                            f"x{k:.2f}: {source}") if p)
+    return out
+
+
+def apply_compile_factor(device_json: dict, measured: dict[str, float], *, graph: Any, micro_batch: int,
+                         source: str, step: str) -> tuple[dict, float]:
+    """`device_json` with the compile factor of a profiled compiled step (`measured`, seconds by group; the
+    executor's step: blocks compiled, the rest eager), and the factor k_c: solved like the step factor, so that
+
+        T_priced(memory-bound, blocks compiled; k_c) = T_measured(memory-bound)
+
+    The microbenchmarks' compile chains fuse one class alone; in a block Inductor fuses across classes (the
+    norm into the weight casts, the SiLU into the gate's product, RoPE into the projections), so on a step
+    each class's factor is smaller than its chain's. k_c scales them all alike."""
+    import functools
+
+    from costmodel.profiles_json import device_from_json
+
+    @functools.cache
+    def price(k: float) -> float:
+        scaled = with_compile_factor(device_json, k, "") if k != 1 else device_json
+        return priced_groups(graph, device_from_json(scaled, "calibrated device"), micro_batch,
+                             compile=True)["memory-bound"]
+
+    # compile factors scale a kernel's launch too and are capped at 1, so probe below 1: price = C + k B there
+    # (C the eager ops outside the blocks), and k stops where the largest factor reaches 1
+    at_1, at_half = price(1.0), price(0.5)
+    table = device_json.get("compile_factors", {}).get("factors", {})
+    largest = max((v for key, curve in table.items() if key.split("/")[0] in MEMORY_BOUND for _, v in curve),
+                  default=1.0)
+    blocks = 2 * (at_1 - at_half)
+    k = 1 + (measured["memory-bound"] - at_1) / blocks if blocks > 0 else 1.0
+    k = min(max(k, 0.05), 1 / largest)
+    note = (f"a profiled compiled bf16 training step's memory-bound kernels ({measured['memory-bound'] * 1e3:.1f} ms; "
+            f"{step}) over this profile's price of the same ops, blocks compiled ({price(1.0) * 1e3:.1f} ms), {source}")
+    return with_compile_factor(device_json, k, note), k
+
+
 def reference_config() -> Any:
     """`REFERENCE` as a transformers config."""
     from transformers import AutoConfig
@@ -95,11 +153,14 @@ def reference_graph() -> Any:
 
 
 def cuda_kernels(prof: Any) -> list[tuple[str, float]]:
-    """(name, seconds) of every CUDA kernel a torch.profiler run recorded, one entry per launch."""
+    """(name, seconds) of every CUDA kernel a torch.profiler run recorded, one entry per launch. User annotations
+    on the GPU timeline (`Optimizer.step#AdamW.step`, `record_function` ranges) are device events too but span
+    kernels already counted: they are left out (counted, they put the optimizer step into the memory-bound sum a
+    second time)."""
     import torch
 
     return [(e.name, e.device_time_total * 1e-6) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
 
 def measure_step(warmup: int = 3) -> dict[str, float]:
@@ -156,10 +217,11 @@ def apply_step_factor(device_json: dict, measured: dict[str, float], *, source: 
     return with_step_factor(device_json, k, note), k
 
 
-def solve_step_factor(price: Callable[[float], float], measured_s: float) -> float:
-    """The k at which `price(k)` (the memory-bound ops' price with the factor) is `measured_s`, within `BOUNDS`.
+def solve_step_factor(price: Callable[[float], float], measured_s: float,
+                      bounds: tuple[float, float] = BOUNDS) -> float:
+    """The k at which `price(k)` (the memory-bound ops' price with the factor) is `measured_s`, within `bounds`.
     A factor scales a kernel's data time, not its launch, so the price is L + k D: two prices give L and D."""
     at_1, at_2 = price(1.0), price(2.0)
     data = at_2 - at_1
     k = (measured_s - (at_1 - data)) / data if data > 0 else measured_s / at_1
-    return min(max(k, BOUNDS[0]), BOUNDS[1])
+    return min(max(k, bounds[0]), bounds[1])
