@@ -157,9 +157,10 @@ def _measure(plan: Any) -> dict[str, int]:
 
 
 def predicted(report: Any) -> dict[str, float]:
-    at_peak = max((m.at_peak for m in report.chosen.result.memory), key=lambda b: b.total)
+    rank = max(report.chosen.result.memory, key=lambda m: m.at_peak.total)
+    at_peak = rank.at_peak
     estimate = report.chosen.candidate.estimate.memory
-    return {"weights": at_peak.weights, "grads": at_peak.grads, "optimizer": at_peak.optimizer,
+    return {"weights": at_peak.weights, "grads": rank.grads_bytes, "optimizer": at_peak.optimizer,
             "step_peak": at_peak.activations + at_peak.buffers + at_peak.grads,
             "estimate_equals_simulation": float(estimate.total == at_peak.total)}
 

@@ -503,13 +503,29 @@ def reserve_bytes(device: DeviceProfile, allocated: float) -> float:
     return 0.0 if fraction is None else allocated * fraction
 
 
+def grads_held_at_peak(*, pp: int, microbatches: int, ddp: bool) -> bool:
+    """Whether a rank's gradients are live at its activation peak (the start of the backward). The executor
+    frees them after each optimizer step (`zero_grad(set_to_none=True)`), so they are not, unless a second
+    micro-batch of the step finds the first one's accumulated (`microbatches` > 1 per optimizer step on the
+    rank, or a pipeline), or DDP holds them in its reducer's buckets for the whole run (`gradient_as_bucket_view`,
+    allocated when the model is wrapped). Measured on a lent H100 (2026-11-26, `soap execute --memory-snapshot`):
+    one micro-batch of four Llama-3-8B layers at 16k tokens peaked in the loss's backward with no gradient
+    allocated (fp32 parameters and AdamW moments 21.6 GiB, the step's tensors 29.0 GiB)."""
+    return pp > 1 or microbatches > 1 or ddp
+
+
 def rank_breakdown(*, weights: float, grads: float, optimizer: float, activations: float, buffers: float,
-                   host: float, workspace: float, reserve_fraction: float | None) -> MemoryBreakdown:
+                   host: float, workspace: float, reserve_fraction: float | None,
+                   grads_held: bool = True) -> MemoryBreakdown:
     """One rank's memory at its peak: the one place the estimator (`planner.memory_estimate`) and the
     simulator (`costmodel.simulator.result`) assemble it. `workspace` is `workspace_bytes(device)`; with a
     fitted allocator reserve (`reserve_fraction`, the device's `allocator_reserve_fraction`) it also holds
     what the caching allocator reserves beyond the tensors (`reserve_bytes`), so the total is the reserved
-    peak; without one the total is the allocated peak."""
+    peak; without one the total is the allocated peak. Without `grads_held` (`grads_held_at_peak`) the
+    gradients grow through the backward as the activations they replace are freed: the peak holds
+    max(activations, gradients), and the breakdown's `grads` is what they add beyond the activations."""
+    if not grads_held:
+        grads = max(0.0, grads - activations)
     tensors = weights + grads + optimizer + activations + buffers
     reserve = 0.0 if reserve_fraction is None else tensors * reserve_fraction
     return MemoryBreakdown(weights=weights, grads=grads, optimizer=optimizer, activations=activations, buffers=buffers,

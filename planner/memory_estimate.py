@@ -29,8 +29,8 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.memory import (
-    MemoryBreakdown, ParamSet, buffer_bytes, model_state_bytes, parameter_degrees, rank_breakdown, stage_params,
-    workspace_bytes,
+    MemoryBreakdown, ParamSet, buffer_bytes, grads_held_at_peak, model_state_bytes, parameter_degrees, rank_breakdown,
+    stage_params, workspace_bytes,
 )
 from costmodel.memory_schedule import activation_peaks, stage_activations
 from costmodel.placement import block_placements
@@ -188,11 +188,12 @@ class MemoryTables:
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,
                                 d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1, t.peft is None)
         workspace = workspace_bytes(device)
+        held = grads_held_at_peak(pp=d.pp, microbatches=t.num_microbatches, ddp=d.dp * d.cp > 1 and not fsdp)
         worst: MemoryBreakdown | None = None
         for (weights, grads, optimizer, buffers, host), peak in zip(ranks, activations):
             total = rank_breakdown(weights=weights, grads=grads, optimizer=optimizer, activations=int(peak),
                                    buffers=buffers, host=host, workspace=workspace,
-                                   reserve_fraction=device.allocator_reserve_fraction)
+                                   reserve_fraction=device.allocator_reserve_fraction, grads_held=held)
             if worst is None or total.total > worst.total:
                 worst = total
         assert worst is not None

@@ -161,8 +161,9 @@ def test_tensor_parallelism_divides_the_blocks_linear_weights_by_tp_in_every_reg
 def test_zero_stages_shard_what_they_claim(family, precision, optimizer, n):
     dims = ParallelDims(dp_shard=n)
 
-    def state(zero):
-        train = TrainingConfig(global_batch=n, seq_len=SEQ, precision=precision, optimizer=optimizer, zero=zero)
+    def state(zero):  # two micro-batches per rank: the gradients are live at the peak (grads_held_at_peak)
+        train = TrainingConfig(global_batch=2 * n, seq_len=SEQ, precision=precision, optimizer=optimizer, zero=zero,
+                               num_microbatches=2)
         return peak(family, dims, train)
 
     z0, z1, z2, z3 = (state(z) for z in range(4))

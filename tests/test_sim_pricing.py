@@ -135,11 +135,27 @@ def test_1f1b_first_stage_holds_pp_microbatches_of_activations():
 
 
 def test_full_recompute_trades_memory_for_time():
-    plain = simulate(GRAPH, _strategy(mb=1), CLUSTER)
-    full = simulate(GRAPH, _strategy(mb=1, recompute="full"), CLUSTER)
+    # two micro-batches: the first one's gradients are live at the second one's activation peak
+    plain = simulate(GRAPH, _strategy(mb=2), CLUSTER)
+    full = simulate(GRAPH, _strategy(mb=2, recompute="full"), CLUSTER)
     assert full.peak_memory_bytes < plain.peak_memory_bytes
     assert full.breakdown.compute > plain.breakdown.compute
     assert full.facts.hardware_flops > full.facts.model_flops == plain.facts.model_flops
+
+
+def test_one_micro_batch_peaks_on_activations_or_gradients_not_both():
+    """zero_grad(set_to_none=True) frees the gradients after each step: with one micro-batch and no DDP the
+    backward's activations and the gradients it makes replace each other, the peak holds the larger; a second
+    micro-batch (or DDP's buckets) keeps them all live at the activation peak."""
+    one = simulate(GRAPH, _strategy(mb=1), CLUSTER).memory[0]
+    two = simulate(GRAPH, _strategy(mb=2), CLUSTER).memory[0]  # two micro-batches of one: same activations
+    ddp = simulate(GRAPH, _strategy(mb=1, dp=2), CLUSTER).memory[0]
+    assert one.at_peak.activations == two.at_peak.activations and one.grads_bytes == two.grads_bytes > 0
+    assert two.at_peak.grads == two.grads_bytes and ddp.at_peak.grads == ddp.grads_bytes
+    state = one.at_peak.weights + one.at_peak.optimizer + one.at_peak.buffers + one.at_peak.workspace
+    assert one.peak_bytes == pytest.approx(state + max(one.at_peak.activations, one.grads_bytes), abs=1)
+    assert one.peak_bytes < two.peak_bytes
+    assert max(v for _, v in one.timeline) == one.peak_bytes  # the drawn timeline reaches the same peak
 
 
 def test_zero3_gathers_parameters_and_shards_state():

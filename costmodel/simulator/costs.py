@@ -91,6 +91,8 @@ class StepCosts:
     """Framework and CUDA context plus the runtime workspace per rank (`costmodel.memory.workspace_bytes`)."""
     allocator_reserve_fraction: float | None = None
     """The device's fitted allocator reserve (`costmodel.memory.rank_breakdown`); None: allocated memory."""
+    grads_held: bool = True
+    """Whether the gradients are live at the activation peak (`costmodel.memory.grads_held_at_peak`)."""
     comm_compute_share: float = 0.0
     """Fraction [0, 1] of every communication task's time that also occupies its rank's compute stream
     (1 - the device's `communication_overlap`; 0 on GPUs, where NCCL runs beside compute)."""

@@ -125,7 +125,7 @@ from costmodel.fused_softmax import FallbackCost, fallback_cost, fused_kernel_av
 from costmodel.host_sync import chain_wait, sync_wait
 from costmodel.memory import (
     FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes, fsdp_param_bytes,
-    model_state_bytes, stage_params, workspace_bytes,
+    grads_held_at_peak, model_state_bytes, stage_params, workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, op_time
@@ -290,6 +290,8 @@ def price_step(
         comm_compute_share=1.0 - cluster.device.communication_overlap,
         workspace_bytes=workspace_bytes(cluster.device),
         allocator_reserve_fraction=cluster.device.allocator_reserve_fraction,
+        grads_held=grads_held_at_peak(pp=d.pp, microbatches=t.num_microbatches,
+                                      ddp=d.dp * d.cp > 1 and not fsdp_engine(strategy)),
     )
     return costs, _facts(graph, strategy, cluster)
 

@@ -60,6 +60,9 @@ class RankMemory:
     timeline: Sequence[tuple[float, int]]
     """(time, total bytes) after each change, starting at (0, the constant part): a `MemoryTimeline`, made
     on first use, in a simulated result."""
+    grads_bytes: int = 0
+    """The rank's gradients once the backward is done (model state); `at_peak.grads` is what of them is live at
+    the peak (`costmodel.memory.rank_breakdown`)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -275,14 +278,13 @@ def _memory(costs: StepCosts, recorded: _Recorded) -> tuple[RankMemory, ...]:
         opt = sum(costs.stages[s].optimizer_bytes for s in stages)
         host = sum(costs.stages[s].host_bytes for s in stages)
         buffers = costs.rank_buffer_bytes[rank] if costs.rank_buffer_bytes else 0
-        constant = weights + grads + opt + buffers + costs.workspace_bytes
-        out.append(
-            RankMemory(
-                rank=rank, stages=stages, timeline=MemoryTimeline(constant, recorded, rank),
-                at_peak=rank_breakdown(
-                    weights=weights, grads=grads, optimizer=opt, activations=int(peaks[rank]), buffers=buffers,
-                    host=host, workspace=costs.workspace_bytes, reserve_fraction=costs.allocator_reserve_fraction,
-                ),
-            )
+        at_peak = rank_breakdown(
+            weights=weights, grads=grads, optimizer=opt, activations=int(peaks[rank]), buffers=buffers,
+            host=host, workspace=costs.workspace_bytes, reserve_fraction=costs.allocator_reserve_fraction,
+            grads_held=costs.grads_held,
         )
+        # the timeline draws the activations over what stays: the gradients as live at the peak
+        constant = weights + int(at_peak.grads) + opt + buffers + costs.workspace_bytes
+        out.append(RankMemory(rank=rank, stages=stages, timeline=MemoryTimeline(constant, recorded, rank),
+                              at_peak=at_peak, grads_bytes=grads))
     return tuple(out)
