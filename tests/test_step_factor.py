@@ -62,6 +62,12 @@ def test_calibrate_writes_the_factor_of_a_measured_step(monkeypatch, graph):
     stepped = fit(dataclasses.replace(meas, step=(("gemm", 1.0), ("memory-bound", 1.0))), config).device_json
     assert "training step" in stepped["kernel_factors"]["source"]
     assert stepped["kernel_factors"]["factors"] != plain.get("kernel_factors", {}).get("factors")
+    # with the same step compiled, the memory-bound classes' compile factors are solved on it too
+    compiled = fit(dataclasses.replace(meas, step=(("gemm", 1.0), ("memory-bound", 1.0)),
+                                       compiled_step=(("gemm", 1.0), ("memory-bound", 0.5))), config).device_json
+    assert "its layers compiled" in compiled["compile_factors"]["source"]
+    assert compiled["kernel_factors"] == stepped["kernel_factors"]
+    assert all(0 < v <= 1 for curve in compiled["compile_factors"]["factors"].values() for _, v in curve)
 
 
 @pytest.mark.gpu
@@ -70,6 +76,9 @@ def test_a_training_step_is_profiled_on_the_gpu():
 
     groups = measure_step(warmup=1)
     assert all(groups[g] > 0 for g in ("gemm", "attention", "optimizer", "memory-bound"))
+    compiled = measure_step(warmup=1, compile=True)  # Inductor fuses the layers' memory-bound kernels, not the GEMMs
+    assert compiled["memory-bound"] < groups["memory-bound"]
+    assert compiled["gemm"] == pytest.approx(groups["gemm"], rel=0.2)
 
 
 def test_a_step_that_cannot_run_or_be_priced_loses_no_calibration(monkeypatch, capsys, graph):

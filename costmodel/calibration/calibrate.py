@@ -46,7 +46,7 @@ from costmodel.calibration.predict import PointError, predict_comm, predict_kern
 from costmodel.calibration.suite import OVERHEAD_CASE, comm_sweeps, kernel_sweeps
 from costmodel.calibration.microbench import KernelSample, TimingConfig, host_link_bandwidth, measure_case
 from costmodel.calibration.microbench_compile import CompileSample, compile_cases, compile_factors_json, measure_compile
-from costmodel.calibration.step_factor import apply_step_factor, measure_step
+from costmodel.calibration.step_factor import apply_compile_factor, apply_step_factor, measure_step
 from costmodel.calibration.microbench_comm import CommSample, CommTimingConfig, RankMemory, run_collectives
 from costmodel.profiles import ClusterSpec, cluster_from_dict, user_profile_paths
 from tracer.errors import SoapError
@@ -112,6 +112,8 @@ class Measurements:
     step: tuple[tuple[str, float], ...] = ()
     """A profiled training step's kernel seconds by group (`costmodel.calibration.step_factor`; GPU only); empty: not
     measured."""
+    compiled_step: tuple[tuple[str, float], ...] = ()
+    """The same step with its layers compiled (`step_factor.apply_compile_factor`); empty: not measured."""
 
     @property
     def source(self) -> str:
@@ -187,6 +189,9 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
         step = () if config.quick or dev != "cuda" else _measured_step()
         if step:
             progress("training step")
+        compiled_step = _measured_step(compile=True) if step and config.compile else ()
+        if compiled_step:
+            progress("training step, compiled")
     finally:
         torch.set_num_threads(old_threads)
     kernels = [Point(name, i, sample) for (name, i), sample in best.items()]
@@ -229,16 +234,18 @@ def measure(config: CalibrationConfig, progress: Callable[[str], None] = lambda 
                               call_overhead_s=call_overhead),
         compile=compiled,
         step=step,
+        compiled_step=compiled_step,
     )
 
 
-def _measured_step() -> tuple[tuple[str, float], ...]:
+def _measured_step(compile: bool = False) -> tuple[tuple[str, float], ...]:
     """`step_factor.measure_step`'s groups; empty, with a warning, where the reference step cannot run (a failed
     step must not lose the minutes of kernels measured before it)."""
     try:
-        return tuple(measure_step().items())
+        return tuple(measure_step(compile=compile).items())
     except Exception as exc:
-        print(f"warning: the training step was not profiled ({type(exc).__name__}: {exc})", file=sys.stderr)
+        what = "compiled training step" if compile else "training step"
+        print(f"warning: the {what} was not profiled ({type(exc).__name__}: {exc})", file=sys.stderr)
         return ()
 
 
@@ -309,6 +316,12 @@ def fit(meas: Measurements, config: CalibrationConfig) -> CalibrationResult:
     if meas.step:
         try:
             device_json, _ = apply_step_factor(device_json, dict(meas.step), source=meas.source)
+            if meas.compiled_step:
+                from costmodel.calibration.step_factor import REFERENCE_BATCH, reference_graph
+
+                device_json, _ = apply_compile_factor(
+                    device_json, dict(meas.compiled_step), graph=reference_graph(), micro_batch=REFERENCE_BATCH,
+                    source=meas.source, step="REFERENCE of costmodel.calibration.step_factor, its layers compiled")
         except Exception as exc:  # the reference model cannot be traced here: the kernels alone are still a profile
             print(f"warning: the training step's factor was not applied ({type(exc).__name__}: {exc})", file=sys.stderr)
     cluster: dict | None = None

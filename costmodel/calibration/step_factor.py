@@ -20,6 +20,13 @@ solved for k (`solve_step_factor`: the factor scales each kernel's data time, no
 linear in k) multiplies the kernel factor of every memory-bound class (`MEMORY_BOUND`) at every precision
 (`with_step_factor`). k is kept within `BOUNDS`: below 1/3.3 the kernels would beat the microbenchmarks by more than
 noise explains; above 3.3 they would run under 30% of the measured bandwidth, which a step's kernels did not.
+
+The same step with each decoder layer compiled (as the executor compiles its blocks; the embedding, LM head and
+loss eager) gives the compile factor k_c (`apply_compile_factor`): the memory-bound classes' compile factors, from
+the one-class chains of `costmodel.calibration.microbench_compile`, times k_c so that the compiled step's
+memory-bound kernels are priced as measured. In a block Inductor fuses across classes (the norm into the weight
+casts, the SiLU into the gate's product), which one-class chains cannot show: k_c was 0.71 on a lent H100 and
+0.63 on an H200 (four Llama-3-8B layers, `benchmarks.h100_measured`, `benchmarks.h200_measured`).
 """
 
 from __future__ import annotations
@@ -163,8 +170,9 @@ def cuda_kernels(prof: Any) -> list[tuple[str, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
 
-def measure_step(warmup: int = 3) -> dict[str, float]:
-    """One profiled bf16-autocast training step of `REFERENCE` on the GPU, its kernels' seconds by group."""
+def measure_step(warmup: int = 3, compile: bool = False) -> dict[str, float]:
+    """One profiled bf16-autocast training step of `REFERENCE` on the GPU, its kernels' seconds by group; `compile`:
+    each decoder layer torch.compiled in place, as the executor compiles its blocks (`executor.api.compile_blocks`)."""
     import torch
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
@@ -172,6 +180,9 @@ def measure_step(warmup: int = 3) -> dict[str, float]:
     import tracer
 
     model = tracer.build_model(tracer.resolve_spec(reference_config(), task="causal-lm"), device="cuda")
+    if compile:
+        for layer in model.model.layers:
+            layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, REFERENCE["vocab_size"], (REFERENCE_BATCH, REFERENCE_SEQ), device="cuda")
 
