@@ -29,8 +29,8 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.memory import (
-    MemoryBreakdown, ParamSet, buffer_bytes, grads_held_at_peak, model_state_bytes, parameter_degrees, rank_breakdown,
-    stage_params, workspace_bytes,
+    MemoryBreakdown, ParamSet, blocks_keep_autocast_copies, buffer_bytes, grads_held_at_peak, held_autocast_copies,
+    model_state_bytes, parameter_degrees, rank_breakdown, stage_params, workspace_bytes,
 )
 from costmodel.memory_schedule import activation_peaks, stage_activations
 from costmodel.placement import block_placements
@@ -140,27 +140,30 @@ class MemoryTables:
             largest_trainable_unit=max([alone[u].largest_trainable_unit or 0 for u in blocks]
                                        + [outside.largest_trainable_unit or 0]),
             autocast_copied=int(sum(counts[u] * _copied(alone[u]) for u in blocks)) + _copied(outside),
+            autocast_copied_outside=_copied(outside),
         )
 
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
                              vocab: bool, precision: str, optimizer: str, zero: int, dp_shard: int, dp_sync: int,
-                             offload: bool, fsdp: bool, pipeline: bool, autocast: bool = True
-                             ) -> tuple[tuple[int, int, int, int, int], ...]:
+                             offload: bool, fsdp: bool, pipeline: bool, autocast: bool = True,
+                             recompute: str = "none") -> tuple[tuple[int, int, int, int, int], ...]:
         """Each pipeline rank's (weights, grads, optimizer, buffers, host) bytes: model state per stage on the
         engine the executor runs, summed over the rank's stages, and buffers over the rank's parameters.
-        Memoized: it reads none of the micro-batching and recompute choices."""
+        Memoized: it reads none of the micro-batching choices, and of recompute only whether the blocks keep
+        their autocast copies (`costmodel.memory.held_autocast_copies`)."""
         adafactor = optimizer == "adafactor"
         state = []
         same: dict[tuple[int, int, int], object] = {}  # stages holding as many parameters hold as much state
         for s in range(len(bounds) - 1):
             params = self.held(bounds, (s,), tp, ep, vocab, adafactor)
-            key = (params.trainable, params.frozen, params.quantized_bytes, params.autocast_copied)
+            copies = held_autocast_copies(params, recompute=recompute)
+            key = (params.trainable, params.frozen, params.quantized_bytes, copies)
             if adafactor or key not in same:
                 same[key] = model_state_bytes(
                     params.trainable, precision=precision, optimizer=optimizer, zero=zero, dp_shard=dp_shard,
                     offload_optimizer=offload, param_shapes=params.shapes if adafactor else None, frozen=params.frozen,
                     pipeline=pipeline, fsdp=fsdp, quantized=params.quantized_bytes, autocast=autocast,
-                    autocast_copied=params.autocast_copied)
+                    autocast_copied=copies)
             state.append(same[key])
         out = []
         for mine in rank_stages(schedule, pp, v):
@@ -186,7 +189,8 @@ class MemoryTables:
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,
-                                d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1, t.peft is None)
+                                d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1, t.peft is None,
+                                "none" if blocks_keep_autocast_copies(t.recompute, t.recompute_per_block) else "full")
         workspace = workspace_bytes(device)
         held = grads_held_at_peak(pp=d.pp, microbatches=t.num_microbatches, ddp=d.dp * d.cp > 1 and not fsdp)
         worst: MemoryBreakdown | None = None

@@ -522,7 +522,7 @@ def llama_pipeline_plan(tmp_path_factory):
     data parallelism at ZeRO-1 needs more than 80 GiB."""
     path = tmp_path_factory.mktemp("fit") / "plan.json"
     soap.plan("llama-3-8b", gpus=8, dp=4, zero=1, tp=1, pp=2, cp=1, micro_batch=1, recompute="full",
-              global_batch=64, seq_len=4096).save(path)
+              global_batch=64, seq_len=8192).save(path)
     return path
 
 

@@ -125,7 +125,7 @@ from costmodel.fused_softmax import FallbackCost, fallback_cost, fused_kernel_av
 from costmodel.host_sync import chain_wait, sync_wait
 from costmodel.memory import (
     FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes, fsdp_param_bytes,
-    grads_held_at_peak, model_state_bytes, stage_params, workspace_bytes,
+    grads_held_at_peak, held_autocast_copies, model_state_bytes, stage_params, workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, op_time
@@ -472,7 +472,9 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                               dp_shard=d.shard_degree, offload_optimizer=t.offload_optimizer,
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
                               pipeline=d.pp > 1, fsdp=fsdp_engine(strategy), quantized=params.quantized_bytes,
-                              autocast=t.peft is None, autocast_copied=params.autocast_copied)
+                              autocast=t.peft is None,
+                              autocast_copied=held_autocast_copies(params, recompute=t.recompute,
+                                                                   per_block=t.recompute_per_block))
     sp = t.sequence_parallel and d.tp > 1
     hidden = shape.hidden_bytes(d.cp) / (d.tp if sp else 1)
     p2p = pricer.collective("send_recv", hidden, groups.pp_pair) if d.pp > 1 else 0.0
