@@ -32,7 +32,8 @@ Training rules (`training_choices`), per mesh:
 - recompute none / selective / full; precision bf16 (fp16 where the device lacks bf16), plus fp8
   only when `precision="auto"` and the device supports it (fp8 changes numerics, so it is opt-in like
   the optimizer); the optimizer only when `optimizer="auto"`; optimizer offload on/off.
-- torch.compile (`compile_choices`): off, or as pinned. Unpinned, compile is not a dimension the
+- torch.compile (`compile_choices`): off, or as pinned; an fp8 plan compiles unless pinned off (`fp8_compiles`:
+  eager, torchao's float8 Linears ran 3.4x slower than bf16). Unpinned, compile is not a dimension the
   enumeration doubles: `planner.search` simulates the best plans again with compile on, and only where
   the device's measured `compile_factors` make some kernel class faster (`DeviceProfile.compile_pays`);
   compile only lowers memory in soap's model (`costmodel.memory_activations.compiled_keep`), and on a tie
@@ -466,6 +467,15 @@ def compile_choices(req: SpaceRequest, compile_pays: bool) -> tuple[bool, ...]:
     return (False, True) if compile_pays and allowed else (False,)
 
 
+def fp8_compiles(req: SpaceRequest, precision: str) -> bool:
+    """fp8 plans compile unless compile is pinned or cannot run. torchao's float8 Linears eagerly dispatch their
+    amax, scale and cast ops one by one: on a lent H200 (2026-11-26) GPT-2 trained 3.4x slower in eager fp8 than in
+    bf16 (737 against 215 ms a step), and 0.95x as fast compiled (148 against 139 ms), a gap soap's kernel prices
+    do not show (docs/benchmarks.md, "The measured H200 profile")."""
+    return precision == "fp8" and req.pins.compile is None and compile_violation(
+        compile=True, encoder_decoder=req.dims.is_encoder_decoder) is None
+
+
 def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, recompute: str,
                     offload: bool) -> TrainingConfig:
     return TrainingConfig(
@@ -473,7 +483,7 @@ def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, 
         num_microbatches=head.num_microbatches, grad_accum=head.grad_accum, schedule=head.schedule,
         virtual_stages=head.virtual_stages, zero=mesh.zero, sequence_parallel=mesh.dims.tp > 1,
         recompute=recompute, precision=head.precision, optimizer=head.optimizer, offload_optimizer=offload,
-        compile=bool(req.pins.compile), peft=req.peft,
+        compile=bool(req.pins.compile) or fp8_compiles(req, head.precision), peft=req.peft,
     )
 
 
