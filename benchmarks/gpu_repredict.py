@@ -36,12 +36,13 @@ HOST_SOURCE = ("fitted on soap's own executor: its eager runs on one H100 80GB (
 REFIT = "refit"  # h100-x1-measured refitted from the other half of the runs (soap calibrate --from-runs)
 
 
-def runs() -> list[dict]:
-    """The runs of `LOGS`, each plan once (the same plan executed under two profile names counts once)."""
+def runs(logs: tuple[str, ...] = LOGS) -> list[dict]:
+    """The runs of `logs` (in benchmarks/data), each plan once (the same plan executed under two profile names
+    counts once)."""
     from executor.runs_log import read_runs
 
     records, seen = [], set()
-    for log in LOGS:
+    for log in logs:
         for record in read_runs(str(DATA / log)):
             key = (record["plan"]["model"]["config_hash"], str(record["parallelism"]), record["plan"]["global_batch"])
             if key not in seen:

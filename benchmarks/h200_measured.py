@@ -46,17 +46,9 @@ SOURCE = "measured by torch.profiler on a lent H200, 2026-11-26 (benchmarks/h200
 
 def runs() -> list[dict]:
     """soap's runs on an H200, each plan once."""
-    from executor.runs_log import read_runs
+    from benchmarks.gpu_repredict import runs as logged
 
-    records, seen = [], set()
-    for log in LOGS:
-        for record in read_runs(str(DATA.parent / log)):
-            key = (record["plan"]["model"]["config_hash"], json.dumps(record["parallelism"], sort_keys=True),
-                   record["plan"]["global_batch"])
-            if key not in seen:
-                seen.add(key)
-                records.append(record)
-    return records
+    return logged(LOGS)
 
 
 def _cluster_json() -> dict:

@@ -118,7 +118,7 @@ from costmodel.peft import dequantize_buffer_bytes, is_quantized, nf4_bytes
 from costmodel.placement import (is_expert, linear_style, moe_blocks, replicated_in_moe, replicated_kv_projections,
                                  vocab_parallel_ops)
 from costmodel.profiles import DeviceProfile
-from costmodel.strategy import OPTIMIZERS, PRECISIONS, TrainingConfig
+from costmodel.strategy import OPTIMIZERS, PRECISIONS, ParallelDims, TrainingConfig, runs_on_fsdp2
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpKind, OpNode
 
@@ -311,23 +311,25 @@ class ParamSet:
     blocks recompute still holds (`held_autocast_copies`). None: all of `autocast_copied`."""
 
 
-def held_autocast_copies(params: ParamSet, *, recompute: str, per_block: Iterable[tuple[str, str]] = ()) -> int | None:
+def held_autocast_copies(params: ParamSet, *, blocks_keep: bool) -> int | None:
     """The trainable elements whose 16-bit autocast copy lives from forward to backward. Without recompute each
     matmul saves its cast weight for the backward. A recomputed block (full, or selective, whose policy caches
     matmul and attention outputs, not casts) re-casts its weights when the backward re-runs its forward, so only
     the copies outside the blocks are held: on a lent H100 (2026-11-26) the 16k selective runs of four
     Llama-3-8B layers, eager and compiled, peaked 1.6 GiB (the blocks' bf16 weights) under the model that kept
-    them, and their memory snapshot held none. `per_block`: `TrainingConfig.recompute_per_block`; the copies
-    count as held unless every policy recomputes. None: every trainable element."""
-    if blocks_keep_autocast_copies(recompute, per_block) or params.autocast_copied_outside is None:
+    them, and their memory snapshot held none. `blocks_keep`: `blocks_keep_autocast_copies` of the run. None:
+    every trainable element."""
+    if blocks_keep or params.autocast_copied_outside is None:
         return params.autocast_copied
     return params.autocast_copied_outside
 
 
-def blocks_keep_autocast_copies(recompute: str, per_block: Iterable[tuple[str, str]] = ()) -> bool:
-    """Whether some block keeps its weights' autocast copies to the backward (`held_autocast_copies`); the
-    segments outside the blocks (`<prologue>`, `<epilogue>`) recompute nothing and are not blocks."""
-    return recompute == "none" or any(policy == "none" for block, policy in per_block if not block.startswith("<"))
+def blocks_keep_autocast_copies(train: TrainingConfig) -> bool:
+    """Whether some block keeps its weights' autocast copies to the backward (`held_autocast_copies`): one whose
+    policy (`TrainingConfig.recompute`, or its `recompute_per_block`) recomputes nothing. The segments outside the
+    blocks (`<prologue>`, `<epilogue>`) recompute nothing and are not blocks."""
+    return train.recompute == "none" or any(policy == "none" for block, policy in train.recompute_per_block
+                                            if not block.startswith("<"))
 
 
 def parameter_degrees(ops: Iterable[OpNode], *, tensor_parallel: int = 1, expert_parallel: int = 1,
@@ -491,7 +493,7 @@ def estimate_memory(
         frozen=params.frozen,
         quantized=params.quantized_bytes,
         autocast=train.peft is None,
-        autocast_copied=held_autocast_copies(params, recompute=train.recompute, per_block=train.recompute_per_block),
+        autocast_copied=held_autocast_copies(params, blocks_keep=blocks_keep_autocast_copies(train)),
     )
     activations = in_flight_microbatches * activation_bytes(
         ops,
@@ -527,15 +529,18 @@ def reserve_bytes(device: DeviceProfile, allocated: float) -> float:
     return 0.0 if fraction is None else allocated * fraction
 
 
-def grads_held_at_peak(*, pp: int, microbatches: int, ddp: bool) -> bool:
+def grads_held_at_peak(dims: ParallelDims, train: TrainingConfig) -> bool:
     """Whether a rank's gradients are live at its activation peak (the start of the backward). The executor
     frees them after each optimizer step (`zero_grad(set_to_none=True)`), so they are not, unless a second
-    micro-batch of the step finds the first one's accumulated (`microbatches` > 1 per optimizer step on the
-    rank, or a pipeline), or DDP holds them in its reducer's buckets for the whole run (`gradient_as_bucket_view`,
-    allocated when the model is wrapped). Measured on a lent H100 (2026-11-26, `soap execute --memory-snapshot`):
+    micro-batch of the step finds the first one's accumulated (`num_microbatches` > 1 per optimizer step on
+    the rank, or a pipeline), or DDP (more than one data rank, not on FSDP2: `costmodel.strategy.runs_on_fsdp2`)
+    holds them in its reducer's buckets for the whole run (`gradient_as_bucket_view`, allocated when the model
+    is wrapped). Measured on a lent H100 (2026-11-26, `soap execute --memory-snapshot`):
     one micro-batch of four Llama-3-8B layers at 16k tokens peaked in the loss's backward with no gradient
     allocated (fp32 parameters and AdamW moments 21.6 GiB, the step's tensors 29.0 GiB)."""
-    return pp > 1 or microbatches > 1 or ddp
+    ddp = dims.dp * dims.cp > 1 and not runs_on_fsdp2(dp=dims.dp, cp=dims.cp, tp=dims.tp, pp=dims.pp, zero=train.zero,
+                                                      offload=train.offload_optimizer)
+    return dims.pp > 1 or train.num_microbatches > 1 or ddp
 
 
 def rank_breakdown(*, weights: float, grads: float, optimizer: float, activations: float, buffers: float,

@@ -146,17 +146,17 @@ class MemoryTables:
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
                              vocab: bool, precision: str, optimizer: str, zero: int, dp_shard: int, dp_sync: int,
                              offload: bool, fsdp: bool, pipeline: bool, autocast: bool = True,
-                             recompute: str = "none") -> tuple[tuple[int, int, int, int, int], ...]:
+                             keep_copies: bool = True) -> tuple[tuple[int, int, int, int, int], ...]:
         """Each pipeline rank's (weights, grads, optimizer, buffers, host) bytes: model state per stage on the
         engine the executor runs, summed over the rank's stages, and buffers over the rank's parameters.
         Memoized: it reads none of the micro-batching choices, and of recompute only whether the blocks keep
-        their autocast copies (`costmodel.memory.held_autocast_copies`)."""
+        their autocast copies (`keep_copies`: `costmodel.memory.blocks_keep_autocast_copies`)."""
         adafactor = optimizer == "adafactor"
         state = []
         same: dict[tuple[int, int, int], object] = {}  # stages holding as many parameters hold as much state
         for s in range(len(bounds) - 1):
             params = self.held(bounds, (s,), tp, ep, vocab, adafactor)
-            copies = held_autocast_copies(params, recompute=recompute)
+            copies = held_autocast_copies(params, blocks_keep=keep_copies)
             key = (params.trainable, params.frozen, params.quantized_bytes, copies)
             if adafactor or key not in same:
                 same[key] = model_state_bytes(
@@ -190,9 +190,9 @@ class MemoryTables:
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,
                                 d.shard_degree, d.sync_degree, t.offload_optimizer, fsdp, d.pp > 1, t.peft is None,
-                                "none" if blocks_keep_autocast_copies(t.recompute, t.recompute_per_block) else "full")
+                                blocks_keep_autocast_copies(t))
         workspace = workspace_bytes(device)
-        held = grads_held_at_peak(pp=d.pp, microbatches=t.num_microbatches, ddp=d.dp * d.cp > 1 and not fsdp)
+        held = grads_held_at_peak(d, t)
         worst: MemoryBreakdown | None = None
         for (weights, grads, optimizer, buffers, host), peak in zip(ranks, activations):
             total = rank_breakdown(weights=weights, grads=grads, optimizer=optimizer, activations=int(peak),

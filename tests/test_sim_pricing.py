@@ -423,15 +423,19 @@ def test_a_tp_group_that_leaves_the_nvlink_domain_is_priced_on_the_inter_node_li
 def test_recomputed_blocks_keep_no_autocast_copy_of_their_weights():
     """bf16 autocast saves each matmul's 16-bit weight for its backward, unless the block recomputes (full or
     selective re-cast it in the backward): then only the copies outside the blocks (the LM head) stay."""
-    from costmodel.memory import held_autocast_copies, stage_params
+    from costmodel.memory import blocks_keep_autocast_copies, held_autocast_copies, stage_params
+
+    def held(recompute, per_block=()):
+        train = TrainingConfig(global_batch=1, seq_len=64, recompute=recompute, recompute_per_block=tuple(per_block))
+        return held_autocast_copies(params, blocks_keep=blocks_keep_autocast_copies(train))
 
     params = stage_params(GRAPH.ops, block_counts={b.id: b.count for b in GRAPH.blocks})
     assert 0 < params.autocast_copied_outside < params.autocast_copied
     outside = [("<prologue>", "none"), ("<epilogue>", "none")]  # what a plan's blocks list says of the segments
     for policy in ("full", "selective"):
-        assert held_autocast_copies(params, recompute=policy, per_block=outside) == params.autocast_copied_outside
-    assert held_autocast_copies(params, recompute="none") == params.autocast_copied
-    assert held_autocast_copies(params, recompute="full", per_block=[("model.layers", "none")]) == params.autocast_copied
+        assert held(policy, outside) == params.autocast_copied_outside
+    assert held("none") == params.autocast_copied
+    assert held("full", [("model.layers", "none")]) == params.autocast_copied
     plain = simulate(GRAPH, _strategy(mb=2, precision="bf16"), CLUSTER).memory[0].at_peak
     full = simulate(GRAPH, _strategy(mb=2, precision="bf16", recompute="full"), CLUSTER).memory[0].at_peak
     copies = 2 * (params.autocast_copied - params.autocast_copied_outside)

@@ -124,8 +124,9 @@ from costmodel.collectives import CommGroup, collective_time
 from costmodel.fused_softmax import FallbackCost, fallback_cost, fused_kernel_available
 from costmodel.host_sync import chain_wait, sync_wait
 from costmodel.memory import (
-    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, buffer_bytes, fsdp_param_bytes,
-    grads_held_at_peak, held_autocast_copies, model_state_bytes, stage_params, workspace_bytes,
+    FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, ParamSet, blocks_keep_autocast_copies,
+    buffer_bytes, fsdp_param_bytes, grads_held_at_peak, held_autocast_copies, model_state_bytes, stage_params,
+    workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, op_time
@@ -290,8 +291,7 @@ def price_step(
         comm_compute_share=1.0 - cluster.device.communication_overlap,
         workspace_bytes=workspace_bytes(cluster.device),
         allocator_reserve_fraction=cluster.device.allocator_reserve_fraction,
-        grads_held=grads_held_at_peak(pp=d.pp, microbatches=t.num_microbatches,
-                                      ddp=d.dp * d.cp > 1 and not fsdp_engine(strategy)),
+        grads_held=grads_held_at_peak(d, t),
     )
     return costs, _facts(graph, strategy, cluster)
 
@@ -473,8 +473,7 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
                               pipeline=d.pp > 1, fsdp=fsdp_engine(strategy), quantized=params.quantized_bytes,
                               autocast=t.peft is None,
-                              autocast_copied=held_autocast_copies(params, recompute=t.recompute,
-                                                                   per_block=t.recompute_per_block))
+                              autocast_copied=held_autocast_copies(params, blocks_keep=blocks_keep_autocast_copies(t)))
     sp = t.sequence_parallel and d.tp > 1
     hidden = shape.hidden_bytes(d.cp) / (d.tp if sp else 1)
     p2p = pricer.collective("send_recv", hidden, groups.pp_pair) if d.pp > 1 else 0.0
