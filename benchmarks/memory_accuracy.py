@@ -36,8 +36,9 @@ import tracer  # noqa: E402
 from benchmarks.report import update_section  # noqa: E402
 from costmodel.memory import model_state_bytes, stage_params  # noqa: E402
 from costmodel.memory_activations import (  # noqa: E402
-    _Sizer, activation_parts, loss_working_set, traced_in_low_precision,
+    _Sizer, activation_parts, loss_tensors, traced_in_low_precision,
 )
+from tracer.ir import OpKind  # noqa: E402
 
 BATCH, SEQ, LAYERS = 2, 128, 4
 
@@ -124,16 +125,18 @@ def measured_saved_peak(config, *, attention: str, checkpoint: bool, dtype=torch
 
 
 def predicted_saved_peak(config, *, attention: str, checkpoint: bool, dtype=torch.float32) -> int:
-    """The activation peak less the loss's working set (`loss_working_set`: gradients, not saved tensors,
-    which the hooks do not see)."""
+    """The activation peak less the loss's working set (`loss_tensors` of transformers' upcast loss, less what
+    it saves: gradients, not saved tensors, which the hooks do not see)."""
     graph = tracer.trace(config, batch=BATCH, seq_len=SEQ, dtype=dtype)
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     size = _Sizer(micro_batch=BATCH, batch_traced=graph.batch, split=None, precision=precision,
                   traced_low_precision=traced_in_low_precision(graph.ops))
-    working = sum(size(loss_working_set(op, low_precision=dtype == torch.bfloat16)) for op in graph.ops)
+    working = sum(size(loss_tensors(op, low_precision=dtype == torch.bfloat16, cross_entropy="upcast")) - size(op.saved)
+                  for op in graph.ops if op.kind is OpKind.LOSS)
     parts = activation_parts(
         graph.ops, micro_batch=BATCH, batch_traced=graph.batch, recompute="full" if checkpoint else "none",
         attention=attention, block_counts={b.id: b.count for b in graph.blocks}, precision=precision,
+        cross_entropy="upcast",
     )
     return replace(parts, epilogue=parts.epilogue - working).peak
 

@@ -45,9 +45,18 @@ def predicted_peaks(max_nodes: int) -> list[dict]:
                 out.append(dict(name=record.name, status=status, nodes=nodes, error=str(err)[:160]))
                 continue
             out.append(dict(name=record.name, status=status, nodes=nodes, predicted_gib=price.peak_memory_gib,
-                            measured_gb=record.memory_gib * 1.074 if record.memory_gib else None))
+                            measured_gb=record.memory_gib * 1.074 if record.memory_gib else None,
+                            group=_group(record)))
             print(f"{status} {record.name}: {price.peak_memory_gib:.1f} GiB", file=sys.stderr)
     return out
+
+
+def _group(record) -> str:
+    """Which of three kinds of step a configuration runs: a pipeline of one micro-batch per step, another
+    pipeline, or none."""
+    if (record.pp or 1) == 1:
+        return "no pipeline"
+    return "pipeline, one micro-batch per step" if record.grad_accum == 1 else "pipeline, 2 or more micro-batches"
 
 
 def markdown(rows: list[dict], device_gib: float, elapsed: float) -> str:
@@ -81,6 +90,12 @@ def markdown(rows: list[dict], device_gib: float, elapsed: float) -> str:
         errors.sort()
         lines.append(f"Predicted over published memory of the runs: median {errors[len(errors) // 2]:+.1%}, "
                      f"5th-95th percentile {errors[len(errors) // 20]:+.1%} to {errors[-len(errors) // 20 - 1]:+.1%}.")
+        groups = sorted({r["group"] for r in ran})
+        lines += ["", "| runs | count | predicted / published, median | 5th-95th percentile |", "|---|---:|---:|---:|"]
+        for group in groups:
+            ratios = sorted(r["predicted_gib"] / r["measured_gb"] for r in ran if r["group"] == group and r.get("measured_gb"))
+            lines.append(f"| {group} | {len(ratios)} | {ratios[len(ratios) // 2]:.2f} | "
+                         f"{ratios[len(ratios) // 20]:.2f}-{ratios[-len(ratios) // 20 - 1]:.2f} |")
     return "\n".join(lines)
 
 

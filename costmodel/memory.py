@@ -507,6 +507,7 @@ def estimate_memory(
         recompute_per_block=dict(train.recompute_per_block),
         compiled=train.compile,
         pipelined=pipelined,
+        cross_entropy=train.cross_entropy,
     )
     return MemoryBreakdown(
         weights=state.weights,

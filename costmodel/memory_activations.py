@@ -60,21 +60,29 @@ Compiled selective checkpointing also drops a cached output no backward reads: t
 projection when it is cached and only the residual sum reads it (`compiled_selective_dropped`; 2h bytes
 per token on a Llama layer, measured the same test), which selective's compiled kept set leaves out.
 
-Loss working set (`loss_working_set`), counted with what the loss op saves (its log-probabilities):
-the loss's backward creates the gradient of the log-probabilities and then that of the (fp32) logits
-while everything saved is still live: 2 x the loss's floating-point inputs. For a language model these
-are [tokens, vocab] tensors, the largest activations of the step. Without a pipeline the executor's
-loop does not hold the logits the head produced (torchtitan's `del pred`); a pipeline stage does (the
-schedule keeps each stage output until its backward), at the run's activation width: a 16-bit run's
-loss upcasts a copy, `cross_entropy(logits.float())`, which the log-softmax does not keep. Measured on
-CPU with live storages tracked (`tests/test_memory.py`): the peak is 3.0 x the fp32 logits with the
-logits freed, in fp32 and with a bf16 head alike; held, 4.0 x in fp32 and 3.5 x with a bf16 head. A
-pipeline holds the whole epilogue per micro-batch in flight, which over-counts the two gradients there
-(they exist for one micro-batch at a time). Under tensor parallelism without a pipeline the head's
-logits and the loss are vocab-parallel (`executor.tensor_parallel`): these tensors, whose vocabulary
-dimension has the parameter role, hold the rank's vocabulary shard, so a `split` of {"parameter": tp}
-divides them by tp as it should (the simulator passes each op's own split, `costmodel.placement`, which
-replicates them under a pipeline).
+Loss (`loss_tensors`): what the loss op saves and the transient tensors around it, by the cross-entropy
+the run computes (`TrainingConfig.cross_entropy`). Per [tokens, vocab] logits (the largest activations of a
+language model's step), with L the loss's floating-point inputs as traced (fp32: a 16-bit trace records the
+upcast) and H the logits as the head produced them (16-bit in a 16-bit run, else L):
+- chunked (the executor's `executor.cross_entropy`): the gradient buffer it saves (H) beside the logits,
+  which are live while it fills it (H, held on by a pipeline stage anyway), and one of the
+  `CROSS_ENTROPY_CHUNKS` token slices in fp32 (L / chunks): 2H + L/8. Measured on CPU with live storages
+  tracked (`tests/test_memory.py`): 1.125 x the fp32 logits with a bf16 head, 2.125 x in fp32, pipelined
+  or not.
+- upcast (`F.cross_entropy(logits.float())`, Hugging Face's and torchtitan's loss): the log-probabilities
+  it saves (L), and its backward's gradients of the log-probabilities and then of the fp32 logits while
+  they are live (2L); a pipeline holds the logits too (H). Measured the same way: 3.0 x the fp32 logits
+  with the logits freed, in fp32 and with a bf16 head alike; held, 4.0 x in fp32 and 3.5 x with a bf16
+  head.
+- megatron (Megatron-LM's and nanotron's vocab-parallel cross-entropy, another stack's loss, priced not
+  executed; read in nanotron 0.4's `_ShardedCrossEntropy` and `LlamaForTraining`): the head's logits cast
+  to fp32 (L; the 16-bit ones freed), a max-shifted copy made out of place (L), turned into the softmax in
+  place and saved; backward makes the gradient in place in it and casts it to the head's width (H): the
+  peak is max(2L, L + H) = 2L, pipelined or not (the last stage's output is the loss, not the logits).
+A pipeline holds the whole epilogue per micro-batch in flight, which over-counts the transients there
+(they exist for one micro-batch at a time). Under tensor parallelism the head's logits and the loss are
+vocab-parallel (`executor.tensor_parallel`): these tensors, whose vocabulary dimension has the parameter
+role, hold the rank's vocabulary shard, so a `split` of {"parameter": tp} divides them by tp as it should.
 
 Peak (`activation_bytes`; its terms from `activation_parts`): with none, the end of the forward pass,
 when everything is live: prologue + sum over blocks (instances x kept) + epilogue. With recomputation,
@@ -98,7 +106,9 @@ SELECTIVE_MATMUL_PERIOD = 2
 FUSIBLE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION, OpKind.COPY, OpKind.VIEW})
 """Op kinds Inductor fuses into pointwise and reduction kernels, recomputed rather than saved when compiled."""
 LOSS_GRADIENTS = 2
-"""The gradient of the log-probabilities and that of the logits, live with what the loss saves."""
+"""The upcast loss's gradients of the log-probabilities and of the logits, live with what it saves."""
+CROSS_ENTROPY_CHUNKS = 8
+"""Token slices the chunked cross-entropy (`executor.cross_entropy`) computes one at a time."""
 
 
 def _is_logsumexp(t: TensorMeta, q: TensorMeta) -> bool:
@@ -246,16 +256,24 @@ def selective_cached(ops: Sequence[OpNode], attention: str) -> tuple[bool, ...]:
     return tuple(cached)
 
 
-def loss_working_set(op: OpNode, *, low_precision: bool = False, pipelined: bool = False) -> tuple[TensorMeta, ...]:
-    """The transient tensors around a loss op beyond what it saves (see the module docstring): the two
-    gradients at the loss input's width and, in a `pipelined` run, the logits the stage holds, at 16 bits
-    in a `low_precision` run (the head's output, before the loss upcasts a copy)."""
+def loss_tensors(op: OpNode, *, low_precision: bool = False, pipelined: bool = False,
+                 cross_entropy: str = "chunked") -> tuple[TensorMeta, ...]:
+    """What a loss op saves plus the transient tensors around it, under `cross_entropy` (see the module
+    docstring): L, its floating-point inputs as traced; H, the same at 16 bits in a `low_precision` run (the
+    head's output, before the loss upcasts a copy); `pipelined`, a run whose stages hold their logits."""
     if op.kind is not OpKind.LOSS:
-        return ()
+        raise ValueError(f"{op.name} is not a loss op")
     inputs = tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES)
     held = tuple(replace(t, dtype="bfloat16") if low_precision and t.dtype not in LOW_PRECISION_DTYPES else t
                  for t in inputs)
-    return inputs * LOSS_GRADIENTS + (held if pipelined else ())
+    if cross_entropy == "chunked":
+        slices = tuple(replace(t, shape=(*t.shape[:-1], -(-t.shape[-1] // CROSS_ENTROPY_CHUNKS))) for t in inputs)
+        return held * 2 + slices
+    if cross_entropy == "megatron":
+        return inputs * 2
+    if cross_entropy == "upcast":
+        return op.saved + inputs * LOSS_GRADIENTS + (held if pipelined else ())
+    raise SoapError(f"unknown cross-entropy {cross_entropy!r}; choose one of chunked, upcast, megatron")
 
 
 def traced_in_low_precision(ops: Sequence[OpNode]) -> bool:
@@ -319,10 +337,12 @@ def activation_parts(
     recompute_per_block: Mapping[str, str] | None = None,
     compiled: bool = False,
     pipelined: bool = False,
+    cross_entropy: str = "chunked",
 ) -> ActivationParts:
     """The terms of `activation_bytes` (same arguments), for callers that schedule them themselves
     (a pipeline keeps `blocks` per in-flight micro-batch but needs one `recompute_window`). `pipelined`:
-    the run has pipeline stages, whose schedule holds the logits through backward (`loss_working_set`)."""
+    the run has pipeline stages, whose schedule holds the logits through backward, and `cross_entropy` the
+    loss it computes (`loss_tensors`)."""
     if recompute not in RECOMPUTE_POLICIES:
         raise SoapError(f"unknown recompute policy {recompute!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
     if attention not in ATTENTION_IMPLS:
@@ -340,8 +360,8 @@ def activation_parts(
     seen_block = False
     for op in ops:
         if op.block_id is None:
-            working = loss_working_set(op, low_precision=low, pipelined=pipelined)
-            saved = size(op_saved(op, attention, cp)) + size(working)
+            saved = size(loss_tensors(op, low_precision=low, pipelined=pipelined, cross_entropy=cross_entropy)
+                         if op.kind is OpKind.LOSS else op_saved(op, attention, cp))
             if seen_block:
                 epilogue += saved
             else:
@@ -376,17 +396,18 @@ def activation_bytes(
     recompute_per_block: Mapping[str, str] | None = None,
     compiled: bool = False,
     pipelined: bool = False,
+    cross_entropy: str = "chunked",
 ) -> int:
     """Peak bytes saved for backward by `ops` for one micro-batch (see the module docstring).
 
     `block_counts[block_id]` says how many instances of a block the representative ops stand for
     (default 1); `recompute_per_block` overrides `recompute` per block id; `compiled` is torch.compile on
-    every block; `pipelined`, a run with pipeline stages (`loss_working_set`).
+    every block; `pipelined`, a run with pipeline stages, and `cross_entropy` (`loss_tensors`).
     """
     return activation_parts(
         ops, micro_batch=micro_batch, batch_traced=batch_traced, recompute=recompute, attention=attention,
         split=split, precision=precision, block_counts=block_counts, recompute_per_block=recompute_per_block,
-        compiled=compiled, pipelined=pipelined,
+        compiled=compiled, pipelined=pipelined, cross_entropy=cross_entropy,
     ).peak
 
 
@@ -401,6 +422,7 @@ def chunk_activations(
     block_input_bytes: float,
     compiled: bool = False,
     pipelined: bool = False,
+    cross_entropy: str = "chunked",
 ) -> tuple[int, int]:
     """(kept, recompute window) bytes of one chunk (a block instance, or a run of non-block ops) for one
     micro-batch, each op sized at its own local split (`costmodel.placement`): the one rule the
@@ -414,8 +436,8 @@ def chunk_activations(
     Under torch.compile (`compiled`, a block instance only) the none set is the partitioner's
     (`compiled_keep` over the whole chunk, since a fused op may keep a matmul output placed at another
     split), capped at the eager one: it is what none keeps and what the windows re-materialize; selective
-    keeps its set less `compiled_selective_dropped`. `pipelined`: the run has pipeline stages
-    (`loss_working_set`).
+    keeps its set less `compiled_selective_dropped`. `pipelined`: the run has pipeline stages;
+    `cross_entropy`, its loss (`loss_tensors`).
     """
     ops = tuple(placed)
 
@@ -431,7 +453,7 @@ def chunk_activations(
         for split, group in by_split([()] * len(ops)):
             parts = activation_parts([op for op, _ in group], micro_batch=micro_batch, batch_traced=batch_traced,
                                      recompute=p, attention=attention, split=dict(split), precision=precision,
-                                     pipelined=pipelined)
+                                     pipelined=pipelined, cross_entropy=cross_entropy)
             total += parts.prologue + parts.blocks + parts.epilogue
         return int(total)
 

@@ -43,6 +43,10 @@ Recompute = Literal["none", "selective", "full"]
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 ATTENTION_IMPLS: tuple[str, ...] = ("sdpa", "eager")
 PARAM_GATHERS: tuple[str, ...] = ("block", "tensor")
+CROSS_ENTROPY_IMPLS: tuple[str, ...] = ("chunked", "upcast", "megatron")
+"""The loss's cross-entropy (`TrainingConfig.cross_entropy`, `costmodel.memory_activations.loss_tensors`)."""
+EXECUTED_CROSS_ENTROPY: tuple[str, ...] = ("chunked", "upcast")
+"""Those the executor computes (`executor.cross_entropy`); "megatron" is priced for another stack only."""
 """ZeRO-3 gather granularities (`costmodel.param_gathers`)."""
 
 
@@ -178,6 +182,12 @@ class TrainingConfig:
     """The attention's softmax is Megatron's `FusedScaleMaskSoftmax`: one fused kernel where its availability
     rule holds, else the unfused PyTorch path with its extra kernels (`costmodel.fused_softmax`). False: the
     executor's SDPA. Set to price another stack's run as it ran."""
+    cross_entropy: str = "chunked"
+    """The loss's cross-entropy: "chunked", the executor's (`executor.cross_entropy`: the gradient made in the
+    forward, a slice of tokens at a time); "upcast", `F.cross_entropy(logits.float())` as Hugging Face and
+    torchtitan compute it (and soap's executor did before 2026-11-26); "megatron", Megatron-LM's and
+    nanotron's vocab-parallel one. Its memory differs (`costmodel.memory_activations.loss_tensors`), its
+    time is priced the same (the same memory-bound passes over the logits)."""
     peft: str | None = None
     """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
     run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""
@@ -201,6 +211,7 @@ class TrainingConfig:
             (self.recompute, RECOMPUTE, "recompute policy"),
             (self.attention, ATTENTION_IMPLS, "attention implementation"),
             (self.param_gather, PARAM_GATHERS, "parameter gather granularity"),
+            (self.cross_entropy, CROSS_ENTROPY_IMPLS, "cross-entropy"),
         ):
             if value not in allowed:
                 raise SoapError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")

@@ -164,7 +164,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     result = ParallelModel(parts=parts, plan=plan, mesh=mesh, stage_indices=stage_indices, precision=runtime,
                            tied=tied)
     if p.pp > 1:
-        result.schedule = _pipeline(result, device, loss_fn or _mean_loss())
+        result.schedule = _pipeline(result, device, loss_fn or _mean_loss(p.cross_entropy))
     return result
 
 
@@ -268,11 +268,15 @@ def selective_policy() -> Callable:
     return policy
 
 
-def _mean_loss() -> Callable:
+def _mean_loss(cross_entropy: str) -> Callable:
     import torch.nn.functional as F
 
+    from executor.cross_entropy import IGNORE, chunked_cross_entropy
+
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        if cross_entropy == "chunked":
+            return chunked_cross_entropy(logits, labels) / (labels != IGNORE).sum().clamp(min=1)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
 
     return loss
 

@@ -18,9 +18,12 @@ pipeline micro-batches, `scale_grads=False`) and averaged over the R ranks, whic
 gradient of the global mean `sum_CE(all) / N`, whatever the layout. The reported loss is the sum of
 the unscaled local sums, all-reduced over the R ranks, divided by N.
 
-Under tensor parallelism with the whole model on the rank, the logits are a DTensor sharded on the
-vocabulary and the cross-entropy is torch's vocab-parallel one (`loss_parallel()`, entered by the
-training step around the loss and its backward); its sum is the same on every TP rank.
+The cross-entropy is the plan's: by default `executor.cross_entropy` (the gradient made in the forward, a
+slice of tokens at a time, its memory a third of the upcast one's); plans written before it existed run
+`F.cross_entropy(logits.float())`. Under tensor parallelism with the whole model on the rank, the logits are
+a DTensor sharded on the vocabulary and either loss is vocab-parallel (the upcast one is torch's, in
+`loss_parallel()`, entered by the training step around the loss and its backward); its sum is the same on
+every TP rank.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from executor.cross_entropy import IGNORE, check_cross_entropy, chunked_cross_entropy
 from tracer.errors import SoapError
 
-IGNORE = -100
 MASK_FRACTION = 0.15
 
 
@@ -120,9 +123,13 @@ class Slicer:
 
 
 class ScaledTokenLoss:
-    """`sum_CE * factor`, with `factor = R / N` set for each step (see the module docstring)."""
+    """`sum_CE * factor`, with `factor = R / N` set for each step (see the module docstring). `cross_entropy`
+    is the plan's (`TrainingConfig.cross_entropy`): "chunked", `executor.cross_entropy`; "upcast",
+    `F.cross_entropy` on an fp32 copy of the logits."""
 
-    def __init__(self) -> None:
+    def __init__(self, cross_entropy: str = "chunked") -> None:
+        check_cross_entropy(cross_entropy)
+        self.cross_entropy = cross_entropy
         self.factor = 1.0
         self.unscaled_sum = torch.zeros(())
 
@@ -131,10 +138,14 @@ class ScaledTokenLoss:
         self.unscaled_sum = torch.zeros(())
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The scaled loss of one micro-batch. Vocab-sharded DTensor logits (tp > 1, `costmodel.strategy.shards_vocabulary`) need the call
-        and its backward inside `loss_parallel()`; the loss then comes back as a plain tensor, the same on
-        every TP rank."""
-        total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        """The scaled loss of one micro-batch, a plain tensor, the same on every TP rank. Vocab-sharded DTensor
+        logits (tp > 1, `costmodel.strategy.shards_vocabulary`) under the upcast loss need the call and its
+        backward inside `loss_parallel()`."""
+        if self.cross_entropy == "chunked":
+            total = chunked_cross_entropy(logits, labels)
+        else:
+            total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                    reduction="sum")
         if isinstance(total, DTensor):  # replicated over tp: every rank's local value is the whole sum
             total = total.full_tensor()
         # stays on the device: a copy to the host here would wait for the GPU once per micro-batch

@@ -114,9 +114,12 @@ def rdzv_configs(text: str) -> dict[str, str]:
 def check_plan_rules(plan: Plan) -> None:
     """Refuse, before any worker starts, a plan torch would refuse (`costmodel.plan_rules`): plan.json
     is validated on load, but a `Plan` built in Python may skip that."""
+    from executor.cross_entropy import check_cross_entropy
+
     p = plan.parallelism
     check_pipeline(p.schedule, pp=p.pp, virtual_stages=p.virtual_stages, num_microbatches=p.num_microbatches,
                    grad_accum=p.grad_accum, zero=p.zero)
+    check_cross_entropy(p.cross_entropy)
 
 
 def run_plan(plan: Plan, run: Any, launch: LaunchOptions) -> dict[str, Any] | None:

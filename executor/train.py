@@ -141,7 +141,7 @@ def train(plan: Plan, config: RunConfig, *, local_rank: int = 0,
     p = plan.parallelism
     device = device_for_rank(local_rank)
     torch.manual_seed(config.seed)
-    loss_fn = ScaledTokenLoss()
+    loss_fn = ScaledTokenLoss(p.cross_entropy)
     watch.activity("in building and parallelizing the model (process groups, sharding, initial weights)",
                    warmup=True)
     model = build_meta_model(plan.model.config, plan.model.task, plan=plan)
@@ -236,8 +236,8 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
                     inputs = forward_inputs(parallel.parts[0], ids[k * m:(k + 1) * m], labels[k * m:(k + 1) * m],
                                             positions)
                     # the logits are not bound to a name: nothing holds them through backward, which reads
-                    # only the loss's log-probabilities (torchtitan's `del pred`;
-                    # `costmodel.memory_activations.loss_working_set` prices it)
+                    # only what the loss saved (torchtitan's `del pred`; `costmodel.memory_activations.loss_tensors`
+                    # prices it)
                     loss = loss_fn(model(**inputs, use_cache=False).logits, labels[k * m:(k + 1) * m])
                 (runtime.scaler.scale(loss) if runtime.scaler else loss).backward()
     else:

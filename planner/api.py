@@ -31,7 +31,7 @@ GIB = 2**30
 DEFAULT_MAX_SEQ_LEN = 4096
 TOKENS_PER_STEP = 1 << 22
 PIN_NAMES = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum", "recompute", "schedule", "precision",
-             "optimizer", "ep", "virtual_stages", "offload", "compile")
+             "optimizer", "ep", "virtual_stages", "offload", "compile", "cross_entropy")
 SWITCH_PINS = ("offload", "compile")
 """Pins that are on or off: True/False, or the CLI's "on"/"off"."""
 

@@ -175,7 +175,8 @@ def _unblocking(req: SpaceRequest) -> str:
                and _any_configuration(replace(req, pins=replace(req.pins, **{n: None})))]
     if freeing:
         return "unpin " + " or ".join(_flag(n) for n in freeing)
-    if _any_configuration(replace(req, pins=Pins(precision=req.pins.precision, optimizer=req.pins.optimizer))):
+    if _any_configuration(replace(req, pins=Pins(precision=req.pins.precision, optimizer=req.pins.optimizer,
+                                                            cross_entropy=req.pins.cross_entropy))):
         return "unpin two or more of them"
     return (f"no layout of {req.gpus} GPUs splits this model at global batch {req.global_batch} even unpinned "
             "(the batch, heads, layers and sequence must divide); use another --gpus or --global-batch")

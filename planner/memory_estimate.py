@@ -74,14 +74,14 @@ class MemoryTables:
         return stage_params(ops, block_counts={}, degrees=self.degrees(tp, ep, vocab))
 
     def _unit_activations_uncached(self, u: int, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
-                                   policy: str, precision: str, attention: str, compiled: bool
-                                   ) -> tuple[float, float]:
+                                   policy: str, precision: str, attention: str, compiled: bool,
+                                   cross_entropy: str) -> tuple[float, float]:
         """(kept, recompute window) of one instance of unit u: the simulator's chunk rule, on a strategy
         reduced to what the placements and sizes read (the data-parallel and batch fields do not matter)."""
         dims = ParallelDims(tp=tp, cp=cp, ep=ep, pp=pp, dp_shard=ep)
         train = TrainingConfig(global_batch=mb, seq_len=self.graph.seq_len, micro_batch=mb, recompute=policy,
                                sequence_parallel=sequence_parallel, precision=precision, attention=attention,
-                               compile=compiled)
+                               compile=compiled, cross_entropy=cross_entropy)
         strategy = Strategy(dims=dims, train=train)
         shape = activation_shape(self.graph, strategy)
         return placed_activations(block_placements(self.units[u].ops, strategy, shape), strategy, self.graph.batch, shape,
@@ -89,8 +89,8 @@ class MemoryTables:
 
     def _rank_activations_uncached(self, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
                                    recompute: str, recompute_per_block: tuple, precision: str, attention: str,
-                                   compiled: bool, bounds: tuple[int, ...], schedule: str, microbatches: int,
-                                   stages_per_rank: int) -> tuple[float, ...]:
+                                   compiled: bool, cross_entropy: str, bounds: tuple[int, ...], schedule: str,
+                                   microbatches: int, stages_per_rank: int) -> tuple[float, ...]:
         """Each pipeline rank's activation peak: per layer, then per stage (kept, backward peak), then per
         rank over the schedule. Memoized: it reads none of the candidate's data-parallel, ZeRO, optimizer or
         offload choices, which the enumeration varies most. `compiled`: torch.compile, whose partitioner saves
@@ -103,7 +103,7 @@ class MemoryTables:
         unit_acts = np.array([
             self.unit_activations(u, tp, cp, ep, unit_pp, sequence_parallel, mb,
                                   "none" if unit.id.startswith("<") else policies.get(unit.id, recompute),
-                                  precision, attention, compiled)
+                                  precision, attention, compiled, cross_entropy)
             for u, unit in enumerate(self.units)])
         stage_acts = stage_activations(unit_acts[self.layers, 0], unit_acts[self.layers, 1], bounds)
         return activation_peaks(schedule, pp, microbatches, stages_per_rank, stage_acts)  # step_shape keeps pp
@@ -184,8 +184,8 @@ class MemoryTables:
         vocab = shards_vocabulary(tp=d.tp, pp=d.pp)
         name, pp, m, v, _ = step_shape(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
         activations = self.rank_activations(d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute,
-                                            t.recompute_per_block, t.precision, t.attention, t.compile, bounds, name,
-                                            m, v)
+                                            t.recompute_per_block, t.precision, t.attention, t.compile,
+                                            t.cross_entropy, bounds, name, m, v)
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,

@@ -23,6 +23,7 @@ from costmodel.plan_rules import (compile_violation, executed_pipeline_violation
                                   recompute_violation)
 from costmodel.strategy import (
     ATTENTION_IMPLS,
+    CROSS_ENTROPY_IMPLS,
     MESH_DIM_NAMES,
     OPTIMIZERS,
     PRECISIONS,
@@ -135,6 +136,10 @@ class ParallelismRecord(_Strict):
     offload_optimizer: bool = False
     attention: Literal[ATTENTION_IMPLS] = "sdpa"  # type: ignore[valid-type]
     compile: bool = False
+    cross_entropy: Literal[CROSS_ENTROPY_IMPLS] = "upcast"  # type: ignore[valid-type]
+    """The loss (`TrainingConfig.cross_entropy`, `executor.cross_entropy`). Absent: "upcast", the loss soap
+    executed before the field existed, so that a plan written then runs and is priced as it ran. "megatron"
+    (an export's nearest plan for Megatron-LM) is priced, not executed."""
 
 
 class OpPlacement(_Strict):
@@ -300,6 +305,7 @@ class Plan(_Strict):
             offload_optimizer=p.offload_optimizer,
             attention=p.attention,
             compile=p.compile,
+            cross_entropy=p.cross_entropy,
             peft=self.model.peft.method if self.model.peft else None,
         )
         return Strategy(dims=dims, train=train, op_splits=self.op_splits())
@@ -331,6 +337,7 @@ def parallelism_record(strategy: Strategy) -> ParallelismRecord:
         num_microbatches=t.num_microbatches, schedule=t.schedule, virtual_stages=t.virtual_stages,
         recompute=t.recompute, precision=t.precision, optimizer=t.optimizer,
         offload_optimizer=t.offload_optimizer, attention=t.attention, compile=t.compile,
+        cross_entropy=t.cross_entropy,
     )
 
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from costmodel.plan_rules import (NOT_EXECUTED, compile_violation, executed_pipeline_violation, model_violation,
                                   peft_violation, recompute_violation)
 from costmodel.strategy import (
+    EXECUTED_CROSS_ENTROPY,
     MULTI_STAGE_SCHEDULES,
     OPTIMIZERS,
     PRECISIONS,
@@ -112,6 +113,9 @@ class Pins:
     """Optimizer state and step on the CPU (True), on the device (False), or searched (None)."""
     compile: bool | None = None
     """torch.compile each block (True), never (False), or searched (None)."""
+    cross_entropy: str = "chunked"
+    """The loss the plan computes (`TrainingConfig.cross_entropy`): the executor's chunked one, or "upcast"
+    (`F.cross_entropy(logits.float())`) to plan for a stack that computes that."""
 
     def __post_init__(self) -> None:
         for name in ("offload", "compile"):
@@ -129,6 +133,7 @@ class Pins:
             (self.schedule, SCHEDULES, "schedule"),
             (self.precision, (*PRECISIONS, "auto"), "precision"),
             (self.optimizer, (*OPTIMIZERS, "auto"), "optimizer"),
+            (self.cross_entropy, EXECUTED_CROSS_ENTROPY, "cross-entropy"),
         ):
             if value is not None and value not in allowed:
                 raise SoapError(f"unknown --{what} {value!r}; choose one of {', '.join(allowed)}")
@@ -484,6 +489,7 @@ def training_config(req: SpaceRequest, mesh: MeshChoice, head: TrainingHead, *, 
         virtual_stages=head.virtual_stages, zero=mesh.zero, sequence_parallel=mesh.dims.tp > 1,
         recompute=recompute, precision=head.precision, optimizer=head.optimizer, offload_optimizer=offload,
         compile=bool(req.pins.compile) or fp8_compiles(req, head.precision), peft=req.peft,
+        cross_entropy=req.pins.cross_entropy,
     )
 
 

@@ -84,9 +84,11 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
               grad_accum: int | None = None, schedule: str = "1F1B", virtual_stages: int = 1,
               recompute: str = "none", precision: str = "fp32", optimizer: str = "adamw", seq_len: int = 16,
               config: dict[str, Any] | None = None, predicted: dict[str, Any] | None = None,
-              tp_plan: dict[str, str] | None = None, peft: dict[str, Any] | None = None, **parallelism: Any) -> Plan:
+              tp_plan: dict[str, str] | None = None, peft: dict[str, Any] | None = None,
+              cross_entropy: str = "chunked", **parallelism: Any) -> Plan:
     """A valid Plan for a tiny model, built directly (no search); `parallelism` sets further plan fields
-    (offload_optimizer, compile, ...); `peft` is plan.json's model.peft (method, rank, alpha, targets, dropout)."""
+    (offload_optimizer, compile, ...); `peft` is plan.json's model.peft (method, rank, alpha, targets, dropout);
+    `cross_entropy` the loss, chunked as the planner writes it."""
     config = config or tiny_config(family)
     dp = dp_replicate * dp_shard
     world = pp * dp * cp * tp
@@ -106,7 +108,7 @@ def make_plan(family: str, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int 
             "cp": cp, "sequence_parallel": sequence_parallel, "micro_batch": micro_batch,
             "grad_accum": grad_accum, "num_microbatches": num_microbatches, "schedule": schedule,
             "virtual_stages": virtual_stages, "recompute": recompute, "precision": precision,
-            "optimizer": optimizer, **parallelism,
+            "optimizer": optimizer, "cross_entropy": cross_entropy, **parallelism,
         },
         "tp_plan": (tp_plan or TP_PLANS[family]) if tp > 1 else {},
         "stages": _stages(family, config, pp * virtual_stages, pp, schedule) if pp > 1 else [],

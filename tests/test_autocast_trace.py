@@ -85,9 +85,12 @@ def test_llama_autocast_trace_keeps_rmsnorm_in_fp32_and_projections_in_bf16():
 def test_autocast_graph_predicts_more_activation_memory_than_two_bytes_everywhere():
     fp32 = tracer.trace("gpt2", batch=1, seq_len=1024)
     amp = tracer.trace("gpt2", batch=1, seq_len=1024, dtype="autocast-bfloat16")
-    kw = dict(micro_batch=32, batch_traced=1, recompute="none", attention="sdpa", precision="bf16")
+    kw = dict(micro_batch=32, batch_traced=1, recompute="none", attention="sdpa", precision="bf16",
+              cross_entropy="upcast")  # the upcast loss's fp32 logits are among the tensors autocast keeps in fp32
     before, after = activation_bytes(fp32.ops, **kw), activation_bytes(amp.ops, **kw)
     assert after > 1.3 * before
+    chunked = {**kw, "cross_entropy": "chunked"}
+    assert activation_bytes(amp.ops, **chunked) > 1.1 * activation_bytes(fp32.ops, **chunked)
     assert activation_bytes(amp.ops, **{**kw, "precision": None}) == after  # counted as traced
 
 

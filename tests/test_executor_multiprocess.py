@@ -77,6 +77,8 @@ def _cases_2_ranks() -> dict[str, tuple[str, dict]]:
         # BERT's head bias sits on `cls.predictions`, which no stage names: it must go with the last stage
         "bert-pp-tied-1f1b": ("bert", dict(pp=2, micro_batch=2, num_microbatches=2, schedule="1F1B")),
         "gpt2-tp-vocab-95": ("gpt2", dict(tp=2, micro_batch=4, **ODD_VOCAB)),
+        # a plan written before the chunked cross-entropy: torch's vocab-parallel loss in loss_parallel()
+        "gpt2-tp-vocab-95-upcast": ("gpt2", dict(tp=2, micro_batch=4, cross_entropy="upcast", **ODD_VOCAB)),
         # DDP's gradients are views of its buckets: unscaled in place, accumulated under no_sync
         "llama-ddp-fp16": ("llama", dict(dp_replicate=2, micro_batch=2, precision="fp16", optimizer="sgd",
                                          **UNTIED["llama"])),
@@ -108,6 +110,7 @@ def _cases_4_ranks() -> dict[str, tuple[str, dict]]:
         # vocab-parallel ends on pipeline stages: tied across them, over an uneven vocabulary, BERT's head
         "gpt2-tp-x-pp-tied-vocab-95": ("gpt2", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2, **ODD_VOCAB)),
         "bert-tp-x-pp": ("bert", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2)),
+        "bert-tp-x-pp-upcast": ("bert", dict(tp=2, pp=2, micro_batch=2, num_microbatches=2, cross_entropy="upcast")),
     }
     # every executed schedule with pp=2 x dp=2 (1F1B above: llama-pp-x-dp, gpt2-pp-tied-x-fsdp); the
     # zero-bubble ones under FSDP ZeRO-2 (ZeRO-3 is refused there: costmodel.plan_rules), whose weight

@@ -111,7 +111,7 @@ def test_scaled_losses_sum_to_the_global_mean_over_any_split():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_without_a_pipeline_nothing_holds_the_logits_through_backward(monkeypatch, precision):
-    """The memory rule `costmodel.memory_activations.loss_working_set` counts no held logits without a
+    """The memory rule `costmodel.memory_activations.loss_tensors` counts no held logits without a
     pipeline: the training loop must have dropped them by the time the loss's backward starts."""
     import weakref
 

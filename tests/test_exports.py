@@ -38,8 +38,8 @@ SMALL_LLAMA = {
     "max_position_embeddings": 512, "tie_word_embeddings": False,
 }
 PLANS = {
-    # runs on every target as it is
-    "fsdp": dict(dp=8, zero=3, tp=1, pp=1, cp=1, recompute="full", micro_batch=2),
+    # runs on every target but Megatron as it is: planned for transformers' and torchtitan's loss
+    "fsdp": dict(dp=8, zero=3, tp=1, pp=1, cp=1, recompute="full", micro_batch=2, cross_entropy="upcast"),
     # a pipeline and ZeRO-1: accelerate and DeepSpeed fold the pipeline, Megatron has no GPipe
     "pipeline": dict(dp=2, zero=1, tp=2, pp=2, cp=1, schedule="GPipe", micro_batch=1),
     # TP x CP with fp16 and selective recompute
@@ -446,7 +446,30 @@ def test_megatron_arguments_use_megatrons_flags_and_fill_the_world(plans, which,
 def test_a_plan_every_target_runs_exports_without_a_drop_line(plans, capsys):
     for fmt in FORMATS:
         _, err = export(plans["fsdp"], fmt, capsys)
-        assert dropped_lines(err) == [], (fmt, err)
+        if fmt == "megatron":  # its own vocab-parallel cross-entropy holds 2x the fp32 logits, not 3x
+            line, = dropped_lines(err)
+            assert "cannot express: cross_entropy on an fp32 copy" in line and "megatron's the vocab-parallel" in line
+        else:
+            assert dropped_lines(err) == [], (fmt, err)
+
+
+def test_soaps_chunked_loss_is_priced_as_the_targets_loss_in_the_nearest_plan(plans, tmp_path, capsys):
+    """A plan with the executor's chunked cross-entropy exports to torchtitan, whose loss upcasts the logits:
+    one line says so, and the nearest plan's peak holds the larger loss."""
+    data = json.loads(plans["fsdp"].read_text())
+    data["parallelism"]["cross_entropy"] = "chunked"
+    chunked = tmp_path / "chunked.json"
+    chunked.write_text(json.dumps(data))
+    _, err = export(chunked, "torchtitan", capsys)
+    line, = dropped_lines(err)
+    assert "the chunked cross-entropy (1.1x the fp32 logits at its peak) (not in torchtitan)" in line
+    from soap.commands.simulate import simulate_plan
+
+    near = _exported_plan(chunked, "torchtitan")
+    assert near.parallelism.cross_entropy == "upcast"
+    upcast_peak = load_plan(plans["fsdp"]).predicted["peak_memory_gib"]
+    assert near.predicted["peak_memory_gib"] == pytest.approx(upcast_peak, rel=1e-6)
+    assert simulate_plan(load_plan(chunked))[1].peak_memory_bytes / 2**30 < upcast_peak
 
 
 @pytest.mark.parametrize("which, fmt, dropped", [

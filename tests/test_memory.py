@@ -61,8 +61,9 @@ def toy_graph(count=3):
 
 IDS, XB, QB, LSEB, FFNB, LOGITS = B * T * 8, X.nbytes, Q.nbytes, LSE.nbytes, FFN.nbytes, B * T * 100 * 4
 BLOCK_NONE = (XB + LSEB) + XB + (4 * QB + LSEB) + XB + FFNB + FFNB
-LOSS_WORKING_SET = 2 * LOGITS  # gradients of the log-probabilities and of the logits (fp32); no pipeline holds the logits
-EPILOGUE = XB + LOGITS + LOSS_WORKING_SET
+SLICE = B * T * 13 * 4  # one of the chunked loss's 8 token slices of the logits (100 columns: 13 per slice), fp32
+LOSS = 2 * LOGITS + SLICE  # the chunked loss: the logits, its gradient buffer (fp32 here) and one fp32 slice
+EPILOGUE = XB + LOSS
 
 
 @pytest.mark.parametrize(
@@ -244,9 +245,9 @@ def test_a_graph_traced_in_bf16_keeps_its_fp32_upcasts():
     traced_bf16 = activation_bytes(ops, micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", precision="bf16")
     traced_fp32 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa",
                                    precision="bf16")
-    # the two fp32 statistics stay at 4 bytes, and so do the gradients of the loss's fp32 (upcast) logits in its
-    # working set (no logits held: no pipeline)
-    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + 2 * LOGITS // 2
+    # the two fp32 statistics stay at 4 bytes, and so does the chunked loss's fp32 slice; its logits and
+    # gradient buffer are 16-bit in both
+    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + SLICE // 2
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -280,13 +281,19 @@ def test_more_recomputation_never_keeps_more_activations(count, micro_batch, tp,
     assert kept("full") <= kept("selective") <= kept("none")
 
 
-def test_loss_backward_holds_logits_and_two_gradients_of_their_size_beside_the_saved_tensors():
+@pytest.mark.parametrize("cross_entropy, loss", [("upcast", 3 * LOGITS), ("chunked", LOSS),
+                                                 ("megatron", 2 * LOGITS)])
+def test_the_loss_holds_what_its_cross_entropy_keeps_beside_the_head_input(cross_entropy, loss):
+    """upcast: the log-probabilities and two gradients of their size; chunked: the logits, the gradient
+    buffer and one fp32 slice; megatron: the fp32 logits and the max-shifted copy it turns into the softmax."""
     from costmodel.memory import activation_parts
 
-    none = activation_parts(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa")
-    assert none.epilogue == XB + LOGITS + 2 * LOGITS
-    half = activation_parts(toy_ops(), micro_batch=B // 2, batch_traced=B, recompute="none", attention="sdpa")
-    assert half.epilogue == (XB + 3 * LOGITS) // 2  # scales with the micro-batch like every activation
+    none = activation_parts(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa",
+                            cross_entropy=cross_entropy)
+    assert none.epilogue == XB + loss
+    half = activation_parts(toy_ops(), micro_batch=B // 2, batch_traced=B, recompute="none", attention="sdpa",
+                            cross_entropy=cross_entropy)
+    assert half.epilogue == (XB + loss) // 2  # scales with the micro-batch like every activation
 
 
 def test_zero2_keeps_the_fp32_shard_beside_gathered_parameters_and_one_unit_of_gradients_in_flight():
@@ -358,13 +365,16 @@ def test_runtime_workspace_is_optional_profile_data_counted_in_the_overhead():
     assert est.total - estimate_memory(toy_graph(), device=shipped, train=train).total == 13 * 2**20
 
 
+@pytest.mark.parametrize("cross_entropy", ["chunked", "upcast"])
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("dtype, precision", [("float32", "fp32"), ("bfloat16", "bf16")])
-def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, precision, pipelined):
-    """The executor's loss (`executor.data.ScaledTokenLoss`: cross_entropy on the logits upcast to fp32)
-    peaks at what the loss saves plus `loss_working_set`: 3 x the fp32 logits when nothing holds the
-    logits through backward (the executor's loop without a pipeline); held, as a pipeline stage holds its
-    output, 4 x in fp32 and 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
+def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision, pipelined, cross_entropy):
+    """The executor's loss (`executor.data.ScaledTokenLoss`) peaks at `loss_tensors`:
+    - chunked (`executor.cross_entropy`): the logits, the gradient buffer at their width and one of 8 token
+      slices in fp32: 1.125 x the fp32 logits with a 16-bit head, 2.125 x in fp32, held or not;
+    - upcast (cross_entropy on the logits upcast to fp32): 3 x the fp32 logits when nothing holds the
+      logits through backward (the executor's loop without a pipeline); held, as a pipeline stage holds its
+      output, 4 x in fp32 and 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
     import torch
 
     from costmodel.memory_activations import activation_parts
@@ -375,7 +385,7 @@ def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, preci
     h = torch.randn(1, tokens, hidden, dtype=torch_dtype, requires_grad=True)
     w = torch.randn(vocab, hidden, dtype=torch_dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
-    loss_fn = ScaledTokenLoss()
+    loss_fn = ScaledTokenLoss(cross_entropy)
     live = LiveStorages()
     with live.mode:
         if pipelined:
@@ -390,7 +400,10 @@ def test_the_loss_working_set_is_what_the_executors_loss_keeps_live(dtype, preci
               (act(tokens, vocab, roles=(S, P), dtype=dtype),), (), (ParamMeta("head.weight", (vocab, hidden), dtype),))
     loss_op = op("loss", OpKind.LOSS, None, (fp32_logits,), (act(roles=()),), (fp32_logits,))
     predicted = activation_parts([head, loss_op], micro_batch=1, batch_traced=1, recompute="none", attention="sdpa",
-                                 precision=precision, pipelined=pipelined).prologue
-    expected = {"fp32": 4.0, "bf16": 3.5}[precision] if pipelined else 3.0
+                                 precision=precision, pipelined=pipelined, cross_entropy=cross_entropy).prologue
+    if cross_entropy == "chunked":
+        expected = {"fp32": 2.125, "bf16": 1.125}[precision]
+    else:
+        expected = {"fp32": 4.0, "bf16": 3.5}[precision] if pipelined else 3.0
     assert measured / fp32_logits.nbytes == pytest.approx(expected, abs=0.02)
     assert predicted == pytest.approx(measured, rel=0.01)

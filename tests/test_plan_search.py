@@ -100,14 +100,14 @@ def test_everything_pinned_simulates_that_one_configuration(models):
 
 def test_one_gpu_uses_single_device_techniques_to_fit(models):
     roomy = plan_report(models["medium-llama"], gpus=1, global_batch=64)
-    # 10 GiB: with the model state offloaded (2 GiB of bf16 weights left on the GPU), micro-batch 1's
-    # activations without recomputation still need 8 GiB
-    tight = plan_report(models["medium-llama"], gpus=1, global_batch=64, mem_limit_gib=10)
+    # 7 GiB: with the model state offloaded (2 GiB of bf16 weights left on the GPU) and full recompute,
+    # micro-batch 4 still needs 7.6 GiB
+    tight = plan_report(models["medium-llama"], gpus=1, global_batch=64, mem_limit_gib=7)
     r, t = _parallelism(roomy), _parallelism(tight)
     assert (r.recompute, r.offload_optimizer) == ("none", False)
     assert t.offload_optimizer and t.recompute != "none" and t.micro_batch < r.micro_batch
     assert t.grad_accum == t.num_microbatches and t.micro_batch * t.grad_accum == 64
-    assert tight.chosen.peak_memory_bytes <= 10 * GIB
+    assert tight.chosen.peak_memory_bytes <= 7 * GIB
 
 
 def test_llama_3_8b_fits_one_80gb_gpu_by_offloading_master_weights_gradients_and_optimizer_state():

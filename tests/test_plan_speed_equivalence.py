@@ -112,12 +112,15 @@ def test_unit_activations_read_the_pipeline_degree_only_through_the_vocabulary_r
     graph = req.model.trace(task=None, seq_len=64)
     tables = MemoryTables(graph, model_units(graph))
     for u in range(len(tables.units)):
-        for tp, cp, sp, policy, compiled in [(1, 1, False, "none", False), (2, 1, True, "selective", True),
-                                             (4, 2, False, "full", False), (1, 1, False, "none", True)]:
-            two = tables._unit_activations_uncached(u, tp, cp, 1, 2, sp, 2, policy, "bf16", "sdpa", compiled)
+        for tp, cp, sp, policy, compiled, loss in [(1, 1, False, "none", False, "chunked"),
+                                                   (2, 1, True, "selective", True, "upcast"),
+                                                   (4, 2, False, "full", False, "chunked"),
+                                                   (1, 1, False, "none", True, "upcast")]:
+            args = (sp, 2, policy, "bf16", "sdpa", compiled, loss)
+            two = tables._unit_activations_uncached(u, tp, cp, 1, 2, *args)
             for pp in (4, 8):
                 if shards_vocabulary(tp=tp, pp=pp) == shards_vocabulary(tp=tp, pp=2):
-                    assert tables._unit_activations_uncached(u, tp, cp, 1, pp, sp, 2, policy, "bf16", "sdpa", compiled) == two
+                    assert tables._unit_activations_uncached(u, tp, cp, 1, pp, *args) == two
 
 
 def test_the_search_pricers_memoized_prices_simulate_as_the_default_pricer(tmp_path):

@@ -150,9 +150,10 @@ def test_megatron_and_deepspeed_fp16_are_priced_on_a_half_model_without_autocast
     half = TrainingConfig(global_batch=8, seq_len=16, zero=3, precision="fp16", half_model=True)
     assert regime_dtype(dims, half, device) == "float16"
     row = dict(name="r", model="gpt2", gpus=8, seq=16, micro_batch=1, precision="fp16", step_time_s=1.0)
-    assert as_run("plan", RunRecord(**row)) == "plan"  # soap's own stack
-    for stack, expected in (("megatron-lm", {"accumulate_locally": True, "half_model": True}),
-                            ("deepspeed-2021", {"param_gather": "tensor", "half_model": True})):
+    assert as_run("plan", RunRecord(**row)).train == {"cross_entropy": "upcast"}  # torch-native: torchtitan's loss
+    for stack, expected in (("megatron-lm", {"accumulate_locally": True, "half_model": True, "cross_entropy": "megatron"}),
+                            ("deepspeed-2021", {"param_gather": "tensor", "half_model": True,
+                                                "cross_entropy": "megatron"})):
         priced = as_run("plan", RunRecord(**row, stack=stack))
         assert isinstance(priced, StackPlan) and priced.train == expected
 

@@ -453,7 +453,7 @@ def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, ba
     return chunk_activations(((p.op, p.split.local()) for p in placements), policy=policy, micro_batch=t.micro_batch,
                              batch_traced=batch_traced, attention=t.attention, precision=t.precision,
                              block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1), compiled=t.compile,
-                             pipelined=d.pp > 1)
+                             pipelined=d.pp > 1, cross_entropy=t.cross_entropy)
 
 
 def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int, int]:

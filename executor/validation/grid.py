@@ -114,10 +114,20 @@ MEGATRON_SOFTMAX_STACKS = ("megatron-deepspeed",)
 unfused PyTorch ops where its kernel is unavailable (`costmodel.fused_softmax`); soap's executor runs SDPA."""
 
 
+CROSS_ENTROPY_BY_STACK = {"torch-native": "upcast", "nanotron": "megatron", "megatron-deepspeed": "megatron",
+                          "megatron-lm": "megatron", "nemo-te": "megatron", "deepspeed-2021": "megatron"}
+"""Each stack's loss (`TrainingConfig.cross_entropy`): torchtitan's `cross_entropy(pred.float())` (upcast);
+Megatron's and nanotron's vocab-parallel cross-entropy, an fp32 softmax made and saved in place (megatron).
+Only its memory differs (`costmodel.memory_activations.loss_tensors`)."""
+
+
 def as_run(plan: Any, record: RunRecord) -> Any:
     """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`, `TENSOR_GATHER_STACKS`,
-    `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`, `MEGATRON_SOFTMAX_STACKS`), else the plan itself."""
+    `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`, `MEGATRON_SOFTMAX_STACKS`, `CROSS_ENTROPY_BY_STACK`), else the
+    plan itself."""
     train: dict[str, Any] = {}
+    if record.stack in CROSS_ENTROPY_BY_STACK:
+        train["cross_entropy"] = CROSS_ENTROPY_BY_STACK[record.stack]
     if record.stack in MEGATRON_SOFTMAX_STACKS:
         train["megatron_softmax"] = True
     if record.stack in LOCAL_ACCUMULATION_STACKS:

@@ -41,6 +41,7 @@ def adjust(plan) -> Adjustment:
     if p["recompute"] == "selective":
         adj.dropped.append("selective recompute (FSDP activation checkpointing is per block) -> full")
         p["recompute"] = "full"
+    layout.cross_entropy_to(adj, "upcast", target=TARGET)  # the model's own loss (transformers' ForCausalLMLoss)
     return adj
 
 

@@ -33,6 +33,7 @@ def adjust(plan) -> Adjustment:
     if p["precision"] == "fp8":
         adj.dropped.append("fp8 (no fp8 training in a ds_config) -> bf16")
         p["precision"] = "bf16"
+    layout.cross_entropy_to(adj, "upcast", target=TARGET)  # the model's own loss (transformers' ForCausalLMLoss)
     return adj
 
 

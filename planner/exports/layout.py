@@ -113,4 +113,18 @@ def optimizer_to(adj: Adjustment, allowed: tuple[str, ...], nearest: str, *, tar
         p["optimizer"] = nearest
 
 
+CROSS_ENTROPY_NAMES = {"chunked": "the chunked cross-entropy (1.1x the fp32 logits at its peak)",
+                       "upcast": "cross_entropy on an fp32 copy (3x the fp32 logits at its peak)",
+                       "megatron": "the vocab-parallel cross-entropy (2x the fp32 logits at its peak)"}
+
+
+def cross_entropy_to(adj: Adjustment, theirs: str, *, target: str) -> None:
+    """The target computes the loss its way (`TrainingConfig.cross_entropy`): priced as it holds it."""
+    p = adj.parallelism
+    if p["cross_entropy"] != theirs:
+        adj.dropped.append(f"{CROSS_ENTROPY_NAMES[p['cross_entropy']]} (not in {target}) -> "
+                           f"{target}'s {CROSS_ENTROPY_NAMES[theirs]}")
+        p["cross_entropy"] = theirs
+
+
 _NAMES = {"tp": "tensor parallelism", "cp": "context parallelism", "pp": "pipeline parallelism"}

@@ -49,6 +49,7 @@ def adjust(plan) -> Adjustment:
         adj.dropped.append("torch.compile (no Megatron switch) -> eager")
         p["compile"] = False
     layout.optimizer_to(adj, ("adamw", "sgd"), "adamw", target=TARGET)
+    layout.cross_entropy_to(adj, "megatron", target=TARGET)
     return adj
 
 

@@ -66,7 +66,7 @@ def nearest_plan(plan: Plan, graph: OpGraph, adj: Adjustment) -> Plan:
         grad_accum=p["grad_accum"], schedule=p["schedule"], virtual_stages=p["virtual_stages"], zero=p["zero"],
         sequence_parallel=p["sequence_parallel"], recompute=p["recompute"], recompute_per_block=(),
         precision=p["precision"], optimizer=p["optimizer"], offload_optimizer=p["offload_optimizer"],
-        attention=p["attention"], compile=p["compile"],
+        attention=p["attention"], compile=p["compile"], cross_entropy=p["cross_entropy"],
     )
     same_mesh = dims == strategy.dims
     op_splits = strategy.op_splits if same_mesh and not adj.drop_op_splits else ()

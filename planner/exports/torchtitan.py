@@ -34,6 +34,7 @@ def adjust(plan) -> Adjustment:
         adj.dropped.append("fp16 (torchtitan trains in bf16 or fp32) -> bf16")
         p["precision"] = "bf16"
     layout.optimizer_to(adj, ("adamw",), "adamw", target=TARGET)
+    layout.cross_entropy_to(adj, "upcast", target=TARGET)
     return adj
 
 

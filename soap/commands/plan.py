@@ -7,13 +7,13 @@ import json
 import sys
 import threading
 
-from costmodel.strategy import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
+from costmodel.strategy import EXECUTED_CROSS_ENTROPY, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
 from tracer.errors import SoapError
 from tracer.peft import PEFT_METHODS
 
 
 PIN_ARGS = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "grad_accum", "recompute", "schedule", "precision",
-            "optimizer", "ep", "virtual_stages", "offload", "compile")
+            "optimizer", "ep", "virtual_stages", "offload", "compile", "cross_entropy")
 """The pinned flags' argparse destinations (`planner.api.PIN_NAMES`)."""
 
 
@@ -49,6 +49,10 @@ def add_pin_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", nargs="?", const="on", choices=("on", "off"), metavar="on|off",
                        help=f"pin {what} (--{name} alone: on); default: searched")
         p.add_argument(f"--no-{name}", dest=name, action="store_const", const="off", help=f"same as --{name} off")
+    p.add_argument("--cross-entropy", choices=EXECUTED_CROSS_ENTROPY, default="chunked",
+                   help="the loss: chunked (default; the gradient made in the forward, a slice of tokens at a "
+                   "time, about 1.1x the fp32 logits at its peak) or upcast (cross_entropy on an fp32 copy, as "
+                   "transformers and torchtitan compute it: 3x)")
     add_peft_flags(p)
 
 

@@ -1,0 +1,124 @@
+"""Chunked cross-entropy: the token loss and its gradient in one pass, a slice of tokens at a time.
+
+The loss of a language model is the largest working set of its step: [tokens, vocab] logits, 131k columns
+for Llama 3. `F.cross_entropy(logits.float())`, as Hugging Face and torchtitan compute it, upcasts a copy,
+saves its fp32 log-probabilities for backward, and then creates the gradients of the log-probabilities and
+of the logits (both fp32) while they are live: 3 x the fp32 logits at the peak (3.5 x under a pipeline,
+whose schedule holds the 16-bit logits too; `tests/test_memory.py`). On one H100 the 16k-token step of
+Llama-3-8B layers held 23.5 GiB there of its 50.5 GiB peak (docs/benchmarks.md).
+
+This loss (`ChunkedCrossEntropy`, the executor's default, `TrainingConfig.cross_entropy` "chunked") keeps
+the logits at the width the head produced them (W bytes per element, 2 in a 16-bit run) and computes, for
+each of `CROSS_ENTROPY_CHUNKS` slices of the tokens in turn, in fp32 on a copy of the slice x (row i,
+target t_i, valid v_i: the label is not the ignore index):
+
+    m_i = max_j x_ij,   s_i = sum_j exp(x_ij - m_i),   lse_i = m_i + log s_i
+    loss = sum_i v_i (lse_i - x_i,t_i)
+    d loss / d x_ij = v_i (exp(x_ij - lse_i) - [j = t_i])
+
+and writes that gradient into a buffer at the logits' width. Backward multiplies the buffer by the incoming
+gradient in place and returns it: nothing is recomputed. Live at the peak: the logits (W), the gradient
+buffer (W) and one slice's fp32 copy (4 / CROSS_ENTROPY_CHUNKS): in fp32-logit units 2 x 2/4 + 1/8 = 1.125
+in a 16-bit run, against 3.0; with fp32 logits 2.125 against 3.0 (4.0 pipelined). The math is the one of
+Liger-Kernel's fused cross-entropy and Megatron's vocab-parallel one (the gradient made in the forward);
+the slices are torchtune's chunked output loss. `costmodel.memory_activations.loss_tensors` prices it.
+
+Vocabulary-parallel logits (a DTensor sharded on the last dimension over the tensor-parallel group,
+`executor.tensor_parallel`): each rank holds columns [o, o + V_r) of the vocabulary. The rank computes its
+local m_i, all-reduces the max, its local sum of exp(x_ij - m_i), all-reduced, and the target logit x_i,t_i
+where the rank holds t_i (0 elsewhere), all-reduced: three all-reduces of [tokens] fp32 per slice, as
+torch's `loss_parallel` and Megatron do. The loss is then whole on every rank and the gradient is the
+rank's columns; it goes back through `DTensor.to_local`, sharded as the logits were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from costmodel.memory_activations import CROSS_ENTROPY_CHUNKS
+from tracer.errors import SoapError
+
+IGNORE = -100
+EXECUTED = ("chunked", "upcast")
+"""The cross-entropies the executor computes (`TrainingConfig.cross_entropy`); "megatron" is priced only."""
+
+
+def check_cross_entropy(name: str) -> None:
+    if name not in EXECUTED:
+        raise SoapError(f"cross_entropy {name!r} is priced for another stack (an export's nearest plan), not "
+                        f"executed; soap executes {' or '.join(EXECUTED)}: set parallelism.cross_entropy to one")
+
+
+def _columns(logits: DTensor) -> tuple[int, Any]:
+    """(first vocabulary column of this rank's shard, the process group) of vocab-sharded DTensor logits."""
+    placements = logits.placements
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim not in (-1, logits.ndim - 1):
+        raise ValueError(f"chunked cross-entropy needs logits replicated or sharded on the vocabulary, not {placements}")
+    mesh = logits.device_mesh
+    vocab, ranks, rank = logits.shape[-1], mesh.size(), mesh.get_local_rank()
+    width = -(-vocab // ranks)  # Shard's torch.chunk layout: ceil(V / n) columns per rank, the last ones fewer
+    return min(rank * width, vocab), mesh.get_group()
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum over labelled tokens of the cross-entropy of `logits` [tokens, V_r] (fp32 result); see the module
+    docstring. `offset` is the first vocabulary column `logits` holds and `group` the process group over
+    which the vocabulary is sharded (None: the whole vocabulary)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, offset: int, group: Any,
+                chunks: int) -> torch.Tensor:
+        grad = torch.empty_like(logits)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        tokens, columns = logits.shape
+        step = -(-tokens // chunks)
+        for lo in range(0, tokens, step):
+            hi = min(lo + step, tokens)
+            x = logits[lo:hi].to(torch.float32, copy=True)
+            target = labels[lo:hi]
+            valid = target != IGNORE
+            local = valid & (target >= offset) & (target < offset + columns)
+            index = torch.where(local, target - offset, 0).unsqueeze(-1)
+            picked = torch.where(local, x.gather(-1, index).squeeze(-1), 0.0)
+            m = x.amax(dim=-1)
+            if group is not None:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(picked, group=group)
+            x.sub_(m.unsqueeze(-1)).exp_()
+            s = x.sum(dim=-1)
+            if group is not None:
+                dist.all_reduce(s, group=group)
+            total += torch.where(valid, s.log() + m - picked, 0.0).sum()
+            x.div_(s.unsqueeze(-1))  # the softmax
+            x.scatter_add_(-1, index, torch.where(local, -1.0, 0.0).unsqueeze(-1))
+            x.mul_(valid.unsqueeze(-1))
+            grad[lo:hi].copy_(x)
+            del x
+        ctx.grad = grad
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad, ctx.grad = ctx.grad, None  # one backward: the buffer becomes the logits' gradient
+        return grad.mul_(grad_output), None, None, None, None
+
+
+def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *,
+                          chunks: int = CROSS_ENTROPY_CHUNKS) -> torch.Tensor:
+    """Summed token cross-entropy of `logits` [..., vocab] against `labels` [...] (IGNORE unlabelled), fp32,
+    a plain tensor; `logits` may be a DTensor sharded on the vocabulary (module docstring)."""
+    offset, group = 0, None
+    if isinstance(logits, DTensor):
+        if all(p.is_replicate() for p in logits.placements):
+            logits = logits.to_local()
+        else:
+            offset, group = _columns(logits)
+            logits = logits.to_local()
+    flat, targets = logits.flatten(0, -2), labels.flatten().to(logits.device)
+    if flat.device.type == "meta":  # a pipeline stage's shape inference
+        return flat.float().sum() * 0
+    return ChunkedCrossEntropy.apply(flat, targets, offset, group, max(1, min(chunks, flat.shape[0])))

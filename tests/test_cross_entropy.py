@@ -1,0 +1,107 @@
+"""The chunked cross-entropy (`executor.cross_entropy`) computes torch's loss and gradient.
+
+Against `F.cross_entropy(logits.float(), reduction="sum")`: the summed loss and the logits' gradient, in fp32
+and bf16, with ignored labels, for chunk counts that do and do not divide the tokens (and more chunks than
+tokens), and with every label ignored; a meta tensor (a pipeline's shape inference) gives a meta scalar. Its
+memory is `tests/test_memory.py`'s; vocabulary-parallel logits (a DTensor sharded over 2 gloo ranks, an uneven
+vocabulary too) train like one process in `tests/test_executor_multiprocess.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor.cross_entropy import IGNORE, chunked_cross_entropy
+
+
+def _reference(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.detach().clone().requires_grad_()
+    loss = F.cross_entropy(x.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    (loss * 0.37).backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_and_gradient_are_torchs_cross_entropy(dtype, chunks):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 37, 61)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 61, (2, 37))
+    labels[0, :5] = IGNORE
+    labels[1, -1] = IGNORE
+    expected_loss, expected_grad = _reference(logits, labels)
+    loss = chunked_cross_entropy(logits, labels, chunks=chunks)
+    (loss * 0.37).backward()
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
+    assert logits.grad.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: the gradient rounded once more
+    assert torch.allclose(logits.grad.float(), expected_grad.float(), atol=tolerance, rtol=0)
+    assert not logits.grad[0, :5].any()  # ignored tokens get no gradient
+
+
+def test_every_label_ignored_gives_zero_loss_and_gradient():
+    logits = torch.randn(4, 10, requires_grad=True)
+    loss = chunked_cross_entropy(logits, torch.full((4,), IGNORE))
+    loss.backward()
+    assert loss.item() == 0 and not logits.grad.any()
+
+
+def test_a_meta_tensor_gives_a_meta_scalar():
+    loss = chunked_cross_entropy(torch.empty(2, 16, 50, device="meta", requires_grad=True),
+                                 torch.empty(2, 16, dtype=torch.long, device="meta"))
+    assert loss.device.type == "meta" and loss.shape == ()
+
+
+# --- through the planner: the estimate and the simulator price each loss alike --------------------------------
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096,
+         "max_position_embeddings": 256, "tie_word_embeddings": False}
+"""A vocabulary large beside the hidden size, so that the loss is the activations' largest term."""
+CASES = [{}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"tp": 2, "pp": 2, "precision": "fp32"}, {"precision": "fp8"}]
+
+
+@pytest.mark.parametrize("pins", CASES, ids=[str(c) for c in CASES])
+def test_estimate_and_simulation_agree_for_each_loss_and_the_chunked_one_holds_less(pins, tmp_path):
+    import json
+    from dataclasses import replace
+    from functools import partial
+
+    from planner.api import make_request
+    from planner.estimate import Estimator
+    from planner.pricing import Pricer
+    from planner.regimes import RegimeEstimator
+    from planner.search import Candidate
+    from planner.space import mesh_choices, training_choices
+    from planner.units import model_units
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    req = make_request(str(tmp_path), gpus=4, global_batch=16, seq_len=64, mem_limit_gib=1e6, cluster="dgx-h100",
+                       **{"precision": "bf16", **pins})
+    graph = req.model.trace(task=None, seq_len=64)
+    req = replace(req, space=replace(req.space, dims=graph.dims))
+    estimator = RegimeEstimator(graph, Estimator(graph, req.cluster, model_units(graph)),
+                                partial(req.model.trace, task=None, seq_len=64))
+    pricer = Pricer(req, graph, estimator)
+    compared = 0
+    for mesh in mesh_choices(req.space):
+        trains = list(training_choices(req.space, mesh))
+        for train in trains[::max(1, len(trains) // 6)]:
+            peaks, steps = {}, {}
+            for loss in ("chunked", "upcast"):
+                t = replace(train, cross_entropy=loss)
+                candidate = Candidate(mesh=mesh, train=t, estimate=estimator.estimate(mesh, t))
+                priced = pricer(candidate)
+                if priced.candidate.op_splits:
+                    continue
+                simulated = max((m.at_peak for m in priced.result.memory), key=lambda b: b.total)
+                assert candidate.estimate.memory.total == pytest.approx(simulated.total, rel=1e-9, abs=16), (mesh, t)
+                peaks[loss], steps[loss] = simulated.activations, priced.result.step_time_s
+            if len(peaks) == 2:
+                assert peaks["chunked"] < peaks["upcast"], (mesh, train)
+                assert steps["chunked"] == pytest.approx(steps["upcast"], rel=1e-9)  # the same passes: the same time
+                compared += 1
+    assert compared > 0
