@@ -65,10 +65,10 @@ the run computes (`TrainingConfig.cross_entropy`). Per [tokens, vocab] logits (t
 language model's step), with L the loss's floating-point inputs as traced (fp32: a 16-bit trace records the
 upcast) and H the logits as the head produced them (16-bit in a 16-bit run, else L):
 - chunked (the executor's `executor.cross_entropy`): the gradient buffer it saves (H) beside the logits,
-  which are live while it fills it (H, held on by a pipeline stage anyway), and one of the
-  `CROSS_ENTROPY_CHUNKS` token slices in fp32 (L / chunks): 2H + L/8. Measured on CPU with live storages
-  tracked (`tests/test_memory.py`): 1.125 x the fp32 logits with a bf16 head, 2.125 x in fp32, pipelined
-  or not.
+  which are live while it fills it (H, held on by a pipeline stage anyway), and one of its n token slices
+  in fp32 (L / n, n = `costmodel.opcost.cross_entropy_slices` of L's local fp32 bytes: one per 512 MiB, 1 to
+  8): 2H + L/n. Measured on CPU with live storages tracked (`tests/test_memory.py`): at 8 slices 1.13 x the
+  fp32 logits with a bf16 head, 2.13 x in fp32, pipelined or not (priced 1.125 and 2.125).
 - upcast (`F.cross_entropy(logits.float())`, Hugging Face's and torchtitan's loss): the log-probabilities
   it saves (L), and its backward's gradients of the log-probabilities and then of the fp32 logits while
   they are live (2L); a pipeline holds the logits too (H). Measured the same way: 3.0 x the fp32 logits
@@ -95,7 +95,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from costmodel.opcost import FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, local_scale
+from costmodel.opcost import (
+    CROSS_ENTROPY_MAX_SLICES, FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, cross_entropy_slices, local_scale,
+)
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
 
@@ -107,8 +109,6 @@ FUSIBLE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKi
 """Op kinds Inductor fuses into pointwise and reduction kernels, recomputed rather than saved when compiled."""
 LOSS_GRADIENTS = 2
 """The upcast loss's gradients of the log-probabilities and of the logits, live with what it saves."""
-CROSS_ENTROPY_CHUNKS = 8
-"""Token slices the chunked cross-entropy (`executor.cross_entropy`) computes one at a time."""
 
 
 def _is_logsumexp(t: TensorMeta, q: TensorMeta) -> bool:
@@ -257,18 +257,19 @@ def selective_cached(ops: Sequence[OpNode], attention: str) -> tuple[bool, ...]:
 
 
 def loss_tensors(op: OpNode, *, low_precision: bool = False, pipelined: bool = False,
-                 cross_entropy: str = "chunked") -> tuple[TensorMeta, ...]:
+                 cross_entropy: str = "chunked", slices: int = CROSS_ENTROPY_MAX_SLICES) -> tuple[TensorMeta, ...]:
     """What a loss op saves plus the transient tensors around it, under `cross_entropy` (see the module
     docstring): L, its floating-point inputs as traced; H, the same at 16 bits in a `low_precision` run (the
-    head's output, before the loss upcasts a copy); `pipelined`, a run whose stages hold their logits."""
+    head's output, before the loss upcasts a copy); `pipelined`, a run whose stages hold their logits;
+    `slices`, the chunked loss's (`costmodel.opcost.cross_entropy_slices` of L's local fp32 bytes)."""
     if op.kind is not OpKind.LOSS:
         raise ValueError(f"{op.name} is not a loss op")
     inputs = tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES)
     held = tuple(replace(t, dtype="bfloat16") if low_precision and t.dtype not in LOW_PRECISION_DTYPES else t
                  for t in inputs)
     if cross_entropy == "chunked":
-        slices = tuple(replace(t, shape=(*t.shape[:-1], -(-t.shape[-1] // CROSS_ENTROPY_CHUNKS))) for t in inputs)
-        return held * 2 + slices
+        one = tuple(replace(t, shape=(*t.shape[:-1], -(-t.shape[-1] // slices))) for t in inputs)
+        return held * 2 + one
     if cross_entropy == "megatron":
         return inputs * 2
     if cross_entropy == "upcast":
@@ -295,6 +296,10 @@ class _Sizer:
         self.sample_scale = micro_batch / batch_traced
         self.split = dict(split or {})
         self.width = None if precision is None or traced_low_precision else activation_itemsize(precision)
+
+    def fp32_bytes(self, tensors: Iterable[TensorMeta]) -> float:
+        """The local bytes of `tensors` at 4 bytes an element."""
+        return sum(t.numel * 4 * local_scale(t, sample_scale=self.sample_scale, split=self.split) for t in tensors)
 
     def __call__(self, tensors: Iterable[TensorMeta]) -> float:
         total = 0.0
@@ -360,8 +365,12 @@ def activation_parts(
     seen_block = False
     for op in ops:
         if op.block_id is None:
-            saved = size(loss_tensors(op, low_precision=low, pipelined=pipelined, cross_entropy=cross_entropy)
-                         if op.kind is OpKind.LOSS else op_saved(op, attention, cp))
+            if op.kind is OpKind.LOSS:
+                slices = cross_entropy_slices(size.fp32_bytes(t for t in op.inputs if t.dtype in FLOAT_DTYPES))
+                saved = size(loss_tensors(op, low_precision=low, pipelined=pipelined, cross_entropy=cross_entropy,
+                                          slices=slices))
+            else:
+                saved = size(op_saved(op, attention, cp))
             if seen_block:
                 epilogue += saved
             else:

@@ -25,6 +25,12 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   op's is one kernel. An op without backward FLOPs,
   saved tensors or parameters (a view, an index computation) has no backward kernel.
 - Views with no FLOPs and no bytes cost nothing (no kernel).
+- The loss: the trace records `F.cross_entropy(logits.float())` (the upcast, log-softmax and negative
+  log-likelihood). The executor's chunked cross-entropy (`executor.cross_entropy`) makes the same passes over
+  the logits a slice of tokens at a time (one per 512 MiB of fp32 logits, 1 to 8: `cross_entropy_slices`), in
+  more kernels: each one more takes t_launch on the loss op's forward (`loss_launches`: 12 a slice and 9 once;
+  105 at 8 slices, 0.7 ms a micro-batch at the measured H100's 6.8 us), and counts against the simulator's
+  host floor. The planner's estimate leaves them out (it stays below the simulation).
 
 torch.compile (`compile=True`, the strategy's `TrainingConfig.compile`): each kernel's time, launch
 included, is multiplied by the device's `compile_factors[class/pass]` at the same x (pass `fwd` or
@@ -82,6 +88,59 @@ class OpCost:
     """Local forward bytes."""
     fwd_bound: str = "none"
     """What limits the forward kernel: `compute`, `memory` or `none` (no kernel)."""
+
+
+CROSS_ENTROPY_SLICE_BYTES = 512 * 2**20
+"""The chunked cross-entropy (`executor.cross_entropy`) cuts the logits into slices of tokens of about this
+many fp32 bytes each (`cross_entropy_slices`)..."""
+CROSS_ENTROPY_MAX_SLICES = 8
+"""... and at most this many: its peak holds one slice's fp32 copy beside the logits and their gradient."""
+CHUNKED_LOSS_KERNELS = (12, 15)
+"""Kernels the chunked cross-entropy launches: per token slice, and once (the labels' masks, the sum,
+backward's scaling). Counted on CPU dispatch by tests/test_cross_entropy.py."""
+VOCAB_PARALLEL_LOSS_KERNELS = (1, 0)
+"""More kernels per slice and once where the vocabulary is sharded: the all-reduced max copied back."""
+UPCAST_LOSS_KERNELS = 6
+"""Kernels `F.cross_entropy(logits.float())` launches, forward and backward (the upcast, log-softmax and
+negative log-likelihood and their backwards): the ones the trace's loss ops are priced as."""
+
+
+def cross_entropy_slices(fp32_bytes: float, tokens: int | None = None) -> int:
+    """Token slices of the chunked cross-entropy over logits of `fp32_bytes` in fp32 (the rank's shard):
+    one per `CROSS_ENTROPY_SLICE_BYTES`, 1 to `CROSS_ENTROPY_MAX_SLICES`, at most one per token. Small logits
+    take one slice (few kernels where the loss is launch-bound), large ones up to 8 (a small fp32 copy)."""
+    n = min(CROSS_ENTROPY_MAX_SLICES, max(1, -(-int(fp32_bytes) // CROSS_ENTROPY_SLICE_BYTES)))
+    return n if tokens is None else max(1, min(n, tokens))
+
+
+def loss_fp32_bytes(op: OpNode, *, micro_batch: int, batch_traced: int, split: Mapping[str, int] | None) -> float:
+    """A loss op's floating-point inputs (the logits) at fp32 on the local shard: what the chunked
+    cross-entropy slices."""
+    scale = micro_batch / batch_traced
+    return sum(t.numel * 4 * local_scale(t, sample_scale=scale, split=dict(split or {}))
+               for t in op.inputs if t.dtype in FLOAT_DTYPES)
+
+
+def extra_loss_kernels(cross_entropy: str, slices: int, vocab_parallel: bool = False) -> int:
+    """Kernels the run's loss launches beyond those its traced ops are priced as (the upcast loss's): the
+    chunked one's, in `slices` (`cross_entropy_slices`), each a launch more (`op_time`); another stack's, none."""
+    if cross_entropy != "chunked":
+        return 0
+    per_slice, once = CHUNKED_LOSS_KERNELS
+    if vocab_parallel:
+        per_slice, once = per_slice + VOCAB_PARALLEL_LOSS_KERNELS[0], once + VOCAB_PARALLEL_LOSS_KERNELS[1]
+    return per_slice * slices + once - UPCAST_LOSS_KERNELS
+
+
+def loss_launches(op: OpNode, cross_entropy: str, *, micro_batch: int, batch_traced: int,
+                  split: Mapping[str, int] | None) -> int:
+    """`extra_loss_kernels` of a loss op on its local shard (0 for any other op)."""
+    if op.kind is not OpKind.LOSS or cross_entropy != "chunked":
+        return 0
+    fp32 = loss_fp32_bytes(op, micro_batch=micro_batch, batch_traced=batch_traced, split=split)
+    tokens = int(op.inputs[0].numel // max(op.inputs[0].shape[-1], 1) * micro_batch / batch_traced)
+    vocab_parallel = int(dict(split or {}).get("parameter", 1)) > 1
+    return extra_loss_kernels(cross_entropy, cross_entropy_slices(fp32, tokens), vocab_parallel)
 
 
 def activation_itemsize(precision: str) -> int:
@@ -349,10 +408,13 @@ def op_time(
     batch_traced: int,
     split: Mapping[str, int] | None = None,
     compile: bool = False,
+    cross_entropy: str = "upcast",
 ) -> OpCost:
     """Time of `op` for a micro-batch of `micro_batch` samples (the graph was traced at `batch_traced`),
     under torch.compile when `compile` and `op` is in a block (the device's `compile_factors`, see the module
-    docstring).
+    docstring). A loss op under the run's `cross_entropy` takes a launch overhead more for each kernel that
+    loss launches beyond the traced (upcast) one's (`extra_loss_kernels`): its passes over the logits are
+    the same.
 
     `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); each tensor
     of the op that has a dimension with that role is divided by the degree (once per role), so the
@@ -364,6 +426,8 @@ def op_time(
     compile = compile and op.block_id is not None  # the executor compiles the blocks only
     fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile)
     bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile)
+    fwd_s += loss_launches(op, cross_entropy, micro_batch=micro_batch, batch_traced=batch_traced,
+                           split=split) * device.kernel_overhead_s
     if any(p.dtype == QLORA_BASE_DTYPE for p in op.params):
         from costmodel.peft import dequantize_time  # it reads this module's widths
 

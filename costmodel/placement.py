@@ -68,6 +68,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from costmodel.opcost import cross_entropy_slices
 from costmodel.strategy import ParallelDims, Strategy, shards_vocabulary
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
@@ -235,7 +236,7 @@ def block_placements(ops: Sequence[OpNode], strategy: Strategy, shape: Activatio
         style = linear_style(op) if op.block_id is not None else None
         colls: list[Collective] = []
         if op.block_id is None:
-            placed = _outside_placement(op, d, sp, s_bytes, shape, after_head, vocab)
+            placed = _outside_placement(op, d, sp, s_bytes, shape, after_head, vocab, strategy.train.cross_entropy)
             after_head = after_head or placed.split.style == "colwise"
             out.append(placed)
             continue
@@ -314,9 +315,25 @@ def vocab_parallel_ops(ops: Sequence[OpNode]) -> tuple[str | None, str | None]:
     return embedding, head
 
 
+def vocab_parallel_loss_collectives(op: OpNode, shape: ActivationShape, *, cp: int, tp: int,
+                                    cross_entropy: str) -> tuple[Collective, ...]:
+    """The all-reduces of a vocab-parallel loss over [tokens] fp32 statistics: torch's `loss_parallel` (and
+    Megatron's) one each of the max, the sum of exponentials and the target logit; the chunked loss
+    (`executor.cross_entropy`) the max and the sum per slice of tokens (`costmodel.opcost.cross_entropy_slices`
+    of the rank's fp32 logits) and the target logit once."""
+    tokens = shape.micro_batch * shape.seq_len / cp
+    slices = 1
+    if cross_entropy == "chunked":
+        vocab = op.inputs[0].shape[-1] if op.inputs else 1
+        slices = cross_entropy_slices(tokens * -(-vocab // tp) * 4, int(tokens))
+    per_slice = tuple(Collective("all_reduce", tokens * 4 / slices, "tp", "fwd", f"vocab-parallel loss {w}")
+                      for _ in range(slices) for w in ("max", "sum of exponentials"))
+    return per_slice + (Collective("all_reduce", tokens * 4, "tp", "fwd", "vocab-parallel loss target logit"),)
+
+
 def _outside_placement(
     op: OpNode, d: ParallelDims, sp: bool, s_bytes: float, shape: ActivationShape, after_head: bool,
-    vocab: tuple[str | None, str | None],
+    vocab: tuple[str | None, str | None], cross_entropy: str = "chunked",
 ) -> OpPlacement:
     dp, cp, tp = d.dp, d.cp, d.tp
     if tp == 1:
@@ -337,10 +354,8 @@ def _outside_placement(
             colls.append(Collective("all_reduce", s_bytes, "tp", "bwd", "LM head input gradient"))
         return OpPlacement(op, OpSplit(dp, cp, tp, "colwise") if sharded else OpSplit(dp, cp, 1, None), tuple(colls))
     if op.kind is OpKind.LOSS and after_head:
-        tokens = shape.micro_batch * shape.seq_len / cp * 4
-        colls = tuple(Collective("all_reduce", tokens, "tp", "fwd", f"vocab-parallel loss {w}")
-                      for w in ("max", "sum of exponentials", "target logit"))
-        return OpPlacement(op, OpSplit(dp, cp, tp, "vocab_parallel"), colls)
+        return OpPlacement(op, OpSplit(dp, cp, tp, "vocab_parallel"),
+                           vocab_parallel_loss_collectives(op, shape, cp=cp, tp=tp, cross_entropy=cross_entropy))
     if sp and _has(op, DimRole.ATTRIBUTE) and _has(op, DimRole.SAMPLE):
         return OpPlacement(op, OpSplit(dp, cp * tp, 1, "sequence_parallel"))
     return OpPlacement(op, OpSplit(dp, cp, 1, None))

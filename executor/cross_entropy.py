@@ -9,8 +9,8 @@ Llama-3-8B layers held 23.5 GiB there of its 50.5 GiB peak (docs/benchmarks.md).
 
 This loss (`ChunkedCrossEntropy`, the executor's default, `TrainingConfig.cross_entropy` "chunked") keeps
 the logits at the width the head produced them (W bytes per element, 2 in a 16-bit run) and computes, for
-each of `CROSS_ENTROPY_CHUNKS` slices of the tokens in turn, in fp32 on a copy of the slice x (row i,
-target t_i, valid v_i: the label is not the ignore index):
+each of n slices of the tokens in turn (`costmodel.opcost.cross_entropy_slices`: one per 512 MiB of fp32 logits,
+1 to 8), in fp32 on a copy of the slice x (row i, target t_i, valid v_i: the label is not the ignore index):
 
     m_i = max_j x_ij,   s_i = sum_j exp(x_ij - m_i),   lse_i = m_i + log s_i
     loss = sum_i v_i (lse_i - x_i,t_i)
@@ -18,16 +18,17 @@ target t_i, valid v_i: the label is not the ignore index):
 
 and writes that gradient into a buffer at the logits' width. Backward multiplies the buffer by the incoming
 gradient in place and returns it: nothing is recomputed. Live at the peak: the logits (W), the gradient
-buffer (W) and one slice's fp32 copy (4 / CROSS_ENTROPY_CHUNKS): in fp32-logit units 2 x 2/4 + 1/8 = 1.125
-in a 16-bit run, against 3.0; with fp32 logits 2.125 against 3.0 (4.0 pipelined). The math is the one of
+buffer (W) and one slice's fp32 copy (4 / n): in fp32-logit units at 8 slices 2 x 2/4 + 1/8 = 1.125 in a
+16-bit run, against 3.0; with fp32 logits 2.125 against 3.0 (4.0 pipelined). Small logits take one slice: its
+12 kernels a slice (15 once) launch-bound there, where memory is not short. The math is the one of
 Liger-Kernel's fused cross-entropy and Megatron's vocab-parallel one (the gradient made in the forward);
 the slices are torchtune's chunked output loss. `costmodel.memory_activations.loss_tensors` prices it.
 
 Vocabulary-parallel logits (a DTensor sharded on the last dimension over the tensor-parallel group,
 `executor.tensor_parallel`): each rank holds columns [o, o + V_r) of the vocabulary. The rank computes its
-local m_i, all-reduces the max, its local sum of exp(x_ij - m_i), all-reduced, and the target logit x_i,t_i
-where the rank holds t_i (0 elsewhere), all-reduced: three all-reduces of [tokens] fp32 per slice, as
-torch's `loss_parallel` and Megatron do. The loss is then whole on every rank and the gradient is the
+local m_i, all-reduces the max, its local sum of exp(x_ij - m_i), all-reduced, per slice, and once the target
+logit x_i,t_i where the rank holds t_i (0 elsewhere), all-reduced: 2n + 1 all-reduces of [tokens / n] fp32
+(functional collectives, as torch's `loss_parallel` issues them; `costmodel.placement` prices them). The loss is then whole on every rank and the gradient is the
 rank's columns; it goes back through `DTensor.to_local`, sharded as the logits were.
 """
 
@@ -36,10 +37,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
-from costmodel.memory_activations import CROSS_ENTROPY_CHUNKS
+from costmodel.opcost import cross_entropy_slices
 from tracer.errors import SoapError
 
 IGNORE = -100
@@ -64,6 +65,11 @@ def _columns(logits: DTensor) -> tuple[int, Any]:
     return min(rank * width, vocab), mesh.get_group()
 
 
+def _all_reduce(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    out = funcol.all_reduce(t, op, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Sum over labelled tokens of the cross-entropy of `logits` [tokens, V_r] (fp32 result); see the module
     docstring. `offset` is the first vocabulary column `logits` holds and `group` the process group over
@@ -72,34 +78,39 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, offset: int, group: Any,
                 chunks: int) -> torch.Tensor:
-        grad = torch.empty_like(logits)
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
         tokens, columns = logits.shape
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        # per token, once: labelled, target held here, its local column (0 where not), -1 at it, 0/1 to keep
+        valid = labels != IGNORE
+        local = valid & (labels >= offset) & (labels < offset + columns)
+        index = ((labels - offset) * local).unsqueeze(-1)
+        minus = local.to(torch.float32).neg_().unsqueeze(-1)
+        keep = valid.to(torch.float32).unsqueeze(-1)
+        grad = torch.empty_like(logits)
+        lse, picked = torch.empty(tokens, **f32), torch.empty(tokens, **f32)
         step = -(-tokens // chunks)
         for lo in range(0, tokens, step):
-            hi = min(lo + step, tokens)
-            x = logits[lo:hi].to(torch.float32, copy=True)
-            target = labels[lo:hi]
-            valid = target != IGNORE
-            local = valid & (target >= offset) & (target < offset + columns)
-            index = torch.where(local, target - offset, 0).unsqueeze(-1)
-            picked = torch.where(local, x.gather(-1, index).squeeze(-1), 0.0)
-            m = x.amax(dim=-1)
+            rows = slice(lo, min(lo + step, tokens))
+            x = logits[rows].to(torch.float32, copy=True)
+            torch.gather(x, -1, index[rows], out=picked[rows].unsqueeze(-1))
+            m = torch.amax(x, dim=-1, out=lse[rows])
             if group is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-                dist.all_reduce(picked, group=group)
+                m.copy_(_all_reduce(m, "max", group))
             x.sub_(m.unsqueeze(-1)).exp_()
             s = x.sum(dim=-1)
             if group is not None:
-                dist.all_reduce(s, group=group)
-            total += torch.where(valid, s.log() + m - picked, 0.0).sum()
+                s = _all_reduce(s, "sum", group)
             x.div_(s.unsqueeze(-1))  # the softmax
-            x.scatter_add_(-1, index, torch.where(local, -1.0, 0.0).unsqueeze(-1))
-            x.mul_(valid.unsqueeze(-1))
-            grad[lo:hi].copy_(x)
+            m.add_(s.log_())  # lse
+            x.scatter_add_(-1, index[rows], minus[rows])
+            x.mul_(keep[rows])
+            grad[rows].copy_(x)
             del x
+        picked.mul_(local)
+        if group is not None:
+            picked = _all_reduce(picked, "sum", group)
         ctx.grad = grad
-        return total
+        return ((lse - picked) * keep.squeeze(-1)).sum()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -107,10 +118,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_output), None, None, None, None
 
 
-def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *,
-                          chunks: int = CROSS_ENTROPY_CHUNKS) -> torch.Tensor:
+def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, chunks: int | None = None) -> torch.Tensor:
     """Summed token cross-entropy of `logits` [..., vocab] against `labels` [...] (IGNORE unlabelled), fp32,
-    a plain tensor; `logits` may be a DTensor sharded on the vocabulary (module docstring)."""
+    a plain tensor; `logits` may be a DTensor sharded on the vocabulary (module docstring). `chunks`: the
+    token slices (default `costmodel.opcost.cross_entropy_slices` of the local logits' fp32 bytes)."""
     offset, group = 0, None
     if isinstance(logits, DTensor):
         if all(p.is_replicate() for p in logits.placements):
@@ -121,4 +132,6 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *,
     flat, targets = logits.flatten(0, -2), labels.flatten().to(logits.device)
     if flat.device.type == "meta":  # a pipeline stage's shape inference
         return flat.float().sum() * 0
-    return ChunkedCrossEntropy.apply(flat, targets, offset, group, max(1, min(chunks, flat.shape[0])))
+    tokens = flat.shape[0]
+    chunks = cross_entropy_slices(flat.numel() * 4, tokens) if chunks is None else max(1, min(chunks, tokens))
+    return ChunkedCrossEntropy.apply(flat, targets, offset, group, chunks)

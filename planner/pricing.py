@@ -116,9 +116,10 @@ class Pricer:
         """The simulator's default pricer for the candidate (`costmodel.simulator.pricing.price_step`'s), memoized."""
         cluster, strategy = self.request.cluster, candidate.strategy
         t = strategy.train
-        key = (t.precision, node_ranks(strategy, cluster), t.compile)
+        key = (t.precision, node_ranks(strategy, cluster), t.compile, t.cross_entropy)
         if key not in self._prices:
-            self._prices[key] = CachedPrices(ProfilePricer(cluster, t.precision, node_ranks=key[1], compile=t.compile))
+            self._prices[key] = CachedPrices(ProfilePricer(cluster, t.precision, node_ranks=key[1], compile=t.compile,
+                                                           cross_entropy=t.cross_entropy))
         return self._prices[key]
 
     def _simulate(self, candidate: Candidate, graph: OpGraph, bounds: tuple[int, ...] | None) -> Priced:

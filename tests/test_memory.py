@@ -61,7 +61,7 @@ def toy_graph(count=3):
 
 IDS, XB, QB, LSEB, FFNB, LOGITS = B * T * 8, X.nbytes, Q.nbytes, LSE.nbytes, FFN.nbytes, B * T * 100 * 4
 BLOCK_NONE = (XB + LSEB) + XB + (4 * QB + LSEB) + XB + FFNB + FFNB
-SLICE = B * T * 13 * 4  # one of the chunked loss's 8 token slices of the logits (100 columns: 13 per slice), fp32
+SLICE = LOGITS  # the chunked loss's token slice in fp32: one, the whole logits (small logits take one slice)
 LOSS = 2 * LOGITS + SLICE  # the chunked loss: the logits, its gradient buffer (fp32 here) and one fp32 slice
 EPILOGUE = XB + LOSS
 
@@ -365,13 +365,15 @@ def test_runtime_workspace_is_optional_profile_data_counted_in_the_overhead():
     assert est.total - estimate_memory(toy_graph(), device=shipped, train=train).total == 13 * 2**20
 
 
-@pytest.mark.parametrize("cross_entropy", ["chunked", "upcast"])
+@pytest.mark.parametrize("cross_entropy, slices", [("chunked", 8), ("chunked", 1), ("upcast", None)])
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("dtype, precision", [("float32", "fp32"), ("bfloat16", "bf16")])
-def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision, pipelined, cross_entropy):
+def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision, pipelined, cross_entropy, slices,
+                                                                 monkeypatch):
     """The executor's loss (`executor.data.ScaledTokenLoss`) peaks at `loss_tensors`:
-    - chunked (`executor.cross_entropy`): the logits, the gradient buffer at their width and one of 8 token
-      slices in fp32: 1.125 x the fp32 logits with a 16-bit head, 2.125 x in fp32, held or not;
+    - chunked (`executor.cross_entropy`): the logits, the gradient buffer at their width and one of its token
+      slices in fp32 (8 for these 2 MiB of logits with 256 KiB slices, 1 with the default 512 MiB): at 8,
+      1.125 x the fp32 logits with a 16-bit head, 2.125 x in fp32, held or not; at 1, 2.0 x and 3.0 x;
     - upcast (cross_entropy on the logits upcast to fp32): 3 x the fp32 logits when nothing holds the
       logits through backward (the executor's loop without a pipeline); held, as a pipeline stage holds its
       output, 4 x in fp32 and 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
@@ -380,7 +382,11 @@ def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision,
     from costmodel.memory_activations import activation_parts
     from executor.data import ScaledTokenLoss
 
+    import costmodel.opcost
+
     tokens, hidden, vocab = 256, 32, 2048
+    if slices == 8:
+        monkeypatch.setattr(costmodel.opcost, "CROSS_ENTROPY_SLICE_BYTES", tokens * vocab * 4 // 8)
     torch_dtype = getattr(torch, dtype)
     h = torch.randn(1, tokens, hidden, dtype=torch_dtype, requires_grad=True)
     w = torch.randn(vocab, hidden, dtype=torch_dtype, requires_grad=True)
@@ -402,7 +408,7 @@ def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision,
     predicted = activation_parts([head, loss_op], micro_batch=1, batch_traced=1, recompute="none", attention="sdpa",
                                  precision=precision, pipelined=pipelined, cross_entropy=cross_entropy).prologue
     if cross_entropy == "chunked":
-        expected = {"fp32": 2.125, "bf16": 1.125}[precision]
+        expected = 2 * {"fp32": 1, "bf16": 0.5}[precision] + 1 / slices
     else:
         expected = {"fp32": 4.0, "bf16": 3.5}[precision] if pipelined else 3.0
     assert measured / fp32_logits.nbytes == pytest.approx(expected, abs=0.02)

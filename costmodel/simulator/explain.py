@@ -40,7 +40,7 @@ class OpCostRow:
 def op_costs(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, pricer: Pricer | None = None) -> tuple[OpCostRow, ...]:
     t, dims = strategy.train, graph.dims
     pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster),
-                                     compile=t.compile)
+                                     compile=t.compile, cross_entropy=t.cross_entropy)
     groups = mesh_groups(strategy, cluster.domain_size)
     by_group = {"tp": groups.tp, "cp": groups.cp, "ep": groups.ep}
     shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden,

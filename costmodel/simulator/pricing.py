@@ -129,7 +129,7 @@ from costmodel.memory import (
     workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, selective_cached
-from costmodel.opcost import activation_itemsize, backward_kernels, op_time
+from costmodel.opcost import activation_itemsize, backward_kernels, loss_launches, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
@@ -173,6 +173,8 @@ class ProfilePricer:
     every kernel's and the optimizer's speed (1: priced as calibrated, one rank alone)."""
     compile: bool = False
     """torch.compile on: every kernel takes the device's `compile_factors` (`costmodel.opcost`)."""
+    cross_entropy: str = "chunked"
+    """The run's loss (`TrainingConfig.cross_entropy`): its extra kernels (`costmodel.opcost.op_time`)."""
 
     @property
     def slowdown(self) -> float:
@@ -181,7 +183,7 @@ class ProfilePricer:
 
     def op(self, op: OpNode, split: Mapping[str, int], micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
         cost = op_time(op, device=self.cluster.device, precision=self.precision, micro_batch=micro_batch,
-                       batch_traced=batch_traced, split=split, compile=self.compile)
+                       batch_traced=batch_traced, split=split, compile=self.compile, cross_entropy=self.cross_entropy)
         weight = cost.bwd_s / 2 if op.kind is OpKind.MATMUL and op.params else 0.0
         k = self.slowdown
         return k * cost.fwd_s, k * (cost.bwd_s - weight), k * weight
@@ -256,7 +258,8 @@ def price_step(
     dims = graph.dims
     d.check_model(num_layers=dims.num_layers, heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab, seq_len=t.seq_len)
     strategy.check_batch()
-    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster), compile=t.compile)
+    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster), compile=t.compile,
+                                     cross_entropy=t.cross_entropy)
     groups = mesh_groups(strategy, cluster.domain_size)
     n_stages = d.pp * t.virtual_stages
     layers = layer_sequence(graph)
@@ -358,7 +361,8 @@ class _UnitPricer:
         for p, kept in zip(placements, cached, strict=True):
             f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)
             fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
-            fwd_kernels += f > 0
+            fwd_kernels += (f > 0) + loss_launches(p.op, t.cross_entropy, micro_batch=t.micro_batch,
+                                                   batch_traced=self.graph.batch, split=p.split.local())
             bwd_kernels += backward_kernels(p.op) if bi + bw > 0 else 0
             if not kept:  # selective checkpointing recomputes it
                 selective += f
