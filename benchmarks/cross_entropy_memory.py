@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-SHAPES = ((2048, 32000), (1024, 128256))
-"""(tokens, vocab): a Llama-2 vocabulary and a Llama-3 one."""
+SHAPES = ((2048, 32000), (4096, 128256))
+"""(tokens, vocab): a Llama-2 vocabulary (one slice) and a Llama-3 one (4 slices)."""
 HIDDEN = 64
 
 
@@ -40,9 +40,9 @@ def measure(tokens: int, vocab: int, dtype: str, loss: str, held: bool) -> dict:
 
     torch.manual_seed(0)
     torch_dtype = getattr(torch, dtype)
-    h = torch.randn(tokens, HIDDEN, dtype=torch_dtype, requires_grad=True)
+    h = torch.randn(1, tokens, HIDDEN, dtype=torch_dtype, requires_grad=True)
     w = torch.randn(vocab, HIDDEN, dtype=torch_dtype, requires_grad=True)
-    labels = torch.randint(0, vocab, (tokens,))
+    labels = torch.randint(0, vocab, (1, tokens))
     loss_fn = ScaledTokenLoss(loss)
     live = LiveStorages()
     with live.mode:

@@ -45,6 +45,7 @@ def predicted_peaks(max_nodes: int) -> list[dict]:
                 out.append(dict(name=record.name, status=status, nodes=nodes, error=str(err)[:160]))
                 continue
             out.append(dict(name=record.name, status=status, nodes=nodes, predicted_gib=price.peak_memory_gib,
+                            first_rank_gib=price.first_rank_memory_gib,
                             measured_gb=record.memory_gib * 1.074 if record.memory_gib else None,
                             group=_group(record)))
             print(f"{status} {record.name}: {price.peak_memory_gib:.1f} GiB", file=sys.stderr)
@@ -91,11 +92,21 @@ def markdown(rows: list[dict], device_gib: float, elapsed: float) -> str:
         lines.append(f"Predicted over published memory of the runs: median {errors[len(errors) // 2]:+.1%}, "
                      f"5th-95th percentile {errors[len(errors) // 20]:+.1%} to {errors[-len(errors) // 20 - 1]:+.1%}.")
         groups = sorted({r["group"] for r in ran})
-        lines += ["", "| runs | count | predicted / published, median | 5th-95th percentile |", "|---|---:|---:|---:|"]
+        lines += ["", "Predicted over published memory by kind of step: the worst pipeline rank's peak, and pipeline "
+                  "rank 0's (the first stage's, whose peak nanotron's `log_memory` prints, `rank=0`). In 1F1B the first "
+                  "stage holds min(pp, micro-batches) micro-batches of activations and the last one micro-batch and the "
+                  "loss: alike with 2 or more micro-batches on 2 stages, not with one.", "",
+                  "| runs | count | worst rank / published, median (5th-95th) | rank 0 / published, median (5th-95th) |",
+                  "|---|---:|---:|---:|"]
+
+        def spread(values: list[float]) -> str:
+            values = sorted(values)
+            return f"{values[len(values) // 2]:.2f} ({values[len(values) // 20]:.2f}-{values[-len(values) // 20 - 1]:.2f})"
+
         for group in groups:
-            ratios = sorted(r["predicted_gib"] / r["measured_gb"] for r in ran if r["group"] == group and r.get("measured_gb"))
-            lines.append(f"| {group} | {len(ratios)} | {ratios[len(ratios) // 2]:.2f} | "
-                         f"{ratios[len(ratios) // 20]:.2f}-{ratios[-len(ratios) // 20 - 1]:.2f} |")
+            rows_ = [r for r in ran if r["group"] == group and r.get("measured_gb")]
+            lines.append(f"| {group} | {len(rows_)} | {spread([r['predicted_gib'] / r['measured_gb'] for r in rows_])} | "
+                         f"{spread([r['first_rank_gib'] / r['measured_gb'] for r in rows_])} |")
     return "\n".join(lines)
 
 

@@ -150,6 +150,8 @@ class RowPrice:
     peak_memory_gib: float
     """Simulated peak per GPU (allocated), the largest over pipeline stages."""
     plan: Any
+    first_rank_memory_gib: float = 0.0
+    """Simulated peak of pipeline rank 0 (the first stage), the rank whose memory nanotron logs (`log_memory`)."""
 
 
 def graph_key(plan: Any, cluster: ClusterSpec) -> tuple:
@@ -179,8 +181,9 @@ def price_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = 
     sim = simulate_on(plan, graphs[key], cluster)
     tokens = record.batch * record.seq / (sim.step_time_s * record.gpus)
     memory = max(m.at_peak.total for m in sim.memory) / 2**30
+    first = next(m.at_peak.total for m in sim.memory if m.rank == 0) / 2**30
     return RowPrice(name=record.name, step_s=sim.step_time_s, tokens_per_s_per_gpu=tokens, peak_memory_gib=memory,
-                    plan=plan)
+                    plan=plan, first_rank_memory_gib=first)
 
 
 def prepare_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = None) -> Any:
