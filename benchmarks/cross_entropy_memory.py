@@ -82,7 +82,9 @@ def main() -> None:
     args = parser.parse_args()
     from benchmarks.report import update_section
 
-    lines = [__doc__.split("\n\n")[2].replace("\n", " ").strip(), "",
+    intro = " ".join(__doc__.split("\n\n")[2].split()).removesuffix(
+        " Writes section `cross-entropy` of docs/benchmarks.md.")
+    lines = [f"`benchmarks/cross_entropy_memory.py`. {intro}", "",
              "| tokens x vocab | head | logits | loss | peak / fp32 logits, measured | priced | loss fwd+bwd ms (CPU) |",
              "|---|---|---|---|---:|---:|---:|"]
     for tokens, vocab in SHAPES:

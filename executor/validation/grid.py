@@ -13,7 +13,7 @@ micro-batches, `LOCAL_ACCUMULATION_STACKS`, gathers ZeRO-3 parameters per tensor
 holds a 16-bit model, `HALF_MODEL_STACKS`, or runs Megatron's softmax, `MEGATRON_SOFTMAX_STACKS`, priced so:
 `as_run`) and simulated on the given cluster: step
 time, tokens/s per GPU and the simulated peak memory (allocated, GiB). Graphs are cached per (model, seq,
-precision, half model or not: `graph_key`) in `graphs`.
+precision, the regime's trace dtype: `graph_key`) in `graphs`.
 
 Ranking (`group_scores`), per group of rows (a node count):
 - Spearman's rank correlation of predicted against measured tokens/s per GPU;
@@ -155,10 +155,16 @@ class RowPrice:
 
 
 def graph_key(plan: Any, cluster: ClusterSpec) -> tuple:
-    """The key of `plan`'s graph in `price_row`'s `graphs` cache: (config hash, seq, precision, cluster), and
-    "half-model" for a stack that holds a 16-bit model (another trace, `planner.regimes.regime_dtype`)."""
-    key = (plan.model.config_hash, plan.seq_len, plan.parallelism.precision, cluster.name)
-    return key + ("half-model",) if plan.strategy().train.half_model else key
+    """The key of `plan`'s graph in `price_row`'s `graphs` cache: (config hash, seq, precision, the dtype it is
+    traced at, cluster). The dtype is the plan's precision regime (`planner.regimes.regime_dtype`, what
+    `trace_plan_model` traces at): bf16 under FSDP2's mixed precision, autocast over fp32 parameters under DDP,
+    16-bit for a stack that holds a 16-bit model. Until 2026-11-26 the key left the regime out, and every row
+    of a grid took the graph of the first row traced at its precision, whichever regime that row ran in."""
+    from planner.regimes import regime_dtype
+
+    strategy = plan.strategy()
+    dtype = regime_dtype(strategy.dims, strategy.train, cluster.device)
+    return plan.model.config_hash, plan.seq_len, plan.parallelism.precision, dtype, cluster.name
 
 
 def price_row(record: RunRecord, cluster: ClusterSpec, *, graphs: dict | None = None) -> RowPrice:
