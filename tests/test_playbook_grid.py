@@ -82,3 +82,19 @@ def test_nanotron_rows_are_priced_with_its_fixed_tensor_parallel_placement():
     priced = as_run(Plan(), RunRecord(**row, stack="nanotron")).strategy()
     assert priced.op_splits == () and priced == replace(searched, op_splits=(), train=priced.train)
     assert priced.train.accumulate_locally
+
+
+def test_rows_of_one_model_in_two_precision_regimes_get_two_graphs():
+    """`graph_key` keys on the dtype the plan's regime traces at: a DDP row (autocast over fp32 parameters) and an
+    FSDP row (bf16 parameters) of the same model, sequence and precision are two graphs, two FSDP rows one."""
+    from exec_helpers import make_plan
+
+    from executor.validation.grid import graph_key
+
+    cluster = load_cluster("dgx-h100")
+    ddp = make_plan("llama", dp_replicate=2, precision="bf16")
+    fsdp = make_plan("llama", dp_shard=2, zero=3, precision="bf16")
+    fsdp_mb1 = make_plan("llama", dp_shard=2, zero=3, precision="bf16", micro_batch=1)
+    assert graph_key(ddp, cluster) != graph_key(fsdp, cluster)
+    assert graph_key(fsdp, cluster) == graph_key(fsdp_mb1, cluster)
+    assert "autocast-bfloat16" in graph_key(ddp, cluster) and "bfloat16" in graph_key(fsdp, cluster)
