@@ -30,7 +30,10 @@ SHAPES = ((2048, 32000), (4096, 128256))
 HIDDEN = 64
 
 
-def measure(tokens: int, vocab: int, dtype: str, loss: str, held: bool) -> dict:
+def measure(tokens: int, vocab: int, dtype: str, loss: str, held: bool, repeats: int = 5, hidden: int = HIDDEN) -> dict:
+    """Peak live storages of one loss forward and backward over a head's logits, less the head's input and weight
+    gradients, and soap's price of that head and loss, both in fp32-logit units; and the median ms of `repeats`
+    runs of the loss alone (tests/test_memory.py measures with `repeats=0`)."""
     import torch
 
     from benchmarks.peft_memory import LiveStorages
@@ -40,8 +43,8 @@ def measure(tokens: int, vocab: int, dtype: str, loss: str, held: bool) -> dict:
 
     torch.manual_seed(0)
     torch_dtype = getattr(torch, dtype)
-    h = torch.randn(1, tokens, HIDDEN, dtype=torch_dtype, requires_grad=True)
-    w = torch.randn(vocab, HIDDEN, dtype=torch_dtype, requires_grad=True)
+    h = torch.randn(1, tokens, hidden, dtype=torch_dtype, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch_dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
     loss_fn = ScaledTokenLoss(loss)
     live = LiveStorages()
@@ -57,8 +60,8 @@ def measure(tokens: int, vocab: int, dtype: str, loss: str, held: bool) -> dict:
     S, P = DimRole.SAMPLE, DimRole.PARAMETER
     fp32_logits = TensorMeta((tokens, vocab), "float32", (S, P))
     head_out = TensorMeta((tokens, vocab), dtype, (S, P))
-    head = OpNode("head", OpKind.MATMUL, "linear", "head", None, (TensorMeta((tokens, HIDDEN), dtype, (S, DimRole.ATTRIBUTE)),),
-                  (head_out,), (ParamMeta("head.weight", (vocab, HIDDEN), dtype),), 0, 0, 0, ())
+    head = OpNode("head", OpKind.MATMUL, "linear", "head", None, (TensorMeta((tokens, hidden), dtype, (S, DimRole.ATTRIBUTE)),),
+                  (head_out,), (ParamMeta("head.weight", (vocab, hidden), dtype),), 0, 0, 0, ())
     loss_op = OpNode("loss", OpKind.LOSS, "cross_entropy", "", None, (fp32_logits,), (TensorMeta((), "float32", ()),), (),
                      0, 0, 0, (fp32_logits,))
     predicted = activation_parts([head, loss_op], micro_batch=1, batch_traced=1, recompute="none", attention="sdpa",
@@ -66,14 +69,14 @@ def measure(tokens: int, vocab: int, dtype: str, loss: str, held: bool) -> dict:
                                  cross_entropy=loss).prologue
 
     logits = (h @ w.t()).detach().requires_grad_()
-    times = []
-    for _ in range(5):
+    times = [0.0]
+    for _ in range(repeats):
         start = time.perf_counter()
         loss_fn(logits, labels).backward()
         times.append(time.perf_counter() - start)
         logits.grad = None
     return dict(measured=measured / fp32_logits.nbytes, predicted=predicted / fp32_logits.nbytes,
-                ms=1e3 * statistics.median(times))
+                ms=1e3 * statistics.median(times[1:] or times))
 
 
 def main() -> None:

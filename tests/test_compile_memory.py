@@ -3,9 +3,8 @@ estimate and the simulator, never above eager (`costmodel.memory_activations.com
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from functools import lru_cache, partial
+from functools import lru_cache
 from types import SimpleNamespace
 
 import pytest
@@ -16,13 +15,9 @@ from hypothesis import strategies as st
 from costmodel.memory_activations import (
     _Sizer, activation_parts, block_saved, chunk_activations, compiled_selective_dropped,
 )
-from planner.api import make_request
-from planner.estimate import Estimator
-from planner.pricing import Pricer
-from planner.regimes import RegimeEstimator
-from planner.search import Candidate
+from plan_helpers import search_pieces, simulated_as_estimated
+
 from planner.space import mesh_choices, training_choices
-from planner.units import model_units
 from tracer.api import trace
 
 LAYER = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
@@ -188,14 +183,7 @@ CASES = [{}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"tp": 2, "pp": 2, "precision": "f
 
 @pytest.mark.parametrize("pins", CASES, ids=[str(c) for c in CASES])
 def test_estimate_and_simulation_agree_with_compile_on_and_off_and_compiled_is_never_above(pins, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
-    req = make_request(str(tmp_path), gpus=4, global_batch=16, seq_len=64, mem_limit_gib=1e6, cluster="dgx-h100",
-                       **{"precision": "bf16", **pins})
-    graph = req.model.trace(task=None, seq_len=64)
-    req = replace(req, space=replace(req.space, dims=graph.dims))
-    estimator = RegimeEstimator(graph, Estimator(graph, req.cluster, model_units(graph)),
-                                partial(req.model.trace, task=None, seq_len=64))
-    pricer = Pricer(req, graph, estimator)
+    req, estimator, pricer = search_pieces(LLAMA, tmp_path, **pins)
     policies, lower = set(), 0
     for mesh in mesh_choices(req.space):
         per_policy: dict[str, list] = {}
@@ -204,15 +192,9 @@ def test_estimate_and_simulation_agree_with_compile_on_and_off_and_compiled_is_n
         for train in (t for trains in per_policy.values() for t in trains[::max(1, len(trains) // 4)]):
             peaks = {}
             for compiled in (False, True):
-                t = replace(train, compile=compiled)
-                candidate = Candidate(mesh=mesh, train=t, estimate=estimator.estimate(mesh, t))
-                priced = pricer(candidate)
-                if priced.candidate.op_splits:
-                    continue
-                simulated = max((m.at_peak for m in priced.result.memory), key=lambda b: b.total)
-                assert candidate.estimate.memory.total == pytest.approx(simulated.total, rel=1e-9, abs=16), (mesh, t)
-                assert candidate.estimate.memory.activations == pytest.approx(simulated.activations, rel=1e-9, abs=16)
-                peaks[compiled] = simulated.activations
+                found = simulated_as_estimated(estimator, pricer, mesh, replace(train, compile=compiled))
+                if found is not None:
+                    peaks[compiled] = found[1].activations
             if len(peaks) == 2:
                 assert peaks[True] <= peaks[False], (mesh, train)
                 lower += peaks[True] < peaks[False]

@@ -117,40 +117,22 @@ CASES = [{}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"tp": 2, "pp": 2, "precision": "f
 
 @pytest.mark.parametrize("pins", CASES, ids=[str(c) for c in CASES])
 def test_estimate_and_simulation_agree_for_each_loss_and_the_chunked_one_holds_less(pins, tmp_path):
-    import json
     from dataclasses import replace
-    from functools import partial
 
-    from planner.api import make_request
-    from planner.estimate import Estimator
-    from planner.pricing import Pricer
-    from planner.regimes import RegimeEstimator
-    from planner.search import Candidate
+    from plan_helpers import search_pieces, simulated_as_estimated
+
     from planner.space import mesh_choices, training_choices
-    from planner.units import model_units
 
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
-    req = make_request(str(tmp_path), gpus=4, global_batch=16, seq_len=64, mem_limit_gib=1e6, cluster="dgx-h100",
-                       **{"precision": "bf16", **pins})
-    graph = req.model.trace(task=None, seq_len=64)
-    req = replace(req, space=replace(req.space, dims=graph.dims))
-    estimator = RegimeEstimator(graph, Estimator(graph, req.cluster, model_units(graph)),
-                                partial(req.model.trace, task=None, seq_len=64))
-    pricer = Pricer(req, graph, estimator)
+    req, estimator, pricer = search_pieces(LLAMA, tmp_path, **pins)
     compared = 0
     for mesh in mesh_choices(req.space):
         trains = list(training_choices(req.space, mesh))
         for train in trains[::max(1, len(trains) // 6)]:
             peaks, steps = {}, {}
             for loss in ("chunked", "upcast"):
-                t = replace(train, cross_entropy=loss)
-                candidate = Candidate(mesh=mesh, train=t, estimate=estimator.estimate(mesh, t))
-                priced = pricer(candidate)
-                if priced.candidate.op_splits:
-                    continue
-                simulated = max((m.at_peak for m in priced.result.memory), key=lambda b: b.total)
-                assert candidate.estimate.memory.total == pytest.approx(simulated.total, rel=1e-9, abs=16), (mesh, t)
-                peaks[loss], steps[loss] = simulated.activations, priced.result.step_time_s
+                found = simulated_as_estimated(estimator, pricer, mesh, replace(train, cross_entropy=loss))
+                if found is not None:
+                    peaks[loss], steps[loss] = found[1].activations, found[0].result.step_time_s
             if len(peaks) == 2:
                 assert peaks["chunked"] < peaks["upcast"], (mesh, train)
                 # the same passes over the logits, and a launch more for each extra kernel, per micro-batch

@@ -2,7 +2,6 @@
 
 import pytest
 
-from benchmarks.peft_memory import LiveStorages
 from costmodel.memory import (
     adafactor_bytes,
     activation_bytes,
@@ -377,39 +376,19 @@ def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision,
     - upcast (cross_entropy on the logits upcast to fp32): 3 x the fp32 logits when nothing holds the
       logits through backward (the executor's loop without a pipeline); held, as a pipeline stage holds its
       output, 4 x in fp32 and 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
-    import torch
-
-    from costmodel.memory_activations import activation_parts
-    from executor.data import ScaledTokenLoss
-
     import costmodel.opcost
+    from benchmarks.cross_entropy_memory import measure
 
-    tokens, hidden, vocab = 256, 32, 2048
+    tokens, vocab = 256, 2048
     if slices == 8:
         monkeypatch.setattr(costmodel.opcost, "CROSS_ENTROPY_SLICE_BYTES", tokens * vocab * 4 // 8)
-    torch_dtype = getattr(torch, dtype)
-    h = torch.randn(1, tokens, hidden, dtype=torch_dtype, requires_grad=True)
-    w = torch.randn(vocab, hidden, dtype=torch_dtype, requires_grad=True)
-    labels = torch.randint(0, vocab, (1, tokens))
-    loss_fn = ScaledTokenLoss(cross_entropy)
-    live = LiveStorages()
-    with live.mode:
-        if pipelined:
-            logits = h @ w.t()
-            loss = loss_fn(logits, labels)
-        else:
-            loss = loss_fn(h @ w.t(), labels)
-        loss.backward()
-    measured = live.peak - (h.numel() + w.numel()) * h.element_size()  # less the two parameter gradients
-    fp32_logits = act(tokens, vocab, roles=(S, P))  # as a 16-bit trace records the loss: its input upcast
-    head = op("head", OpKind.MATMUL, None, (act(tokens, hidden, roles=(S, A), dtype=dtype),),
-              (act(tokens, vocab, roles=(S, P), dtype=dtype),), (), (ParamMeta("head.weight", (vocab, hidden), dtype),))
-    loss_op = op("loss", OpKind.LOSS, None, (fp32_logits,), (act(roles=()),), (fp32_logits,))
-    predicted = activation_parts([head, loss_op], micro_batch=1, batch_traced=1, recompute="none", attention="sdpa",
-                                 precision=precision, pipelined=pipelined, cross_entropy=cross_entropy).prologue
+    # one forward and backward with live storages tracked, and soap's price of the same head and loss
+    result = measure(tokens, vocab, dtype, cross_entropy, pipelined, repeats=0, hidden=32)  # a head small beside
+    # the logits: its weight's gradient, 1/8 of them here, is not the loss's
+    measured, predicted = result["measured"], result["predicted"]
     if cross_entropy == "chunked":
         expected = 2 * {"fp32": 1, "bf16": 0.5}[precision] + 1 / slices
     else:
         expected = {"fp32": 4.0, "bf16": 3.5}[precision] if pipelined else 3.0
-    assert measured / fp32_logits.nbytes == pytest.approx(expected, abs=0.02)
+    assert measured == pytest.approx(expected, abs=0.02)
     assert predicted == pytest.approx(measured, rel=0.01)
