@@ -220,7 +220,7 @@ def main() -> None:
     from costmodel.profiles import load_cluster
     from executor.validation.external import fit, leave_out, predict
     from benchmarks.vtrain_tp import fit_host, step_times, with_host
-    from executor.validation.grid import group_scores, load_grid, prepare_row, price_row
+    from executor.validation.grid import graph_key, group_scores, load_grid, prepare_row, price_row
 
     start = time.perf_counter()
     ran, crashed = load_grid(GRID, cluster=BASE)
@@ -231,8 +231,7 @@ def main() -> None:
     calibrated = network.cluster
     priced = [price_row(r, calibrated, graphs=graphs) for r in ran]
     collectives_only = [p.tokens_per_s_per_gpu for p in priced]
-    plans = [(p.plan, graphs[(p.plan.model.config_hash, p.plan.seq_len, p.plan.parallelism.precision,
-                              calibrated.name)]) for p in priced]
+    plans = [(p.plan, graphs[graph_key(p.plan, calibrated)]) for p in priced]
     one_node = [i for i, r in enumerate(ran) if r.nodes == 1]
     host = fit_host([ran[i] for i in one_node], [plans[i] for i in one_node], calibrated)
     floored = with_host(calibrated, host)

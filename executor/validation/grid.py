@@ -100,9 +100,11 @@ class StackPlan:
         return replace(strategy, op_splits=()) if self.megatron_tp else strategy
 
 
-HALF_MODEL_STACKS = ("deepspeed-2021", "megatron-lm")
+HALF_MODEL_STACKS = ("deepspeed-2021", "megatron-lm", "nanotron")
 """Stacks whose fp16/bf16 runs hold the model in that type, fp32 master weights in the optimizer, no autocast
-(`TrainingConfig.half_model`): Megatron-LM's `--fp16` (Float16Module) and DeepSpeed's fp16 engine."""
+(`TrainingConfig.half_model`): Megatron-LM's `--fp16` (Float16Module), DeepSpeed's fp16 engine, and nanotron
+(its model built in the config's `dtype`, bf16 for the Playbook, with fp32 gradient accumulation and master
+weights in the optimizer)."""
 TENSOR_GATHER_STACKS = ("deepspeed-2021",)
 """Stacks whose ZeRO-3 all-gathers each parameter tensor on its own, blocking compute, and again for a full
 recompute (DeepSpeed's `partition_parameters._allgather_param` of 2021: `costmodel.param_gathers`, "tensor");
