@@ -96,7 +96,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from costmodel.opcost import (
-    CROSS_ENTROPY_MAX_SLICES, FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, cross_entropy_slices, local_scale,
+    CROSS_ENTROPY_MAX_SLICES, FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, local_scale, loss_slices,
 )
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
@@ -261,7 +261,7 @@ def loss_tensors(op: OpNode, *, low_precision: bool = False, pipelined: bool = F
     """What a loss op saves plus the transient tensors around it, under `cross_entropy` (see the module
     docstring): L, its floating-point inputs as traced; H, the same at 16 bits in a `low_precision` run (the
     head's output, before the loss upcasts a copy); `pipelined`, a run whose stages hold their logits;
-    `slices`, the chunked loss's (`costmodel.opcost.cross_entropy_slices` of L's local fp32 bytes)."""
+    `slices`, the chunked loss's (`costmodel.opcost.loss_slices`)."""
     if op.kind is not OpKind.LOSS:
         raise ValueError(f"{op.name} is not a loss op")
     inputs = tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES)
@@ -296,10 +296,6 @@ class _Sizer:
         self.sample_scale = micro_batch / batch_traced
         self.split = dict(split or {})
         self.width = None if precision is None or traced_low_precision else activation_itemsize(precision)
-
-    def fp32_bytes(self, tensors: Iterable[TensorMeta]) -> float:
-        """The local bytes of `tensors` at 4 bytes an element."""
-        return sum(t.numel * 4 * local_scale(t, sample_scale=self.sample_scale, split=self.split) for t in tensors)
 
     def __call__(self, tensors: Iterable[TensorMeta]) -> float:
         total = 0.0
@@ -366,7 +362,7 @@ def activation_parts(
     for op in ops:
         if op.block_id is None:
             if op.kind is OpKind.LOSS:
-                slices = cross_entropy_slices(size.fp32_bytes(t for t in op.inputs if t.dtype in FLOAT_DTYPES))
+                slices = loss_slices(op, micro_batch=micro_batch, batch_traced=batch_traced, split=split)
                 saved = size(loss_tensors(op, low_precision=low, pipelined=pipelined, cross_entropy=cross_entropy,
                                           slices=slices))
             else:

@@ -132,15 +132,22 @@ def extra_loss_kernels(cross_entropy: str, slices: int, vocab_parallel: bool = F
     return per_slice * slices + once - UPCAST_LOSS_KERNELS
 
 
+def loss_slices(op: OpNode, *, micro_batch: int, batch_traced: int, split: Mapping[str, int] | None) -> int:
+    """The chunked cross-entropy's slices over a loss op's logits on the local shard (`cross_entropy_slices`
+    of `loss_fp32_bytes`, at most one per token): what its kernels (`loss_launches`) and its memory
+    (`costmodel.memory_activations.loss_tensors`) are priced at."""
+    fp32 = loss_fp32_bytes(op, micro_batch=micro_batch, batch_traced=batch_traced, split=split)
+    tokens = int(op.inputs[0].numel // max(op.inputs[0].shape[-1], 1) * micro_batch / batch_traced)
+    return cross_entropy_slices(fp32, tokens)
+
+
 def loss_launches(op: OpNode, cross_entropy: str, *, micro_batch: int, batch_traced: int,
                   split: Mapping[str, int] | None) -> int:
     """`extra_loss_kernels` of a loss op on its local shard (0 for any other op)."""
     if op.kind is not OpKind.LOSS or cross_entropy != "chunked":
         return 0
-    fp32 = loss_fp32_bytes(op, micro_batch=micro_batch, batch_traced=batch_traced, split=split)
-    tokens = int(op.inputs[0].numel // max(op.inputs[0].shape[-1], 1) * micro_batch / batch_traced)
-    vocab_parallel = int(dict(split or {}).get("parameter", 1)) > 1
-    return extra_loss_kernels(cross_entropy, cross_entropy_slices(fp32, tokens), vocab_parallel)
+    slices = loss_slices(op, micro_batch=micro_batch, batch_traced=batch_traced, split=split)
+    return extra_loss_kernels(cross_entropy, slices, vocab_parallel=int(dict(split or {}).get("parameter", 1)) > 1)
 
 
 def activation_itemsize(precision: str) -> int:

@@ -43,11 +43,11 @@ Recompute = Literal["none", "selective", "full"]
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 ATTENTION_IMPLS: tuple[str, ...] = ("sdpa", "eager")
 PARAM_GATHERS: tuple[str, ...] = ("block", "tensor")
+"""ZeRO-3 gather granularities (`costmodel.param_gathers`)."""
 CROSS_ENTROPY_IMPLS: tuple[str, ...] = ("chunked", "upcast", "megatron")
 """The loss's cross-entropy (`TrainingConfig.cross_entropy`, `costmodel.memory_activations.loss_tensors`)."""
 EXECUTED_CROSS_ENTROPY: tuple[str, ...] = ("chunked", "upcast")
 """Those the executor computes (`executor.cross_entropy`); "megatron" is priced for another stack only."""
-"""ZeRO-3 gather granularities (`costmodel.param_gathers`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,8 +186,9 @@ class TrainingConfig:
     """The loss's cross-entropy: "chunked", the executor's (`executor.cross_entropy`: the gradient made in the
     forward, a slice of tokens at a time); "upcast", `F.cross_entropy(logits.float())` as Hugging Face and
     torchtitan compute it (and soap's executor did before 2026-11-26); "megatron", Megatron-LM's and
-    nanotron's vocab-parallel one. Its memory differs (`costmodel.memory_activations.loss_tensors`), its
-    time is priced the same (the same memory-bound passes over the logits)."""
+    nanotron's vocab-parallel one. Its memory differs (`costmodel.memory_activations.loss_tensors`); its
+    passes over the logits are the same, and the chunked one's extra kernels are priced as launches
+    (`costmodel.opcost.loss_launches`)."""
     peft: str | None = None
     """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
     run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""

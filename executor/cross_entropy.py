@@ -41,17 +41,18 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
 from costmodel.opcost import cross_entropy_slices
+from costmodel.strategy import EXECUTED_CROSS_ENTROPY
 from tracer.errors import SoapError
 
 IGNORE = -100
-EXECUTED = ("chunked", "upcast")
-"""The cross-entropies the executor computes (`TrainingConfig.cross_entropy`); "megatron" is priced only."""
 
 
 def check_cross_entropy(name: str) -> None:
-    if name not in EXECUTED:
+    """Refuse a cross-entropy the executor does not compute (`costmodel.strategy.EXECUTED_CROSS_ENTROPY`)."""
+    if name not in EXECUTED_CROSS_ENTROPY:
         raise SoapError(f"cross_entropy {name!r} is priced for another stack (an export's nearest plan), not "
-                        f"executed; soap executes {' or '.join(EXECUTED)}: set parallelism.cross_entropy to one")
+                        f"executed; soap executes {' or '.join(EXECUTED_CROSS_ENTROPY)}: set "
+                        "parallelism.cross_entropy to one")
 
 
 def _columns(logits: DTensor) -> tuple[int, Any]:

@@ -4,8 +4,8 @@ predicts runs it was not fitted on.
 1. Each record is planned as published (`RunRecord.pins`; `planner.api.plan_report` with every stated
    choice pinned and no memory limit, so a configuration soap thinks too big is still priced) on its
    cluster profile, with its stack's loss (`executor.validation.grid.CROSS_ENTROPY_BY_STACK`: torchtitan's
-   upcast cross-entropy, Megatron's vocab-parallel one), and its simulated step is split into parts by re-simulating with one term made free
-   (`step_terms`):
+   upcast cross-entropy, Megatron's vocab-parallel one), and its simulated step is split into parts by
+   re-simulating with one term made free (`step_terms`):
    - compute by kernel class: `matmul/<precision>` (the run's matmul precision), `attention` (the SDPA core;
      bf16 under fp8 too) and `memory-bound` (every other class: elementwise, norm, softmax, dropout), each
      the step time lost when that class costs nothing (its `kernel_factors` at 0), scaled so that together
