@@ -134,6 +134,77 @@ def test_a_robust_fit_is_not_dragged_by_a_few_runs_many_times_slower_than_their_
     assert robust.multipliers["kernel-launch"] > 0.05
 
 
+def _on_h100(run, graph=None):
+    from costmodel.profiles import load_cluster
+
+    return replace(run, cluster=load_cluster("dgx-h100-datasheet"), graph=graph)
+
+
+def test_the_fit_makes_no_kernel_class_faster_than_its_datasheet_peak():
+    """A stack's runs alone cannot tell its factor from the device's matmul multiplier: runs planted at matmul x0.5
+    (faster than the H100's bf16 peak, which the profile prices at 0.807 of it at best) are fitted on the peak, the
+    product of the matmul multiplier and the stack factor at 0.807 (within 0.1%), the rest of the step taken up by
+    the other terms; a run above the peak fits as before, with or without the ceiling."""
+    import math
+    import random
+
+    rng = random.Random(11)
+    top = 0.807  # h100-sxm's matmul_efficiency top
+    runs = []
+    for i in range(12):
+        parts = {"matmul": rng.uniform(0.5, 1.0), "memory-bound": rng.uniform(0.1, 0.4), "kernel-launch": 0.02,
+                 "other": 0.01}
+        probe = _on_h100(_fake(f"r{i}", parts, 1.0, stack="nemo-te"))
+        truth = {"matmul/bf16": 0.8, "stack:nemo-te": 0.625, "memory-bound": 1.2}  # matmul x0.5 in all
+        measured = sum(parts.get(k, 0.0) * math.prod(truth.get(n, 1.0) for n in ns)
+                       for k, ns in part_parameters(probe).items())
+        runs.append(replace(probe, record=probe.record.model_copy(update={"step_time_s": measured})))
+    free = fit(runs, prior_weight=1e-6, peak_ceiling=False)
+    capped = fit(runs, prior_weight=1e-6)
+    assert free.multipliers["matmul/bf16"] * free.multipliers["stack:nemo-te"] < 0.6
+    product = capped.multipliers["matmul/bf16"] * capped.multipliers["stack:nemo-te"]
+    assert product == pytest.approx(top, rel=1e-3)
+    slow = [replace(r, record=r.record.model_copy(update={"step_time_s": 2 * r.record.step_time_s})) for r in runs]
+    a, b = fit(slow, prior_weight=1e-6, peak_ceiling=False), fit(slow, prior_weight=1e-6)
+    assert a.multipliers == pytest.approx(b.multipliers, rel=1e-6)
+
+
+def test_causal_attention_may_run_at_half_its_counted_flops():
+    """torch's FLOP counter counts a causal SDPA's whole score matrix; a flash kernel skips the masked half, so its
+    ceiling is half the matmul curve's top. fp8 matmuls take fp8's rate (0.75 of the fp8 peak on h100-sxm)."""
+    from executor.validation.external import _peak_ceilings
+
+    def sdpa(causal: bool) -> SimpleNamespace:
+        return SimpleNamespace(ops=(SimpleNamespace(kind=SimpleNamespace(value="attention"), attrs={"causal": causal}),))
+
+    parts = {"matmul": 1.0, "attention": 0.5, "other": 0.0}
+    causal = _on_h100(_fake("causal", parts, 1.0, stack="nemo-te"), graph=sdpa(True))
+    full = _on_h100(_fake("full", parts, 1.0, precision="fp8"), graph=sdpa(False))
+    names = ["matmul/bf16", "matmul/fp8", "attention", "stack:nemo-te"]
+    ceilings = _peak_ceilings([causal], names, None)
+    assert ceilings[("attention", "stack:nemo-te")] == pytest.approx(0.807 / 2, rel=1e-3)
+    assert ceilings[("matmul/bf16", "stack:nemo-te")] == pytest.approx(0.807, rel=1e-3)
+    ceilings = _peak_ceilings([full], names, None)
+    assert ceilings[("attention",)] == pytest.approx(0.807, rel=1e-3)
+    assert ceilings[("matmul/bf16", "matmul/fp8")] == pytest.approx(0.807 * 0.75, rel=1e-3)
+
+
+def test_fp8_gemms_are_fitted_over_bf16s():
+    """An fp8 run's GEMMs take bf16's multiplier times fp8's own (module docstring): the written fp8 factor is their
+    product, and a fit on bf16 runs alone predicts fp8 runs with bf16's multiplier, not the prior."""
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+
+    assert part_parameters(_fake("f", {}, 1.0, precision="fp8"))["matmul"] == ("matmul/bf16", "matmul/fp8")
+    base = cluster_to_dict(load_cluster("dgx-h100-datasheet"))
+    fitted = cluster_from_dict(apply_fit(base, Fit(multipliers={"matmul/bf16": 1.5, "matmul/fp8": 0.8}, runs={
+        "matmul/bf16": ("a",), "matmul/fp8": ("b",)}), source="test"))
+    assert fitted.device.kernel_factors["matmul/fp8"].at(1e9) == pytest.approx(1.2)
+    assert fitted.device.kernel_factors["matmul/bf16"].at(1e9) == pytest.approx(1.5)
+    bf16_only = cluster_from_dict(apply_fit(base, Fit(multipliers={"matmul/bf16": 1.5}, runs={"matmul/bf16": ("a",)}),
+                                            source="test"))
+    assert bf16_only.device.kernel_factors["matmul/fp8"].at(1e9) == pytest.approx(1.5)
+
+
 def test_fitted_profiles_stay_inside_the_loaders_bounds_and_name_their_runs():
     from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
 

@@ -6,7 +6,7 @@ predicts runs it was not fitted on.
    cluster profile, with its stack's loss (`executor.validation.grid.CROSS_ENTROPY_BY_STACK`: torchtitan's
    upcast cross-entropy, Megatron's vocab-parallel one), and its simulated step is split into parts by
    re-simulating with one term made free (`step_terms`):
-   - compute by kernel class: `matmul/<precision>` (the run's matmul precision), `attention` (the SDPA core;
+   - compute by kernel class: `matmul` (the GEMMs), `attention` (the SDPA core;
      bf16 under fp8 too) and `memory-bound` (every other class: elementwise, norm, softmax, dropout), each
      the step time lost when that class costs nothing (its `kernel_factors` at 0), scaled so that together
      they are the step's compute C = T - K - M (what is left, the optimizer step and bubbles among it,
@@ -20,12 +20,24 @@ predicts runs it was not fitted on.
 
        m_i ~= sum_j f_ij exp(sum_k G_ijk theta_k)
 
-   where G picks for part j of run i the parameters that scale it: the part's own term; `compile` for the
+   where G picks for part j of run i the parameters that scale it: the part's own term (`matmul/<precision>`
+   for the GEMMs; an fp8 run's take `matmul/bf16` times `matmul/fp8`, fp8's own multiplier over bf16's, since
+   both precisions' GEMMs run on the same tensor cores under the same clocks and stack and fp8 adds its casts,
+   scales and rate on top: a fit on one precision predicts the other with its twin's multiplier, where two free
+   multipliers left the held-out one at the prior, 73% / 35% error on torch-native / NeMo rows, 51% / 25%
+   tied); `compile` for the
    memory-bound part of a compiled run (Inductor fuses elementwise ops; matmul and attention keep their
    library kernels); and the run's stack (`stack:<name>`, every compute part of a run from a stack that is
    not torch-native, e.g. Transformer Engine's fused kernels). theta minimizes the squared log ratios plus
    a weak pull toward 0 (a term no run exercises stays as the profile had it), by damped Gauss-Newton,
-   each multiplier kept inside the profile loader's bounds. Optionally robust (`fit(robust=delta)`): a log
+   each multiplier kept inside the profile loader's bounds, and no kernel class made faster than its datasheet
+   peak (`_peak_ceilings`): the product of the parameters scaling a run's matmul or attention part (the class's
+   multiplier times its stack's factor) stays at or above the value at which that part's fastest kernels run at
+   the peak on the run's device, a hinge penalty (`PEAK_WEIGHT`) that binds only past it. Without it a stack's
+   factor and the device's multiplier trade freely where the runs cannot tell them apart: a fit on the NeMo 8B
+   rows alone priced Transformer Engine's fp8 GEMMs at 4.5x the profile's fp8 rate, 2.7x the fp8 peak, and
+   leaving out either NeMo model erred 16.8% on it (12.3% with the ceiling; fits that stay below every ceiling,
+   the full corpus's among them, are unchanged). Optionally robust (`fit(robust=delta)`): a log
    ratio r counts as delta^2 ln(1 + (r / delta)^2) in place of r^2 (Cauchy's loss, by iteratively reweighted
    Gauss-Newton, weight 1 / (1 + (r / delta)^2)), so that a run measured many times slower than anything its
    parts can carry (a disturbed or failing run: on the Playbook grid, pipelined runs 3-50x slower than the
@@ -186,8 +198,10 @@ def part_parameters(prepared: Prepared) -> dict[str, tuple[str, ...]]:
     stack = () if native else (f"stack:{prepared.record.stack}",)
     fused = () if native else (f"stack:{prepared.record.stack}/memory-bound",)
     memory = ("memory-bound", "compile") if prepared.compiled else ("memory-bound",)
+    # an fp8 run's GEMMs are bf16's scaled by fp8's own multiplier (module docstring, step 2)
+    matmul = ("matmul/bf16", "matmul/fp8") if prepared.precision == "fp8" else (f"matmul/{prepared.precision}",)
     return {
-        "matmul": (f"matmul/{prepared.precision}", *stack),
+        "matmul": (*matmul, *stack),
         "attention": ("attention", *stack),
         "memory-bound": (*memory, *fused),
         "kernel-launch": ("kernel-launch",),
@@ -197,6 +211,44 @@ def part_parameters(prepared: Prepared) -> dict[str, tuple[str, ...]]:
         "activation": ("activation",),
         "other": (),
     }
+
+
+PEAK_WEIGHT = 1e3
+"""The pull of a violated peak ceiling (`_peak_ceilings`) per unit of log multiplier: a 1% excursion costs as much
+as a run 10x off, so the fit ends on the ceiling, not past it (measured within 0.1% by a test)."""
+
+
+def _peak_ceilings(prepared: Sequence[Prepared], names: Sequence[str],
+                   free: Collection[str] | None) -> dict[tuple[str, ...], float]:
+    """Per product of parameters that scales a run's matmul or attention part (its class and, for another stack,
+    the stack's factor), the smallest value that keeps the part's fastest kernels no faster than the datasheet
+    peak on the run's device (module docstring, step 2): the profile prices a kernel of F FLOPs at
+    P x d x e(F) / k(F) (`costmodel.opcost`), so the product may not go below the largest e(x) x d / k(x) over the
+    curves' points, times the share of the counted FLOPs the kernel runs (1/2 for causal attention: torch's
+    counter counts the whole score matrix, a flash kernel skips the masked half). Matmul at the run's precision
+    (fp8's `dtype_efficiency` under fp8), attention at bf16 under fp8. The largest such bound over the runs."""
+    out: dict[tuple[str, ...], float] = {}
+    for p in prepared:
+        if getattr(p, "cluster", None) is None:
+            continue
+        device = p.cluster.device
+        for part in ("matmul", "attention"):
+            if p.parts.get(part, 0.0) <= 0:
+                continue
+            params = tuple(n for n in part_parameters(p)[part] if (free is None or n in free) and n in names)
+            if not params:
+                continue
+            precision = "bf16" if part == "attention" and p.precision == "fp8" else p.precision
+            work = 1.0
+            if part == "attention" and any(op.attrs.get("causal") for op in getattr(p.graph, "ops", ())
+                                           if op.kind.value == "attention"):
+                work = 0.5
+            factor = device.kernel_factors.get(f"{part}/{precision}")
+            xs = [x for x, _ in device.matmul_efficiency.points] + ([x for x, _ in factor.points] if factor else [])
+            fastest = max(device.matmul_efficiency.at(x) / (factor.at(x) if factor else 1.0) for x in xs)
+            bound = fastest * device.dtype_efficiency.get(precision, 1.0) * work
+            out[params] = max(out.get(params, 0.0), bound)
+    return out
 
 
 def _bounds(name: str) -> tuple[float, float]:
@@ -236,7 +288,7 @@ class Fit:
 
 def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, prior_weight: float = PRIOR_WEIGHT,
         iterations: int = 200, robust: float | None = None,
-        bounds: Mapping[str, tuple[float, float]] | None = None) -> Fit:
+        bounds: Mapping[str, tuple[float, float]] | None = None, peak_ceiling: bool = True) -> Fit:
     """Least squares on log ratios with a weak prior (module docstring). `free`: fit only these parameters
     (the rest stay 1). `robust`: Cauchy's loss at that log ratio (module docstring); None: squares. `bounds`:
     narrower ranges for some parameters (e.g. a kernel class no faster than the datasheet peak), inside the
@@ -270,6 +322,8 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
             F[i, j] = value
             G[i, j, params] = 1.0
     floors = _link_floors(prepared)
+    ceilings = _peak_ceilings(prepared, names, free) if peak_ceiling else {}
+    ceiling_rows = [(float(np.log(value)), [names.index(n) for n in params]) for params, value in ceilings.items()]
     bounds = bounds or {}
     low = np.log([max(_bounds(nm)[0], floors.get(nm, 0.0), bounds.get(nm, (0.0,))[0]) for nm in names])
     high = np.log([min(_bounds(nm)[1], bounds.get(nm, (0.0, np.inf))[1]) for nm in names])
@@ -278,7 +332,8 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
     def residuals(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         weights = F * np.exp(G @ theta)
         predicted = weights.sum(axis=1)
-        r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * theta])
+        over = [PEAK_WEIGHT * min(0.0, float(theta[idx].sum()) - floor) for floor, idx in ceiling_rows]
+        r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * theta, over])
         return r, weights / np.maximum(predicted[:, None], 1e-300)
 
     def loss(r: np.ndarray) -> float:
@@ -299,7 +354,11 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
     cost, damping = loss(r), 1e-3
     for _ in range(iterations):
         w = reweight(r)
-        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), prior * np.eye(n)]) * w[:, None]
+        hinge = np.zeros((len(ceiling_rows), n))
+        for row, (floor, idx) in enumerate(ceiling_rows):
+            if theta[idx].sum() < floor:
+                hinge[row, idx] = PEAK_WEIGHT
+        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), prior * np.eye(n), hinge]) * w[:, None]
         step = np.linalg.solve(jac.T @ jac + damping * np.eye(n), -jac.T @ (w * r))
         trial = np.clip(theta + step, low, high)
         trial_r, trial_share = residuals(trial)
@@ -354,10 +413,12 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
 
     for precision in PRECISION_KEYS:
         name = f"matmul/{precision}"
-        if name in m or core != 1.0:
-            set_class("matmul", precision, m.get(name, 1.0) * core)
+        tied = m.get("matmul/bf16", 1.0) if precision == "fp8" else 1.0  # fp8's multiplier is over bf16's
+        if name in m or core != 1.0 or tied != 1.0:
+            set_class("matmul", precision, m.get(name, 1.0) * tied * core)
         if name in m:
-            notes.append(f"{name} {note(name)}")
+            notes.append(f"{name} {note(name)}" + (f" over matmul/bf16's (x{m[name] * tied:.3g} in all)"
+                                                   if precision == "fp8" else ""))
     for name, classes, scale in (("attention", ("attention",), core), ("memory-bound", MEMORY_BOUND_CLASSES, fused)):
         if name in m or scale != 1.0:
             for cls in classes:
