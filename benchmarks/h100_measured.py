@@ -30,7 +30,7 @@ of the H100's 3.35, inside the physical bound. One step fits `k`; the checks are
 Llama 3.2 1B and small Llamas, eager and compiled, none of which set it) and `leave_model_out`: `k` fitted on the
 step times of every other model's runs, model by model (2.29-2.48 where the profiled step gives 2.31).
 
-The host floor of soap's executor (`benchmarks.gpu_repredict.host_floor`, 40.5 us per eager kernel) is a
+The host floor of soap's executor (`benchmarks.gpu_repredict.host_floor`, 40.2 us per eager kernel) is a
 property of the executor on this machine, so this profile carries it too.
 """
 

@@ -52,11 +52,11 @@ _VTRAIN = ("the class's only runs are vTrain's Megatron-DeepSpeed GPTs (up to hi
            "benchmarks/vtrain_a100.py): recompute costs a quarter of the FLOPs MFU does not count (46.8% is about "
            "62% of peak in executed FLOPs); no A100 run without recompute is in the corpus, and ")
 KNOWN_GAPS = {
-    ("dgx-h100", "8b", "one node", False): _TORCHTITAN + "soap picks pp2 dp4 without recompute (43.7%), a plan no "
+    ("dgx-h100", "8b", "one node", False): _TORCHTITAN + "soap picks pp2 dp4 without recompute (43.5%), a plan no "
     "published run tried",
-    ("dgx-h100", "8b", "one node", True): _TORCHTITAN + "soap picks pp2 dp4 without recompute (47.3%)",
-    ("dgx-h100", "8b", "multi-node", False): _TORCHTITAN + "soap predicts FSDP without recompute at 512 GPUs (43.2%)",
-    ("dgx-h100", "8b", "multi-node", True): _TORCHTITAN + "soap predicts FSDP without recompute at 512 GPUs (46.6%)",
+    ("dgx-h100", "8b", "one node", True): _TORCHTITAN + "soap picks FSDP over 8 without recompute (47.1%)",
+    ("dgx-h100", "8b", "multi-node", False): _TORCHTITAN + "soap predicts FSDP without recompute at 512 GPUs (43.3%)",
+    ("dgx-h100", "8b", "multi-node", True): _TORCHTITAN + "soap predicts ZeRO-2 without recompute at 512 GPUs (46.5%)",
     ("dgx-a100-80g", "1b", "one node", False): _VTRAIN + "the datasheet profile picks zero2 dp8 without recompute "
     "(70.6%)",
     ("dgx-a100-80g", "1b", "one node", True): _VTRAIN + "the datasheet profile picks zero2 dp8 without recompute",
