@@ -164,9 +164,10 @@ def test_the_fit_makes_no_kernel_class_faster_than_its_datasheet_peak():
     assert free.multipliers["matmul/bf16"] * free.multipliers["stack:nemo-te"] < 0.6
     product = capped.multipliers["matmul/bf16"] * capped.multipliers["stack:nemo-te"]
     assert product == pytest.approx(top, rel=1e-3)
+    assert capped.at_peak == (("matmul/bf16", "stack:nemo-te"),) and free.at_peak == ()
     slow = [replace(r, record=r.record.model_copy(update={"step_time_s": 2 * r.record.step_time_s})) for r in runs]
     a, b = fit(slow, prior_weight=1e-6, peak_ceiling=False), fit(slow, prior_weight=1e-6)
-    assert a.multipliers == pytest.approx(b.multipliers, rel=1e-6)
+    assert a.multipliers == pytest.approx(b.multipliers, rel=1e-6) and b.at_peak == ()
 
 
 def test_causal_attention_may_run_at_half_its_counted_flops():
@@ -281,6 +282,22 @@ def test_calibrate_from_outside_records_writes_a_profile_and_prints_leave_one_ou
     # the tiny model's steps are set by dgx-h100's host-bound floor: the fit scales that, naming the runs
     assert fitted.name == "dgx-h100-fitted" and "tiny mb1" in fitted.device.sources["host_dispatch_us"]
     assert fitted.device.host_dispatch_s != load_cluster("dgx-h100").device.host_dispatch_s
+
+
+def test_calibrate_from_runs_faster_than_the_device_says_which_kernels_it_held_at_the_peak(tmp_path):
+    """A run measured at 5M tokens/s per GPU on a 0.1B-parameter model (8e15 FLOP/s, 8x the H100's bf16 peak): the fit
+    holds the GEMMs at the datasheet peak and says so, in --json and on stderr."""
+    path = tmp_path / "fast.jsonl"
+    model = {"hidden": 2048, "ffn": 8192, "layers": 4, "heads": 16, "kv_heads": 16, "vocab": 512}
+    path.write_text(json.dumps(_row(name="too fast", model=model, seq=2048, micro_batch=8, global_batch=64,
+                                    tokens_per_s_per_gpu=5e6)) + "\n")
+    args = [sys.executable, "-m", "soap", "calibrate", "--from-runs", str(path), "--cluster", "dgx-h100-datasheet",
+            "-o", str(tmp_path / "fitted.json")]
+    done = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "matmul/bf16" in json.loads(done.stdout)["at_datasheet_peak"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert "note: held at the datasheet peak: matmul/bf16" in done.stderr
 
 
 def test_calibrate_from_a_bad_record_is_one_error_line(tmp_path):

@@ -33,7 +33,8 @@ predicts runs it was not fitted on.
    each multiplier kept inside the profile loader's bounds, and no kernel class made faster than its datasheet
    peak (`_peak_ceilings`): the product of the parameters scaling a run's matmul or attention part (the class's
    multiplier times its stack's factor) stays at or above the value at which that part's fastest kernels run at
-   the peak on the run's device, a hinge penalty (`PEAK_WEIGHT`) that binds only past it. Without it a stack's
+   the peak on the run's device, a hinge penalty (`PEAK_WEIGHT`) that binds only past it; a product left on
+   its ceiling is reported (`Fit.at_peak`, printed by `soap calibrate --from-runs`). Without it a stack's
    factor and the device's multiplier trade freely where the runs cannot tell them apart: a fit on the NeMo 8B
    rows alone priced Transformer Engine's fp8 GEMMs at 4.5x the profile's fp8 rate, 2.7x the fp8 peak, and
    leaving out either NeMo model erred 16.8% on it (12.3% with the ceiling; fits that stay below every ceiling,
@@ -213,6 +214,8 @@ def part_parameters(prepared: Prepared) -> dict[str, tuple[str, ...]]:
     }
 
 
+AT_PEAK = 5e-3
+"""How close to its ceiling (in log multiplier) a product counts as on it (`Fit.at_peak`)."""
 PEAK_WEIGHT = 1e3
 """The pull of a violated peak ceiling (`_peak_ceilings`) per unit of log multiplier: a 1% excursion costs as much
 as a run 10x off, so the fit ends on the ceiling, not past it (measured within 0.1% by a test)."""
@@ -274,6 +277,9 @@ class Fit:
     multipliers: dict[str, float]
     runs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Per parameter, the names of the runs with a part it scales."""
+    at_peak: tuple[tuple[str, ...], ...] = ()
+    """The products of parameters the fit left on their datasheet-peak ceiling (`_peak_ceilings`, within 0.5%):
+    the runs asked for kernels faster than the device has, so the model misses something there."""
 
     def stack_factor(self, stack: str) -> float:
         return self.multipliers.get(f"stack:{stack}", 1.0)
@@ -371,8 +377,10 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
             damping *= 10
             if damping > 1e12:
                 break
+    at_peak = tuple(params for (params, _), (floor, idx) in zip(ceilings.items(), ceiling_rows)
+                    if theta[idx].sum() < floor + AT_PEAK)
     return Fit(multipliers={nm: float(np.exp(t)) for nm, t in zip(names, theta)},
-               runs={nm: tuple(dict.fromkeys(r)) for nm, r in runs.items()})
+               runs={nm: tuple(dict.fromkeys(r)) for nm, r in runs.items()}, at_peak=at_peak)
 
 
 # --- writing the fitted profile --------------------------------------------------------------------------

@@ -155,7 +155,8 @@ def _from_outside(args: argparse.Namespace) -> int:
     summary = {"written": [str(p) for p in written], "runs": len(records),
                "multipliers": {k: round(v, 4) for k, v in refit.fit.multipliers.items()},
                "mape_before_pct": by_stack(refit.before), "mape_in_sample_pct": by_stack(refit.in_sample),
-               "mape_leave_one_out_pct": {g: by_stack(p) for g, p in refit.leave_out.items()}}
+               "mape_leave_one_out_pct": {g: by_stack(p) for g, p in refit.leave_out.items()},
+               "at_datasheet_peak": [" x ".join(params) for params in refit.fit.at_peak]}
     ranked = group_ranks(refit.prepared, refit.leave_out.get("run", refit.in_sample))
     summary["groups"] = [{"group": g.group, "runs": g.runs, "spearman": g.spearman, "pick_over_best": g.pick_over_best}
                          for g in ranked]
@@ -168,6 +169,10 @@ def _from_outside(args: argparse.Namespace) -> int:
                           ("in-sample", summary["mape_in_sample_pct"]),
                           *((f"leave one {g} out", v) for g, v in summary["mape_leave_one_out_pct"].items())):
         print(f"tokens/s MAPE {label}: " + ", ".join(f"{s} {v:.1f}%" for s, v in values.items()), file=sys.stderr)
+    if refit.fit.at_peak:
+        print("note: held at the datasheet peak: " + "; ".join(" x ".join(p) for p in refit.fit.at_peak)
+              + " (the runs ask for faster kernels than the device has: the model misses something there)",
+              file=sys.stderr)
     for g in ranked:  # leave-one-run-out predictions: would the fit have picked the fastest run of the group?
         rho = "n/a" if g.spearman is None else f"{g.spearman:+.2f}"
         print(f"{g.group}: {g.runs} runs, rank correlation {rho}, pick/best {g.pick_over_best:.2f} "
