@@ -115,9 +115,16 @@ def with_host_floor(device_json: dict, floor_s: float) -> dict:
     return out
 
 
-def model_name(record: dict) -> str:
-    """The run's model: its preset name or config file's stem (the small suite models count apart)."""
-    return Path(record["plan"]["model"]["name"]).stem
+MODEL_OF = (("8b4l", "Llama-3-8B, 4 layers"), ("1b", "Llama 3.2 1B"), ("llama", "small Llama"), ("bert", "BERT-large"),
+            ("gpt2", "GPT-2"))
+"""Run-name prefixes to the model each run of `runs` trained (the suite's small GPT-2 and BERT count as GPT-2 and
+BERT-large: a model left out takes its family with it)."""
+
+
+def model_of(record: dict) -> str:
+    """The model a run of `runs` trained (`MODEL_OF`)."""
+    name = record["name"].removesuffix(".plan")
+    return next(label for prefix, label in MODEL_OF if name.startswith(prefix))
 
 
 def rows() -> list[dict]:
@@ -129,9 +136,9 @@ def rows() -> list[dict]:
     records = runs()
     measured = load_cluster(CLUSTERS[1])
     refitted = {}
-    for model in dict.fromkeys(model_name(r) for r in records):  # leave one model out
-        cluster = cluster_from_dict(refit_cluster([r for r in records if model_name(r) != model], measured)[1])
-        refitted.update({id(r): cluster for r in records if model_name(r) == model})
+    for model in dict.fromkeys(model_of(r) for r in records):  # leave one model out
+        cluster = cluster_from_dict(refit_cluster([r for r in records if model_of(r) != model], measured)[1])
+        refitted.update({id(r): cluster for r in records if model_of(r) == model})
     out = []
     for record in records:
         plan = plan_from_dict(record["plan"])
@@ -172,8 +179,9 @@ def markdown(table: list[dict]) -> str:
         "executor fitted on these runs (last table), so their columns are in sample for the two "
         "small-Llama runs the floor binds on; the last table predicts each run with the floor fitted on the others. "
         "\"after refit\" is `h100-x1-measured` refitted by `soap calibrate --from-runs` on the runs of every other "
-        "model (seven models: GPT-2, BERT-large, the suite's small GPT-2, Llama and BERT, four Llama-3-8B layers, "
-        "Llama 3.2 1B) and predicting this model's runs: soap's own torch-native executor, leave one model out.",
+        "model (`MODEL_OF`: GPT-2, BERT-large, a small Llama, four Llama-3-8B layers, Llama 3.2 1B; the suite's "
+        "small GPT-2 and BERT go out with their family) and predicting this model's runs: soap's own torch-native "
+        "executor, leave one model out.",
         "",
         "| run | measured step | then | now dgx-h100 | now h100-x1-measured | after refit (its model held out) | measured memory | then | now dgx-h100 | now h100-x1-measured |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -158,9 +158,6 @@ def build_compiled(base: dict | None = None) -> tuple[dict, dict[str, float], di
     return device, measured, priced_groups(base, graph), k, check
 
 
-MODEL_OF = (("8b4l", "Llama-3-8B, 4 layers"), ("1b", "Llama 3.2 1B"), ("llama", "small Llama"), ("bert", "BERT-large"),
-            ("gpt2", "GPT-2"))
-"""Run-name prefixes to the model each of soap's H100 runs trained (`benchmarks.gpu_repredict.runs`)."""
 STEP_FACTOR_RANGE = (1.0, 3.3)
 """Where `leave_model_out` searches the step factor: inside `costmodel.calibration.step_factor.BOUNDS`, and no
 faster than the microbenchmarks' kernels."""
@@ -173,7 +170,7 @@ def leave_model_out(base: dict | None = None, compile_k: float = 1.0) -> list[tu
     binds only on the small Llama's runs); the compile factor is `compile_k`, the profiled compiled step's."""
     import math
 
-    from benchmarks.gpu_repredict import runs
+    from benchmarks.gpu_repredict import model_of, runs
     from costmodel.calibration.fit import golden_section
     from costmodel.calibration.step_factor import with_compile_factor, with_step_factor
     from costmodel.profiles import cluster_from_dict
@@ -184,7 +181,7 @@ def leave_model_out(base: dict | None = None, compile_k: float = 1.0) -> list[tu
     cluster_json = _cluster_json()
     records = runs()
     names = [r["name"].removesuffix(".plan") for r in records]
-    models = [next(label for prefix, label in MODEL_OF if n.startswith(prefix)) for n in names]
+    models = [model_of(r) for r in records]
     plans = [plan_from_dict(r["plan"]) for r in records]
     graphs = [trace_plan_model(p, cluster_from_dict({**cluster_json, "device": base})) for p in plans]
     cache: dict[float, list[float]] = {}

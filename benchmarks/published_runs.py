@@ -164,7 +164,7 @@ def main() -> None:
         "fp8 peak, and leaving out a model erred 16.8% on the NeMo rows. Leaving out Llama 3.1 8B leaves no "
         "torch-native row and no row of the 500 W cluster in the fit: its torch-native error is a fit on the Nemotron "
         "rows alone carried to a stack and cluster it never saw (the datasheet profile errs 39.5% there), which "
-        "this corpus cannot check a fit against; soap's own runs on one H100, seven models, can "
+        "this corpus cannot check a fit against; soap's own runs on one H100, five models, can "
         "(`benchmarks/gpu_repredict.py`: leave one model out).",
         "",
         *fitted,
