@@ -4,6 +4,7 @@
 # On CPU (2026-11-26) soap prices the upcast eager step at 52.5 GiB and the chunked at 37.8 GiB, both 523 ms; the
 # upcast run measured 50.5 GiB on an H100 (23.5 GiB of it the loss's three fp32 logits-sized tensors).
 #   run: python3 -m pip install ... --target /tmp/site .whl/*.whl .whl-tf/*.whl; DEADLINE=300 bash THIS
+# Ran on the lent H100 of 2026-11-26 (call 1); data in benchmarks/data/h100-2026-11-26c (inplace-*, call1-*).
 set -u
 W=/tmp/gs3; DEADLINE=${DEADLINE:-330}
 source benchmarks/gpu_lib.sh
