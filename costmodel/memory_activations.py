@@ -65,10 +65,13 @@ the run computes (`TrainingConfig.cross_entropy`). Per [tokens, vocab] logits (t
 language model's step), with L the loss's floating-point inputs as traced (fp32: a 16-bit trace records the
 upcast) and H the logits as the head produced them (16-bit in a 16-bit run, else L):
 - chunked (the executor's `executor.cross_entropy`): the gradient buffer it saves (H) beside the logits,
-  which are live while it fills it (H, held on by a pipeline stage anyway), and one of its n token slices
-  in fp32 (L / n, n = `costmodel.opcost.cross_entropy_slices` of L's local fp32 bytes: one per 512 MiB, 1 to
-  8): 2H + L/n. Measured on CPU with live storages tracked (`tests/test_memory.py`): at 8 slices 1.13 x the
-  fp32 logits with a bf16 head, 2.13 x in fp32, pipelined or not (priced 1.125 and 2.125).
+  which are live while it fills it (H, held on by a pipeline stage anyway), and its n token slices one at a
+  time in fp32 (L / n, n = `costmodel.opcost.cross_entropy_slices` of L's local fp32 bytes: one per 512 MiB,
+  1 to 8), twice where 16-bit logits are upcast to a copy that the out-of-place log-softmax reads: 2H + 2L/n,
+  2H + L/n with fp32 logits or vocabulary-parallel ones (in place). Measured on CPU with live storages tracked
+  (`tests/test_memory.py`): at 8 slices 1.25 x the fp32 logits with a bf16 head, 2.13 x in fp32, pipelined or
+  not (priced 1.25 and 2.125); on an H100 the 16k-token step of four Llama-3-8B layers peaked in the loss at
+  38.97 GiB, 0.98 GiB (one fp32 slice) over the in-place path's 37.99 (docs/benchmarks.md).
 - upcast (`F.cross_entropy(logits.float())`, Hugging Face's and torchtitan's loss): the log-probabilities
   it saves (L), and its backward's gradients of the log-probabilities and then of the fp32 logits while
   they are live (2L); a pipeline holds the logits too (H). Measured the same way: 3.0 x the fp32 logits
@@ -257,11 +260,13 @@ def selective_cached(ops: Sequence[OpNode], attention: str) -> tuple[bool, ...]:
 
 
 def loss_tensors(op: OpNode, *, low_precision: bool = False, pipelined: bool = False,
-                 cross_entropy: str = "chunked", slices: int = CROSS_ENTROPY_MAX_SLICES) -> tuple[TensorMeta, ...]:
+                 cross_entropy: str = "chunked", slices: int = CROSS_ENTROPY_MAX_SLICES,
+                 vocab_parallel: bool = False) -> tuple[TensorMeta, ...]:
     """What a loss op saves plus the transient tensors around it, under `cross_entropy` (see the module
     docstring): L, its floating-point inputs as traced; H, the same at 16 bits in a `low_precision` run (the
     head's output, before the loss upcasts a copy); `pipelined`, a run whose stages hold their logits;
-    `slices`, the chunked loss's (`costmodel.opcost.loss_slices`)."""
+    `slices`, the chunked loss's (`costmodel.opcost.loss_slices`); `vocab_parallel`, logits sharded on the
+    vocabulary (the chunked loss's in-place path: one fp32 slice where 16-bit logits take two)."""
     if op.kind is not OpKind.LOSS:
         raise ValueError(f"{op.name} is not a loss op")
     inputs = tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES)
@@ -269,7 +274,8 @@ def loss_tensors(op: OpNode, *, low_precision: bool = False, pipelined: bool = F
                  for t in inputs)
     if cross_entropy == "chunked":
         one = tuple(replace(t, shape=(*t.shape[:-1], -(-t.shape[-1] // slices))) for t in inputs)
-        return held * 2 + one
+        upcast = any(h.dtype != t.dtype for h, t in zip(held, inputs)) and not vocab_parallel
+        return held * 2 + one * (2 if upcast else 1)
     if cross_entropy == "megatron":
         return inputs * 2
     if cross_entropy == "upcast":
@@ -364,7 +370,8 @@ def activation_parts(
             if op.kind is OpKind.LOSS:
                 slices = loss_slices(op, micro_batch=micro_batch, batch_traced=batch_traced, split=split)
                 saved = size(loss_tensors(op, low_precision=low, pipelined=pipelined, cross_entropy=cross_entropy,
-                                          slices=slices))
+                                          slices=slices,
+                                          vocab_parallel=int(dict(split or {}).get("parameter", 1)) > 1))
             else:
                 saved = size(op_saved(op, attention, cp))
             if seen_block:

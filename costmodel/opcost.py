@@ -28,9 +28,12 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
 - The loss: the trace records `F.cross_entropy(logits.float())` (the upcast, log-softmax and negative
   log-likelihood). The executor's chunked cross-entropy (`executor.cross_entropy`) makes the same passes over
   the logits a slice of tokens at a time (one per 512 MiB of fp32 logits, 1 to 8: `cross_entropy_slices`), in
-  more kernels: each one more takes t_launch on the loss op's forward (`loss_launches`: 12 a slice and 9 once;
-  105 at 8 slices, 0.7 ms a micro-batch at the measured H100's 6.8 us), and counts against the simulator's
-  host floor. The planner's estimate leaves them out (it stays below the simulation).
+  more kernels: each one more takes t_launch on the loss op's forward (`loss_launches`: 6 a slice and 10 once
+  more; 58 at 8 slices, 0.4 ms a micro-batch at the measured H100's 6.8 us), and counts against the
+  simulator's host floor. The planner's estimate leaves them out (it stays below the simulation). Measured on
+  one H100: the chunked step within +0.1% (16k tokens of Llama-3-8B layers) and +2.3% (Llama 3.2 1B) of the
+  upcast one's. Vocabulary-parallel logits take an in-place path with more passes, priced as bytes
+  (`VOCAB_PARALLEL_LOSS_EXTRA_BYTES`).
 
 torch.compile (`compile=True`, the strategy's `TrainingConfig.compile`): each kernel's time, launch
 included, is multiplied by the device's `compile_factors[class/pass]` at the same x (pass `fwd` or
@@ -95,11 +98,20 @@ CROSS_ENTROPY_SLICE_BYTES = 512 * 2**20
 many fp32 bytes each (`cross_entropy_slices`)..."""
 CROSS_ENTROPY_MAX_SLICES = 8
 """... and at most this many: its peak holds one slice's fp32 copy beside the logits and their gradient."""
-CHUNKED_LOSS_KERNELS = (12, 15)
-"""Kernels the chunked cross-entropy launches: per token slice, and once (the labels' masks, the sum,
-backward's scaling). Counted on CPU dispatch by tests/test_cross_entropy.py."""
-VOCAB_PARALLEL_LOSS_KERNELS = (1, 0)
-"""More kernels per slice and once where the vocabulary is sharded: the all-reduced max copied back."""
+CHUNKED_LOSS_KERNELS = (6, 16)
+"""Kernels the chunked cross-entropy launches: per token slice (the upcast copy, torch's log-softmax, the
+target's gather, exp, the one-hot's scatter, the gradient's masked write; 5 with fp32 logits, not copied), and
+once (the labels' masks, the sum, backward's scaling). Counted on CPU dispatch by tests/test_cross_entropy.py."""
+VOCAB_PARALLEL_LOSS_KERNELS = (12, 15)
+"""The same where the vocabulary is sharded (its in-place path: max, shift, exp, sum, divide, log and the
+all-reduced max copied back, each its own kernel). Those a slice counted likewise, over a one-rank group."""
+VOCAB_PARALLEL_LOSS_EXTRA_BYTES = 10
+"""Bytes per local logit element the vocabulary-parallel path moves beyond the traced upcast loss's passes:
+its in-place softmax reads and writes the fp32 slice five times where the log-softmax kernel reads it twice
+and writes it once (48 bytes over the loss, forward and backward, against 38). Priced as memory-bound time on
+the loss op (`op_time`). On one H100 the in-place path without sharding (56 bytes, before 2026-11-26) ran
++17 ms a step on 2.1e9 logits (16k tokens of Llama 3) and +30 ms on 4 x 1.05e9 (Llama 3.2 1B) over the upcast
+loss: 2.2-2.5 TB/s for its 18 bytes more; the log-softmax path ran within 0.1% and 2.3% of it."""
 UPCAST_LOSS_KERNELS = 6
 """Kernels `F.cross_entropy(logits.float())` launches, forward and backward (the upcast, log-softmax and
 negative log-likelihood and their backwards): the ones the trace's loss ops are priced as."""
@@ -126,9 +138,7 @@ def extra_loss_kernels(cross_entropy: str, slices: int, vocab_parallel: bool = F
     chunked one's, in `slices` (`cross_entropy_slices`), each a launch more (`op_time`); another stack's, none."""
     if cross_entropy != "chunked":
         return 0
-    per_slice, once = CHUNKED_LOSS_KERNELS
-    if vocab_parallel:
-        per_slice, once = per_slice + VOCAB_PARALLEL_LOSS_KERNELS[0], once + VOCAB_PARALLEL_LOSS_KERNELS[1]
+    per_slice, once = VOCAB_PARALLEL_LOSS_KERNELS if vocab_parallel else CHUNKED_LOSS_KERNELS
     return per_slice * slices + once - UPCAST_LOSS_KERNELS
 
 
@@ -421,7 +431,7 @@ def op_time(
     under torch.compile when `compile` and `op` is in a block (the device's `compile_factors`, see the module
     docstring). A loss op under the run's `cross_entropy` takes a launch overhead more for each kernel that
     loss launches beyond the traced (upcast) one's (`extra_loss_kernels`): its passes over the logits are
-    the same.
+    the same, but for the vocabulary-parallel path's (`VOCAB_PARALLEL_LOSS_EXTRA_BYTES`).
 
     `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); each tensor
     of the op that has a dimension with that role is divided by the degree (once per role), so the
@@ -435,6 +445,10 @@ def op_time(
     bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile)
     fwd_s += loss_launches(op, cross_entropy, micro_batch=micro_batch, batch_traced=batch_traced,
                            split=split) * device.kernel_overhead_s
+    if op.kind is OpKind.LOSS and cross_entropy == "chunked" and int(dict(split or {}).get("parameter", 1)) > 1:
+        extra = VOCAB_PARALLEL_LOSS_EXTRA_BYTES * loss_fp32_bytes(op, micro_batch=micro_batch,
+                                                                  batch_traced=batch_traced, split=split) / 4
+        fwd_s += forward_time(op, 0.0, extra, device=device, precision=precision)[0] - device.kernel_overhead_s
     if any(p.dtype == QLORA_BASE_DTYPE for p in op.params):
         from costmodel.peft import dequantize_time  # it reads this module's widths
 

@@ -10,23 +10,30 @@ Llama-3-8B layers held 23.5 GiB there of its 50.5 GiB peak (docs/benchmarks.md).
 This loss (`ChunkedCrossEntropy`, the executor's default, `TrainingConfig.cross_entropy` "chunked") keeps
 the logits at the width the head produced them (W bytes per element, 2 in a 16-bit run) and computes, for
 each of n slices of the tokens in turn (`costmodel.opcost.cross_entropy_slices`: one per 512 MiB of fp32 logits,
-1 to 8), in fp32 on a copy of the slice x (row i, target t_i, valid v_i: the label is not the ignore index):
+1 to 8), in fp32 on the slice x (row i, target t_i, valid v_i: the label is not the ignore index):
 
-    m_i = max_j x_ij,   s_i = sum_j exp(x_ij - m_i),   lse_i = m_i + log s_i
-    loss = sum_i v_i (lse_i - x_i,t_i)
-    d loss / d x_ij = v_i (exp(x_ij - lse_i) - [j = t_i])
+    log p_ij = x_ij - lse_i,   lse_i = m_i + log sum_j exp(x_ij - m_i),   m_i = max_j x_ij
+    loss = - sum_i v_i log p_i,t_i
+    d loss / d x_ij = v_i (p_ij - [j = t_i])
 
-and writes that gradient into a buffer at the logits' width. Backward multiplies the buffer by the incoming
-gradient in place and returns it: nothing is recomputed. Live at the peak: the logits (W), the gradient
-buffer (W) and one slice's fp32 copy (4 / n): in fp32-logit units at 8 slices 2 x 2/4 + 1/8 = 1.125 in a
-16-bit run, against 3.0; with fp32 logits 2.125 against 3.0 (4.0 pipelined). Small logits take one slice: its
-12 kernels a slice (15 once) launch-bound there, where memory is not short. The math is the one of
-Liger-Kernel's fused cross-entropy and Megatron's vocab-parallel one (the gradient made in the forward);
-the slices are torchtune's chunked output loss. `costmodel.memory_activations.loss_tensors` prices it.
+with torch's log-softmax kernel (one kernel: the max, the sum and the write), then exp in place, the one-hot
+subtracted, and the gradient written, masked, into a buffer at the logits' width. Backward multiplies the
+buffer by the incoming gradient in place and returns it: nothing is recomputed. Per logit element, forward and
+backward, it moves the bytes the upcast loss moves (the copy to fp32, the log-softmax, one fp32 pass for its
+backward and the cast back): on one H100 its step ran within +0.1% (16k tokens of Llama-3-8B layers) and +2.3%
+(Llama 3.2 1B, 8k tokens a micro-batch) of the upcast one's (docs/benchmarks.md), where the first version
+(max, shift, exp, sum and divide in place, then mask and copy) moved 56 bytes to the upcast loss's ~38 and ran
++4% and +5%. Live at the peak: the logits (W), the gradient buffer (W) and, while the log-softmax reads a
+16-bit slice's fp32 copy, two fp32 slices (4 / n each): in fp32-logit units at 8 slices 2 x 2/4 + 2/8 = 1.25
+in a 16-bit run, against 3.0; with fp32 logits (not copied) 2.125 against 3.0 (4.0 pipelined). Small logits
+take one slice: its 6 kernels a slice (16 once) launch-bound there, where memory is not short. The math is the
+one of Liger-Kernel's fused cross-entropy and Megatron's vocab-parallel one (the gradient made in the
+forward); the slices are torchtune's chunked output loss. `costmodel.memory_activations.loss_tensors` prices it.
 
 Vocabulary-parallel logits (a DTensor sharded on the last dimension over the tensor-parallel group,
-`executor.tensor_parallel`): each rank holds columns [o, o + V_r) of the vocabulary. The rank computes its
-local m_i, all-reduces the max, its local sum of exp(x_ij - m_i), all-reduced, per slice, and once the target
+`executor.tensor_parallel`): each rank holds columns [o, o + V_r) of the vocabulary, and a log-softmax over
+them is not the whole row's. On a copy of the slice, in place, one fp32 slice live (48 bytes a logit element,
+`costmodel.opcost.VOCAB_PARALLEL_LOSS_EXTRA_BYTES`), the rank computes its local m_i, all-reduces the max, its local sum of exp(x_ij - m_i), all-reduced, per slice, and once the target
 logit x_i,t_i where the rank holds t_i (0 elsewhere), all-reduced: 2n + 1 all-reduces of [tokens / n] fp32
 (functional collectives, as torch's `loss_parallel` issues them; `costmodel.placement` prices them). The loss is then whole on every rank and the gradient is the
 rank's columns; it goes back through `DTensor.to_local`, sharded as the logits were.
@@ -88,24 +95,26 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         minus = local.to(torch.float32).neg_().unsqueeze(-1)
         keep = valid.to(torch.float32).unsqueeze(-1)
         grad = torch.empty_like(logits)
-        lse, picked = torch.empty(tokens, **f32), torch.empty(tokens, **f32)
+        lse = torch.zeros(tokens, **f32) if group is None else torch.empty(tokens, **f32)  # log p: lse 0
+        picked = torch.empty(tokens, **f32)
         step = -(-tokens // chunks)
         for lo in range(0, tokens, step):
             rows = slice(lo, min(lo + step, tokens))
-            x = logits[rows].to(torch.float32, copy=True)
-            torch.gather(x, -1, index[rows], out=picked[rows].unsqueeze(-1))
-            m = torch.amax(x, dim=-1, out=lse[rows])
-            if group is not None:
+            if group is None:  # torch's log-softmax kernel, out of place (fp32 logits are not copied)
+                x = torch.log_softmax(logits[rows].float(), -1)
+                torch.gather(x, -1, index[rows], out=picked[rows].unsqueeze(-1))  # log p at the target
+                x.exp_()  # the softmax
+            else:  # the vocabulary sharded: the row's max and sum all-reduced
+                x = logits[rows].to(torch.float32, copy=True)
+                torch.gather(x, -1, index[rows], out=picked[rows].unsqueeze(-1))
+                m = torch.amax(x, dim=-1, out=lse[rows])
                 m.copy_(_all_reduce(m, "max", group))
-            x.sub_(m.unsqueeze(-1)).exp_()
-            s = x.sum(dim=-1)
-            if group is not None:
-                s = _all_reduce(s, "sum", group)
-            x.div_(s.unsqueeze(-1))  # the softmax
-            m.add_(s.log_())  # lse
+                x.sub_(m.unsqueeze(-1)).exp_()
+                s = _all_reduce(x.sum(dim=-1), "sum", group)
+                x.div_(s.unsqueeze(-1))  # the softmax
+                m.add_(s.log_())  # lse
             x.scatter_add_(-1, index[rows], minus[rows])
-            x.mul_(keep[rows])
-            grad[rows].copy_(x)
+            torch.mul(x, keep[rows], out=grad[rows])  # ignored tokens zeroed, written at the logits' width
             del x
         picked.mul_(local)
         if group is not None:

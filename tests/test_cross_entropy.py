@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from costmodel.opcost import CHUNKED_LOSS_KERNELS, UPCAST_LOSS_KERNELS, extra_loss_kernels
+from costmodel.opcost import (CHUNKED_LOSS_KERNELS, UPCAST_LOSS_KERNELS, VOCAB_PARALLEL_LOSS_KERNELS,
+                              extra_loss_kernels)
 from executor.cross_entropy import IGNORE, chunked_cross_entropy
 
 
@@ -55,8 +56,7 @@ METADATA_OPS = ("view", "squeeze", "unsqueeze", "slice", "select", "alias", "det
 """ATen ops that launch no kernel: views and allocations."""
 
 
-def _kernels(fn) -> int:
-    """ATen ops that launch a kernel while `fn` runs (views and allocations left out)."""
+def _kernels(fn, aten_only: bool = False) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -68,27 +68,64 @@ def _kernels(fn) -> int:
 
     with Count() as count:
         fn()
-    return sum(not any(op.startswith(f"aten.{m}") for m in METADATA_OPS) for op in count.ops)
+    return sum(not any(op.startswith(f"aten.{m}") for m in METADATA_OPS) and (op.startswith("aten.") or not aten_only)
+               for op in count.ops)
 
 
 def test_the_kernels_each_loss_launches_are_the_ones_priced():
     """`costmodel.opcost` prices the traced (upcast) loss's kernels and a launch overhead for each kernel more
-    the chunked one launches: 12 per slice and 15 once, against the upcast one's 6."""
+    the chunked one launches: 6 per slice and 16 once, against the upcast one's 6; fp32 logits one a slice
+    fewer (no copy)."""
     from executor.data import ScaledTokenLoss
 
     labels = torch.randint(0, 100, (1, 64))
 
-    def step(loss: str, chunks: int | None = None) -> int:
-        logits = torch.randn(1, 64, 100, dtype=torch.bfloat16, requires_grad=True)
+    def step(loss: str, chunks: int | None = None, dtype: torch.dtype = torch.bfloat16) -> int:
+        logits = torch.randn(1, 64, 100, dtype=dtype, requires_grad=True)
         if chunks is None:
             return _kernels(lambda: ScaledTokenLoss(loss)(logits, labels).backward())
         return _kernels(lambda: chunked_cross_entropy(logits, labels, chunks=chunks).backward())
 
     per_slice, once = CHUNKED_LOSS_KERNELS
     assert step("chunked", 8) - step("chunked", 4) == 4 * per_slice
+    assert step("chunked", 8, torch.float32) - step("chunked", 4, torch.float32) == 4 * (per_slice - 1)
     assert step("chunked", 1) == per_slice + once + 1  # + the backward's seed (ones_like)
     # small logits: one slice
     assert step("chunked") - step("upcast") == extra_loss_kernels("chunked", 1) == per_slice + once - UPCAST_LOSS_KERNELS
+
+
+def test_the_vocabulary_parallel_path_launches_the_kernels_priced():
+    """Logits sharded on the vocabulary (here over a one-rank gloo group) take the in-place path: its ATen
+    kernels (the all-reduces are priced as collectives) are `VOCAB_PARALLEL_LOSS_KERNELS`, and its loss and
+    gradient are still torch's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        full = (3 * torch.randn(64, 100)).to(torch.bfloat16)
+        labels = torch.randint(0, 100, (64,))
+        labels[:3] = IGNORE
+        expected_loss, expected_grad = _reference(full, labels)
+
+        def run(chunks: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+            local = full.clone().requires_grad_()
+            sharded = distribute_tensor(local.detach(), mesh, [Shard(-1)]).requires_grad_()
+            out: list[torch.Tensor] = []
+            n = _kernels(lambda: out.append(chunked_cross_entropy(sharded, labels, chunks=chunks)), aten_only=True)
+            (out[0] * 0.37).backward()
+            return n, out[0], sharded.grad.to_local()
+
+        per_slice, _ = VOCAB_PARALLEL_LOSS_KERNELS
+        (n4, loss, grad), (n8, _, _) = run(4), run(8)
+        assert n8 - n4 == 4 * per_slice
+        assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
+        assert torch.allclose(grad.float(), expected_grad.float(), atol=4e-3, rtol=0)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_slices_follow_the_logits_size():

@@ -192,7 +192,8 @@ def test_activations_scale_with_micro_batch_splits_and_precision():
     base = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa")
     assert activation_bytes(toy_ops(), micro_batch=2 * B, batch_traced=B, recompute="none", attention="sdpa") == 2 * base
     bf16 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", precision="bf16")
-    assert bf16 == IDS + (base - IDS) // 2  # floats halve, the int64 ids stay
+    # floats halve, the int64 ids stay; the chunked loss upcasts 16-bit logits to a copy beside its log-softmax
+    assert bf16 == IDS + (base - IDS) // 2 + SLICE // 2
     tp = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", split={"parameter": 2})
     assert tp < base
 
@@ -244,9 +245,9 @@ def test_a_graph_traced_in_bf16_keeps_its_fp32_upcasts():
     traced_bf16 = activation_bytes(ops, micro_batch=B, batch_traced=B, recompute="none", attention="sdpa", precision="bf16")
     traced_fp32 = activation_bytes(toy_ops(), micro_batch=B, batch_traced=B, recompute="none", attention="sdpa",
                                    precision="bf16")
-    # the two fp32 statistics stay at 4 bytes, and so does the chunked loss's fp32 slice; its logits and
-    # gradient buffer are 16-bit in both
-    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + SLICE // 2
+    # the two fp32 statistics stay at 4 bytes, and so do the chunked loss's two fp32 slices (the upcast copy
+    # and the log-softmax); its logits and gradient buffer are 16-bit in both
+    assert traced_bf16 - traced_fp32 == 2 * LSEB // 2 + 2 * (SLICE // 2)
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -371,8 +372,9 @@ def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision,
                                                                  monkeypatch):
     """The executor's loss (`executor.data.ScaledTokenLoss`) peaks at `loss_tensors`:
     - chunked (`executor.cross_entropy`): the logits, the gradient buffer at their width and one of its token
-      slices in fp32 (8 for these 2 MiB of logits with 256 KiB slices, 1 with the default 512 MiB): at 8,
-      1.125 x the fp32 logits with a 16-bit head, 2.125 x in fp32, held or not; at 1, 2.0 x and 3.0 x;
+      slices in fp32 (8 for these 2 MiB of logits with 256 KiB slices, 1 with the default 512 MiB), two while
+      the log-softmax reads a 16-bit slice's fp32 copy: at 8, 1.25 x the fp32 logits with a 16-bit head,
+      2.125 x in fp32, held or not; at 1, 3.0 x and 3.0 x;
     - upcast (cross_entropy on the logits upcast to fp32): 3 x the fp32 logits when nothing holds the
       logits through backward (the executor's loop without a pipeline); held, as a pipeline stage holds its
       output, 4 x in fp32 and 3.5 x with a 16-bit head (held at 16 bits, the upcast copy freed after forward)."""
@@ -387,7 +389,7 @@ def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision,
     # the logits: its weight's gradient, 1/8 of them here, is not the loss's
     measured, predicted = result["measured"], result["predicted"]
     if cross_entropy == "chunked":
-        expected = 2 * {"fp32": 1, "bf16": 0.5}[precision] + 1 / slices
+        expected = 2 * {"fp32": 1, "bf16": 0.5}[precision] + {"fp32": 1, "bf16": 2}[precision] / slices
     else:
         expected = {"fp32": 4.0, "bf16": 3.5}[precision] if pipelined else 3.0
     assert measured == pytest.approx(expected, abs=0.02)

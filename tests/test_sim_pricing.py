@@ -305,7 +305,8 @@ def test_op_costs_explain_where_the_time_goes():
     assert by_name["q_proj:linear"].placement == "Parameter x2" and by_name["q_proj:linear"].count == 4
     assert by_name["o_proj:linear"].comm_s > 0 and by_name["up_proj:linear"].comm_s > 0
     replicated = op_costs(GRAPH, _strategy(), CLUSTER)
-    assert sum(r.count * r.fwd_s for r in rows) < sum(r.count * r.fwd_s for r in replicated)
+    # the blocks' work is split (the loss, vocabulary-parallel, launches more kernels than replicated)
+    assert sum(r.count * r.fwd_s for r in rows if r.block) < sum(r.count * r.fwd_s for r in replicated if r.block)
 
 
 def test_stages_may_be_given_as_layer_ranges():
