@@ -113,7 +113,7 @@ def optimizer_to(adj: Adjustment, allowed: tuple[str, ...], nearest: str, *, tar
         p["optimizer"] = nearest
 
 
-CROSS_ENTROPY_NAMES = {"chunked": "the chunked cross-entropy (1.1-2x the fp32 logits at its peak)",
+CROSS_ENTROPY_NAMES = {"chunked": "the chunked cross-entropy (1.25-3x the fp32 logits at its peak)",
                        "upcast": "cross_entropy on an fp32 copy (3x the fp32 logits at its peak)",
                        "megatron": "the vocab-parallel cross-entropy (2x the fp32 logits at its peak)"}
 

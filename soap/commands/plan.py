@@ -51,7 +51,7 @@ def add_pin_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--no-{name}", dest=name, action="store_const", const="off", help=f"same as --{name} off")
     p.add_argument("--cross-entropy", choices=EXECUTED_CROSS_ENTROPY, default="chunked",
                    help="the loss: chunked (default; the gradient made in the forward, a slice of tokens at a "
-                   "time, 1.1-2x the fp32 logits at its peak) or upcast (cross_entropy on an fp32 copy, as "
+                   "time, 1.25-3x the fp32 logits at its peak) or upcast (cross_entropy on an fp32 copy, as "
                    "transformers and torchtitan compute it: 3x)")
     add_peft_flags(p)
 
