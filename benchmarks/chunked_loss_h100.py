@@ -48,7 +48,8 @@ def rows() -> list[dict]:
     for record in records():
         plan = plan_from_dict(record["plan"])
         row = dict(name=record["name"].removesuffix(".plan").replace("-chunked", ""), call=record["call"],
-                   loss=record["loss"], measured_s=record["step_time_s"], measured_gib=record["peak_memory_gib"])
+                   loss=record["loss"], measured_s=record["step_time_s"], measured_gib=record["peak_memory_gib"],
+                   reserved_gib=record["peak_memory_reserved_gib"])
         for name in CLUSTERS:
             cluster = load_cluster(name)
             result = simulate_on(plan, trace_plan_model(plan, cluster), cluster)
@@ -75,13 +76,15 @@ def markdown(table: list[dict]) -> str:
     def pct(p: float, m: float) -> str:
         return f"{100 * (p - m) / m:+.1f}%"
 
-    lines = ["| run | call | loss | measured step | dgx-h100 | h100-x1-measured | measured memory | dgx-h100 |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| run | call | loss | measured step | dgx-h100 | h100-x1-measured | measured memory | dgx-h100 | "
+             "reserved / allocated - 1 |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in table:
         (ds, dg), (hs, _) = r[CLUSTERS[0]], r[CLUSTERS[1]]
         lines.append(f"| {r['name']} | {r['call']} | {r['loss']} | {r['measured_s'] * 1e3:.1f} ms | "
                      f"{ds * 1e3:.0f} ({pct(ds, r['measured_s'])}) | {hs * 1e3:.0f} ({pct(hs, r['measured_s'])}) | "
-                     f"{r['measured_gib']:.2f} GiB | {dg:.2f} ({pct(dg, r['measured_gib'])}) |")
+                     f"{r['measured_gib']:.2f} GiB | {dg:.2f} ({pct(dg, r['measured_gib'])}) | "
+                     f"{100 * (r['reserved_gib'] / r['measured_gib'] - 1):.1f}% |")
     lines += ["", "Chunked against upcast, on the same machine (call 4's upcast twins ran in call 3, the same "
               "warm machine):", "",
               "| run | chunked loss | step, measured | priced (h100-x1-measured) | memory, measured | priced (dgx-h100) |",
@@ -106,7 +109,11 @@ fp32 slice than the first version's while the log-softmax reads the copy (+0.98 
 1B, as measured), now priced. Not explained: at 16k the chunked step's peak (in the loss's forward) holds
 1.7 GiB more than priced (-4.3%), most of it selective recompute's saved tensors (6.0 GiB, 64 tensors, at the
 chunked peak; 4.4 GiB, 36 tensors, at the upcast one's, in the loss's backward); the upcast run is priced
-within 0.1%. The compiled chunked run (in place) is 368 ms against the upcast compiled run's 350 ms measured
+within 0.1%. The caching allocator's reserve over the allocated peak falls with the loss: 8-17% with the upcast
+loss (its fp32 transients of the whole logits' size), 1-6% with the chunked one (median 2.2% of six runs), where
+`h100-x1-measured` carries 8.3% fitted on upcast runs (`costmodel.allocator`): a plan priced there keeps about
+6% more room than the default loss needs (left as is: one r per device, the upcast runs' the safe side). The
+compiled chunked run (in place) is 368 ms against the upcast compiled run's 350 ms measured
 on 2026-11-26 (another machine)."""
 
 
