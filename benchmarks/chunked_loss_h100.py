@@ -110,10 +110,9 @@ fp32 slice than the first version's while the log-softmax reads the copy (+0.98 
 1.7 GiB more than priced (-4.3%), most of it selective recompute's saved tensors (6.0 GiB, 64 tensors, at the
 chunked peak; 4.4 GiB, 36 tensors, at the upcast one's, in the loss's backward); the upcast run is priced
 within 0.1%. The caching allocator's reserve over the allocated peak falls with the loss: 8-17% with the upcast
-loss (its fp32 transients of the whole logits' size), 1-6% with the chunked one (median 2.2% of six runs), where
-`h100-x1-measured` carries 8.3% fitted on upcast runs (`costmodel.allocator`): a plan priced there keeps about
-6% more room than the default loss needs (left as is: one r per device, the upcast runs' the safe side). The
-compiled chunked run (in place) is 368 ms against the upcast compiled run's 350 ms measured
+loss (its fp32 transients of the whole logits' size), 1-6% with the chunked one: about one loss transient
+either way, which the memory model now adds on profiles with a fitted reserve (`costmodel.allocator`, next
+section). The compiled chunked run (in place) is 368 ms against the upcast compiled run's 350 ms measured
 on 2026-11-26 (another machine)."""
 
 

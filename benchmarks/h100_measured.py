@@ -91,8 +91,7 @@ def _cluster_json() -> dict:
 def unstepped() -> dict:
     """The profile before its step factor: calibrate's output with the fused AdamW, the allocator reserve and the
     host floor measured on the same GPU."""
-    from statistics import median
-
+    from benchmarks.allocator_reserve import H100_LOGS, reserve_entry
     from benchmarks.gpu_repredict import HOST_SOURCE, host_floor
     from costmodel.calibration.node import OptimizerSample, optimizer_factor_points
 
@@ -106,14 +105,9 @@ def unstepped() -> dict:
                   + ") (benchmarks/data/h100-2026-11-26/adamw-fused.json), over the one-pass "
                   "estimate at this profile's memory curve",
         "factors": optimizer_factor_points(samples, device)}
-    runs = [json.loads(p.read_text()) for p in sorted(DATA.glob("*.run.json"))]
-    gaps = sorted(r["peak_memory_reserved_gib"] / r["peak_memory_allocated_gib"] - 1 for r in runs)
-    device["allocator_reserve_fraction"] = {
-        "value": round(median(gaps), 4),
-        "source": f"median max_memory_reserved / max_memory_allocated - 1 of {len(runs)} soap execute runs on this H100 "
-                  f"(benchmarks/data/h100-runs-8b-shapes.jsonl: Llama 3.2 1B and four Llama-3-8B layers, eager and "
-                  f"compiled, recompute none/selective/full, 8k and 16k tokens; {100 * gaps[0]:.1f}% to "
-                  f"{100 * gaps[-1]:.1f}%), 2026-11-26"}
+    device["allocator_reserve_fraction"] = reserve_entry(
+        H100_LOGS, "on this H100 (Llama 3.2 1B and four Llama-3-8B layers, eager and compiled, recompute none/selective/full, "
+        "8k and 16k tokens, upcast and chunked loss)")
     device["collective_call_overhead_us"] = COLLECTIVE_CALL_OVERHEAD
     device["host_dispatch_us"] = {"value": round(host_floor()[0] * 1e6, 1), "source": HOST_SOURCE}
     device["description"] = (

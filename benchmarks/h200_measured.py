@@ -61,8 +61,7 @@ def _profile(name: str) -> dict:
 
 def base() -> dict:
     """The H100's calibrated compute with the H200's memory, optimizer, reserve and (the H100 VM's) host floor."""
-    from statistics import median
-
+    from benchmarks.allocator_reserve import reserve_entry
     from benchmarks.gpu_repredict import HOST_SOURCE, host_floor
     from benchmarks.h100_measured import kernel_groups, unstepped
     from costmodel.calibration.node import OptimizerSample, optimizer_factor_points
@@ -81,11 +80,7 @@ def base() -> dict:
                   "(benchmarks/data/h200-2026-11-26/step-profile-eager.json), over the one-pass estimate at this "
                   "profile's memory curve",
         "factors": optimizer_factor_points([OptimizerSample("adamw", "bf16", params, optimizer)], device)}
-    gaps = sorted(r["peak_memory_reserved_gib"] / r["peak_memory_allocated_gib"] - 1 for r in runs())
-    device["allocator_reserve_fraction"] = {
-        "value": round(median(gaps), 4),
-        "source": f"median max_memory_reserved / max_memory_allocated - 1 of {len(gaps)} soap execute runs on H200s "
-                  f"(benchmarks/data/h200-runs-*.jsonl; {100 * gaps[0]:.1f}% to {100 * gaps[-1]:.1f}%), 2026-11-26"}
+    device["allocator_reserve_fraction"] = reserve_entry(LOGS, "on H200s (benchmarks/data/h200-runs-*.jsonl)")
     device["host_dispatch_us"] = {"value": round(host_floor()[0] * 1e6, 1),
                                   "source": "the H100 VM's, assumed for the H200's (both lent VMs of 16 cores): "
                                             + HOST_SOURCE}

@@ -3,13 +3,19 @@
 PyTorch's CUDA caching allocator hands tensors out of segments it reserves from the driver. What a run
 needs from the device is the allocator's *reserved* peak, not the peak of live tensors:
 
-    reserved = allocated x (1 + r)                                                     (1)
+    reserved = allocated + T + r x allocated                                           (1)
 
-r, the device's `allocator_reserve_fraction`, is the median of max_memory_reserved / max_memory_allocated - 1
-over runs that report both (`soap calibrate --from-runs`; `costmodel.memory.reserve_bytes` adds it to the
-predicted peak, so a profile with a fitted r predicts reserved memory). Measured on one H200 (docs/benchmarks.md,
-"One H200"): r = 5.7-7.9% for eager steps and 27-31% for compiled ones (Inductor's buffers come and go in
-other sizes than eager's).
+T is the loss's largest fp32 transient, made and freed before the peak, whose segment the allocator keeps
+and does not reuse for the peak's tensors (`costmodel.memory_activations.loss_transient`: the fp32 logits of a
+micro-batch under the upcast loss, one fp32 slice under the chunked one), on the rank that holds the loss. On
+the 19 runs of soap's executor on a lent H100 and H200 that logged both peaks, reserved - allocated is 0.8-1.15
+T for the Llama shapes, eager or compiled, upcast or chunked (0.4-1.4 T for GPT-2), and T alone predicts the
+reserved peak within 2.1% on average (a fraction of allocated fitted to the same runs: 4.6%;
+`benchmarks/allocator_reserve.py`): the upcast loss's 8-17% over allocated and the chunked loss's 1-6% are one
+rule. r, the device's `allocator_reserve_fraction`, is the rest: the median of (reserved - allocated - T) /
+allocated over runs that report both (`soap calibrate --from-runs`), about 0 on those runs.
+`costmodel.memory.reserve_bytes` adds T + r x allocated to the predicted peak of a profile with a fitted r,
+which then predicts reserved memory.
 
 Near the device's capacity the allocator no longer finds a free block of the size asked for: it frees its
 cached segments and calls cudaMalloc again (a device-wide synchronization, `num_alloc_retries` in
@@ -29,8 +35,9 @@ margin 0. What counts against the limit is the predicted peak of (1): allocated 
 has no fitted r, reserved memory when it has one.
 
 DEFAULT_MARGIN = 0.10: the 85% at which the measured grid stopped ranking well is a reserved-or-allocated
-figure of unknown kind; a 10% margin on top of a predicted *allocated* peak leaves the eager allocator's
-measured 6-8% reserve inside the limit with room to spare. It is a rule of the search, not a fitted number:
+figure of unknown kind; a 10% margin on top of a predicted *allocated* peak leaves the reserve of (1)
+inside the limit under the executor's chunked loss (1-6% of the allocated peak, measured), though not always
+under the upcast one (8-17%: up to the fp32 logits of a micro-batch). It is a rule of the search, not a fitted number:
 a configuration over it is not impossible (the Playbook's grid ran some), only not worth choosing.
 """
 

@@ -521,13 +521,14 @@ def estimate_memory(
     )
 
 
-def reserve_bytes(device: DeviceProfile, allocated: float) -> float:
+def reserve_bytes(device: DeviceProfile, allocated: float, loss_transient: float = 0.0) -> float:
     """The bytes PyTorch's caching allocator reserves beyond `allocated` (the allocator's peak of live
-    tensors): `allocated x allocator_reserve_fraction`, 0 when the profile has no fitted reserve
-    (`DeviceProfile.allocator_reserve_fraction`, fitted by `soap calibrate --from-runs` as the median of
-    measured max_memory_reserved / max_memory_allocated - 1)."""
+    tensors) on a profile with a fitted reserve (`DeviceProfile.allocator_reserve_fraction` r, fitted by `soap
+    calibrate --from-runs`): the segment of the loss's largest fp32 transient, freed before the peak
+    (`loss_transient`, `costmodel.memory_activations.loss_transient`), plus r x `allocated`
+    (`costmodel.allocator`, (1)); 0 on a profile without one."""
     fraction = device.allocator_reserve_fraction
-    return 0.0 if fraction is None else allocated * fraction
+    return 0.0 if fraction is None else loss_transient + allocated * fraction
 
 
 def grads_held_at_peak(dims: ParallelDims, train: TrainingConfig) -> bool:
@@ -546,17 +547,18 @@ def grads_held_at_peak(dims: ParallelDims, train: TrainingConfig) -> bool:
 
 def rank_breakdown(*, weights: float, grads: float, optimizer: float, activations: float, buffers: float,
                    host: float, workspace: float, reserve_fraction: float | None,
-                   grads_held: bool = True) -> MemoryBreakdown:
+                   grads_held: bool = True, loss_transient: float = 0.0) -> MemoryBreakdown:
     """One rank's memory at its peak: the one place the estimator (`planner.memory_estimate`) and the
     simulator (`costmodel.simulator.result`) assemble it. `workspace` is `workspace_bytes(device)`; with a
     fitted allocator reserve (`reserve_fraction`, the device's `allocator_reserve_fraction`) it also holds
-    what the caching allocator reserves beyond the tensors (`reserve_bytes`), so the total is the reserved
-    peak; without one the total is the allocated peak. Without `grads_held` (`grads_held_at_peak`) the
+    what the caching allocator reserves beyond the tensors (`reserve_bytes`: the rank's `loss_transient` plus
+    the fraction of its tensors), so the total is the reserved peak; without one the total is the allocated
+    peak. Without `grads_held` (`grads_held_at_peak`) the
     gradients grow through the backward as the activations they replace are freed: the peak holds
     max(activations, gradients), and the breakdown's `grads` is what they add beyond the activations."""
     if not grads_held:
         grads = max(0.0, grads - activations)
     tensors = weights + grads + optimizer + activations + buffers
-    reserve = 0.0 if reserve_fraction is None else tensors * reserve_fraction
+    reserve = 0.0 if reserve_fraction is None else loss_transient + tensors * reserve_fraction
     return MemoryBreakdown(weights=weights, grads=grads, optimizer=optimizer, activations=activations, buffers=buffers,
                            workspace=workspace + reserve, host=host)

@@ -44,8 +44,9 @@ Memory beyond the device's own:
   it may be absent, which loads as unknown (None): such a cluster's offload plans are not checked
   against host memory, rather than refusing files that were valid when written.
 - A device's optional `allocator_reserve_fraction` is what PyTorch's caching allocator reserves beyond
-  the tensors it hands out (fragmentation, per-stream pools), relative to the allocated peak, fitted from
-  runs by `soap calibrate --from-runs`; CUDA runs out of memory when the reserved bytes reach the device's.
+  the tensors it hands out and the segment of the loss's largest fp32 transient (fragmentation, per-stream
+  pools), relative to the allocated peak, fitted from runs by `soap calibrate --from-runs`; CUDA runs out of
+  memory when the reserved bytes reach the device's.
   With it, soap predicts reserved memory (`costmodel.memory.reserve_bytes`); without it, allocated memory
   (`DeviceProfile.predicted_memory_kind` says which).
 

@@ -36,7 +36,7 @@ from costmodel.memory_schedule import activation_peaks, stage_activations
 from costmodel.placement import block_placements
 from costmodel.profiles import DeviceProfile
 from costmodel.schedule import stage_to_rank, step_shape
-from costmodel.simulator.pricing import activation_shape, placed_activations
+from costmodel.simulator.pricing import activation_shape, placed_activations, placed_loss_transient
 from costmodel.strategy import ParallelDims, Strategy, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.units import Unit, layer_units
 from tracer.ir import OpGraph
@@ -75,24 +75,27 @@ class MemoryTables:
 
     def _unit_activations_uncached(self, u: int, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
                                    policy: str, precision: str, attention: str, compiled: bool,
-                                   cross_entropy: str) -> tuple[float, float]:
-        """(kept, recompute window) of one instance of unit u: the simulator's chunk rule, on a strategy
-        reduced to what the placements and sizes read (the data-parallel and batch fields do not matter)."""
+                                   cross_entropy: str) -> tuple[float, float, float]:
+        """(kept, recompute window, loss transient) of one instance of unit u: the simulator's chunk rules, on a
+        strategy reduced to what the placements and sizes read (the data-parallel and batch fields do not
+        matter)."""
         dims = ParallelDims(tp=tp, cp=cp, ep=ep, pp=pp, dp_shard=ep)
         train = TrainingConfig(global_batch=mb, seq_len=self.graph.seq_len, micro_batch=mb, recompute=policy,
                                sequence_parallel=sequence_parallel, precision=precision, attention=attention,
                                compile=compiled, cross_entropy=cross_entropy)
         strategy = Strategy(dims=dims, train=train)
         shape = activation_shape(self.graph, strategy)
-        return placed_activations(block_placements(self.units[u].ops, strategy, shape), strategy, self.graph.batch, shape,
-                                  policy)
+        placements = block_placements(self.units[u].ops, strategy, shape)
+        kept, window = placed_activations(placements, strategy, self.graph.batch, shape, policy)
+        return kept, window, placed_loss_transient(placements, strategy, self.graph.batch)
 
     def _rank_activations_uncached(self, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
                                    recompute: str, recompute_per_block: tuple, precision: str, attention: str,
                                    compiled: bool, cross_entropy: str, bounds: tuple[int, ...], schedule: str,
-                                   microbatches: int, stages_per_rank: int) -> tuple[float, ...]:
+                                   microbatches: int, stages_per_rank: int
+                                   ) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Each pipeline rank's activation peak: per layer, then per stage (kept, backward peak), then per
-        rank over the schedule. Memoized: it reads none of the candidate's data-parallel, ZeRO, optimizer or
+        rank over the schedule; and each rank's loss transient (the largest over its stages' units). Memoized: it reads none of the candidate's data-parallel, ZeRO, optimizer or
         offload choices, which the enumeration varies most. `compiled`: torch.compile, whose partitioner saves
         less (`costmodel.memory_activations.compiled_keep`)."""
         policies = dict(recompute_per_block)
@@ -106,7 +109,9 @@ class MemoryTables:
                                   precision, attention, compiled, cross_entropy)
             for u, unit in enumerate(self.units)])
         stage_acts = stage_activations(unit_acts[self.layers, 0], unit_acts[self.layers, 1], bounds)
-        return activation_peaks(schedule, pp, microbatches, stages_per_rank, stage_acts)  # step_shape keeps pp
+        transient = [max(unit_acts[self.layers[a:b], 2], default=0.0) for a, b in zip(bounds, bounds[1:])]
+        return (activation_peaks(schedule, pp, microbatches, stages_per_rank, stage_acts),  # step_shape keeps pp
+                tuple(max(transient[s] for s in mine) for mine in rank_stages(schedule, pp, stages_per_rank)))
 
     def _stage_counts_uncached(self, bounds: tuple[int, ...]) -> np.ndarray:
         """Instances of each unit on each stage: shape (stages, units)."""
@@ -183,7 +188,7 @@ class MemoryTables:
         d, t = dims, train
         vocab = shards_vocabulary(tp=d.tp, pp=d.pp)
         name, pp, m, v, _ = step_shape(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
-        activations = self.rank_activations(d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute,
+        activations, transients = self.rank_activations(d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute,
                                             t.recompute_per_block, t.precision, t.attention, t.compile,
                                             t.cross_entropy, bounds, name, m, v)
         # model state per stage, on the engine the executor runs
@@ -194,10 +199,11 @@ class MemoryTables:
         workspace = workspace_bytes(device)
         held = grads_held_at_peak(d, t)
         worst: MemoryBreakdown | None = None
-        for (weights, grads, optimizer, buffers, host), peak in zip(ranks, activations):
+        for (weights, grads, optimizer, buffers, host), peak, transient in zip(ranks, activations, transients):
             total = rank_breakdown(weights=weights, grads=grads, optimizer=optimizer, activations=int(peak),
                                    buffers=buffers, host=host, workspace=workspace,
-                                   reserve_fraction=device.allocator_reserve_fraction, grads_held=held)
+                                   reserve_fraction=device.allocator_reserve_fraction, grads_held=held,
+                                   loss_transient=transient)
             if worst is None or total.total > worst.total:
                 worst = total
         assert worst is not None

@@ -10,10 +10,11 @@ from typing import Any
 
 
 def search_pieces(config: dict[str, Any], folder: Path, *, gpus: int = 4, global_batch: int = 16, seq_len: int = 64,
-                  **pins: Any) -> tuple[Any, Any, Any]:
+                  allocator_reserve: float | None = None, **pins: Any) -> tuple[Any, Any, Any]:
     """(request, estimator, pricer) for `config` (written to `folder`) on dgx-h100 without a memory limit, bf16
     unless pinned otherwise: `Estimator.estimate` and `Pricer` for candidates built from `mesh_choices` and
-    `training_choices` of `request.space`."""
+    `training_choices` of `request.space`. `allocator_reserve`: the device's fitted allocator reserve
+    fraction (the shipped profile has none)."""
     from planner.api import make_request
     from planner.estimate import Estimator
     from planner.pricing import Pricer
@@ -25,6 +26,9 @@ def search_pieces(config: dict[str, Any], folder: Path, *, gpus: int = 4, global
                        cluster="dgx-h100", **{"precision": "bf16", **pins})
     graph = req.model.trace(task=None, seq_len=seq_len)
     req = replace(req, space=replace(req.space, dims=graph.dims))
+    if allocator_reserve is not None:
+        device = replace(req.cluster.device, allocator_reserve_fraction=allocator_reserve)
+        req = replace(req, cluster=replace(req.cluster, device=device))
     estimator = RegimeEstimator(graph, Estimator(graph, req.cluster, model_units(graph)),
                                 partial(req.model.trace, task=None, seq_len=seq_len))
     return req, estimator, Pricer(req, graph, estimator)

@@ -86,9 +86,18 @@ def test_refit_from_runs_writes_the_reserve_into_the_device_profile(tmp_path):
                    plan=built.plan, name=name)
     out = tmp_path / "refit.json"
     refit = refit_profile(str(log), "local-cpu", str(out))
-    assert refit.allocator_reserve_fraction == pytest.approx(0.2)
+    # the median run's gap less the segment the loss's fp32 transient keeps (the plan's logits, upcast loss)
+    from executor.runs_log import read_runs
+    from executor.validation.refit import loss_transient_gib
+
+    plan = read_runs(str(log))[0]["plan"]
+    transient = loss_transient_gib(plan)
+    tokens = plan["parallelism"]["micro_batch"] * plan["seq_len"]
+    assert transient == pytest.approx(tokens * plan["model"]["config"]["vocab_size"] * 4 / 2**30) and transient > 0
+    assert refit.allocator_reserve_fraction == pytest.approx(0.2 - transient, abs=1e-3)
     device = load_cluster(str(out)).device
-    assert device.allocator_reserve_fraction == pytest.approx(0.2) and device.predicted_memory_kind == "reserved"
+    assert device.allocator_reserve_fraction == pytest.approx(0.2 - transient, abs=1e-3)
+    assert device.predicted_memory_kind == "reserved"
     assert "3 runs (a, b, c)" in device.sources["allocator_reserve_fraction"]
 
 
@@ -119,3 +128,55 @@ def test_execute_report_holds_allocated_and_reserved_peaks_on_cuda():
                     memory_source="process peak RSS", predicted_step_time_s=None, predicted_peak_memory_gib=None,
                     parallelism={})
     assert "peak_memory_reserved_gib" not in cpu.to_json()
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096,
+         "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def test_the_reserve_holds_the_loss_transient_and_the_fraction_of_the_tensors():
+    assert reserve_bytes(replace(load_device("h100-sxm"), allocator_reserve_fraction=0.25), 8 * GIB,
+                         loss_transient=GIB) == 3 * GIB
+    assert reserve_bytes(load_device("h100-sxm"), 8 * GIB, loss_transient=GIB) == 0.0  # no fitted reserve
+    # the fit takes each run's transient off its gap before the median
+    assert fit_allocator_reserve([(10, 13, 2), (10, 12, 1), (10, 20, 1)]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("pins", [{}, {"tp": 2}, {"pp": 2}], ids=str)
+def test_a_profile_with_a_reserve_adds_the_rank_s_loss_transient_in_estimate_and_simulation(pins, tmp_path,
+                                                                                           monkeypatch):
+    """On a device with a fitted reserve (r = 0 here), the predicted peak is the allocated one plus the loss's
+    largest fp32 transient on the rank that holds the loss (`costmodel.memory_activations.loss_transient`): the
+    fp32 logits of a micro-batch under the upcast loss, one of 8 slices under the chunked one; the estimate
+    and the simulation agree (`plan_helpers.simulated_as_estimated`)."""
+    import costmodel.opcost
+    from plan_helpers import search_pieces, simulated_as_estimated
+
+    from planner.space import mesh_choices, training_choices
+
+    seq = 64
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "reserved").mkdir()
+    monkeypatch.setattr(costmodel.opcost, "CROSS_ENTROPY_SLICE_BYTES", 1)  # 8 slices whatever the logits
+    plain = search_pieces(LLAMA, tmp_path / "plain", seq_len=seq, **pins)
+    reserved = search_pieces(LLAMA, tmp_path / "reserved", seq_len=seq, allocator_reserve=0.0, **pins)
+    compared = 0
+    for mesh in mesh_choices(plain[0].space):
+        trains = list(training_choices(plain[0].space, mesh))
+        for train in trains[::max(1, len(trains) // 4)]:
+            for loss in ("chunked", "upcast"):
+                train = replace(train, cross_entropy=loss)
+                a, b = simulated_as_estimated(*plain[1:], mesh, train), simulated_as_estimated(*reserved[1:], mesh, train)
+                if a is None or b is None:
+                    continue
+                d = mesh.dims
+                vocab = LLAMA["vocab_size"] // (d.tp if d.tp > 1 else 1)
+                logits = train.micro_batch * seq // d.cp * vocab * 4
+                transient = logits / 8 if loss == "chunked" else logits
+                ranks = [(x.at_peak.total - y.at_peak.total) for x, y in zip(b[0].result.memory, a[0].result.memory)]
+                assert max(ranks) == pytest.approx(transient, rel=1e-6), (mesh, train)
+                if d.pp > 1:  # the first stage holds no loss
+                    assert min(ranks) == 0
+                compared += 1
+    assert compared > 0

@@ -108,7 +108,8 @@ def test_the_simulated_timeline_reaches_the_peak_the_schedule_rule_gives(tmp_pat
 
 def test_a_fitted_allocator_reserve_is_predicted_alike_on_the_reserved_peak(tmp_path):
     """With `allocator_reserve_fraction` fitted, both predict reserved memory: the tensors' bytes grow by
-    the fraction, in the workspace term, and estimate and simulation still agree."""
+    the fraction, in the workspace term, and the rank that holds the loss by its largest fp32 transient too
+    (`costmodel.memory_activations.loss_transient`); estimate and simulation still agree."""
     cluster = load_cluster("dgx-h100")
     reserving = replace(cluster, device=replace(cluster.device, allocator_reserve_fraction=0.25))
     pairs = list(itertools.islice(_pairs("llama", 4, 16, {"pp": 2}, tmp_path, cluster=reserving), 0, 8))
@@ -117,6 +118,7 @@ def test_a_fitted_allocator_reserve_is_predicted_alike_on_the_reserved_peak(tmp_
         estimated = candidate.estimate.memory
         simulated = max((m.at_peak for m in priced.result.memory), key=lambda b: b.total)
         assert estimated.total == pytest.approx(simulated.total, rel=1e-9)
-        unreserved = max((m.at_peak for m in base.result.memory), key=lambda b: b.total)
-        tensors = unreserved.total - unreserved.workspace
-        assert simulated.total == pytest.approx(unreserved.total + 0.25 * tensors, rel=1e-9)
+        extra = [r.at_peak.total - b.at_peak.total - 0.25 * (b.at_peak.total - b.at_peak.workspace)
+                 for r, b in zip(priced.result.memory, base.result.memory)]
+        assert extra[0] == pytest.approx(0, abs=16)  # the first stage holds no loss
+        assert extra[-1] > 0  # the last holds the loss: its size is tests/test_allocator_reserve.py's

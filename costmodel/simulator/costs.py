@@ -43,6 +43,9 @@ class ChunkCost:
     """Saved for backward per micro-batch (after recomputation policy)."""
     recompute_bytes: int = 0
     """Extra activations alive while the chunk's backward recomputes its forward."""
+    loss_transient_bytes: int = 0
+    """The loss's largest fp32 transient (`costmodel.memory_activations.loss_transient`; 0 without a loss):
+    the caching allocator's reserve on a profile with a fitted one (`costmodel.memory.rank_breakdown`)."""
 
     @property
     def bwd_s(self) -> float:

@@ -128,7 +128,7 @@ from costmodel.memory import (
     buffer_bytes, fsdp_param_bytes, grads_held_at_peak, held_autocast_copies, model_state_bytes, stage_params,
     workspace_bytes,
 )
-from costmodel.memory_activations import chunk_activations, selective_cached
+from costmodel.memory_activations import chunk_activations, chunk_loss_transient, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, loss_launches, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
@@ -395,6 +395,7 @@ class _UnitPricer:
             name=layer.name, fwd_s=fwd, bwd_input_s=bwd_in, bwd_weight_s=bwd_w, recompute_s=recompute_s,
             fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm, grad_sync_s=self._grad_sync(params),
             param_gather_s=self._gather(params), activation_bytes=kept, recompute_bytes=recompute_bytes,
+            loss_transient_bytes=placed_loss_transient(placements, self.strategy, self.graph.batch),
         )
 
     def _softmax_fallback(self, placements: Sequence[OpPlacement]) -> FallbackCost | None:
@@ -458,6 +459,14 @@ def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, ba
                              batch_traced=batch_traced, attention=t.attention, precision=t.precision,
                              block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1), compiled=t.compile,
                              pipelined=d.pp > 1, cross_entropy=t.cross_entropy)
+
+
+def placed_loss_transient(placements: Sequence[OpPlacement], strategy: Strategy, batch_traced: int) -> int:
+    """The loss's largest fp32 transient in one chunk under its placements
+    (`memory_activations.chunk_loss_transient`); the planner's estimate calls this too."""
+    t = strategy.train
+    return chunk_loss_transient(((p.op, p.split.local()) for p in placements), micro_batch=t.micro_batch,
+                                batch_traced=batch_traced, cross_entropy=t.cross_entropy)
 
 
 def _degrees(split: Mapping[str, int] | Sequence[tuple[str, int]]) -> tuple[int, int]:

@@ -282,6 +282,7 @@ def _memory(costs: StepCosts, recorded: _Recorded) -> tuple[RankMemory, ...]:
             weights=weights, grads=grads, optimizer=opt, activations=int(peaks[rank]), buffers=buffers,
             host=host, workspace=costs.workspace_bytes, reserve_fraction=costs.allocator_reserve_fraction,
             grads_held=costs.grads_held,
+            loss_transient=max((c.loss_transient_bytes for s in stages for c in costs.stages[s].chunks), default=0),
         )
         # the timeline draws the activations over what stays: the gradients as live at the peak
         constant = weights + int(at_peak.grads) + opt + buffers + costs.workspace_bytes

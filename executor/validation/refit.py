@@ -155,12 +155,31 @@ def allocator_reserve_entry(records: Sequence[dict[str, Any]]) -> dict | None:
     both = [r for r in records if all(positive(r.get(k)) for k in RESERVE_KEYS)]
     if not both:
         return None
-    fraction = fit_allocator_reserve([(r["peak_memory_allocated_gib"], r["peak_memory_reserved_gib"]) for r in both])
+    fraction = fit_allocator_reserve([(r["peak_memory_allocated_gib"], r["peak_memory_reserved_gib"],
+                                       loss_transient_gib(r.get("plan"))) for r in both])
     names = [str(r.get("name") or r.get("time") or "unnamed") for r in both]
     shown = ", ".join(names[:NAMED_RUNS]) + (f" and {len(names) - NAMED_RUNS} more" if len(names) > NAMED_RUNS else "")
     return {"value": float(f"{fraction:.4g}"),
-            "source": f"median max_memory_reserved / max_memory_allocated - 1 of {len(both)} runs ({shown}), "
-                      f"refit by soap calibrate --from-runs, {datetime.date.today().isoformat()}"}
+            "source": f"median (max_memory_reserved - max_memory_allocated - the loss's fp32 transient) / "
+                      f"max_memory_allocated of {len(both)} runs ({shown}), refit by soap calibrate --from-runs, "
+                      f"{datetime.date.today().isoformat()}"}
+
+
+def loss_transient_gib(plan: dict[str, Any] | None) -> float:
+    """The loss's largest fp32 transient of a logged plan's micro-batch on one rank
+    (`costmodel.memory_activations.logits_transient_bytes`), 0 without a plan or a vocabulary."""
+    from costmodel.memory_activations import logits_transient_bytes
+    from costmodel.strategy import shards_vocabulary
+
+    try:
+        p, config = plan["parallelism"], plan["model"]["config"]
+        tokens, vocab = p["micro_batch"] * plan["seq_len"] // p.get("cp", 1), int(config["vocab_size"])
+    except (KeyError, TypeError):
+        return 0.0
+    tp = p.get("tp", 1)
+    if shards_vocabulary(tp=tp, pp=p.get("pp", 1)):
+        vocab = -(-vocab // tp)
+    return logits_transient_bytes(tokens, vocab, p.get("cross_entropy", "upcast")) / 2**30
 
 
 def refit_profile(log: str | None, cluster_name: str, output: str | None) -> Refit:
