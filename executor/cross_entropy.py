@@ -33,10 +33,11 @@ forward); the slices are torchtune's chunked output loss. `costmodel.memory_acti
 Vocabulary-parallel logits (a DTensor sharded on the last dimension over the tensor-parallel group,
 `executor.tensor_parallel`): each rank holds columns [o, o + V_r) of the vocabulary, and a log-softmax over
 them is not the whole row's. On a copy of the slice, in place, one fp32 slice live (48 bytes a logit element,
-`costmodel.opcost.VOCAB_PARALLEL_LOSS_EXTRA_BYTES`), the rank computes its local m_i, all-reduces the max, its local sum of exp(x_ij - m_i), all-reduced, per slice, and once the target
-logit x_i,t_i where the rank holds t_i (0 elsewhere), all-reduced: 2n + 1 all-reduces of [tokens / n] fp32
-(functional collectives, as torch's `loss_parallel` issues them; `costmodel.placement` prices them). The loss is then whole on every rank and the gradient is the
-rank's columns; it goes back through `DTensor.to_local`, sharded as the logits were.
+`costmodel.opcost.VOCAB_PARALLEL_LOSS_EXTRA_BYTES`), the rank computes its local m_i, all-reduces the max,
+its local sum of exp(x_ij - m_i), all-reduced, per slice, and once the target logit x_i,t_i where the rank
+holds t_i (0 elsewhere), all-reduced: 2n + 1 all-reduces of [tokens / n] fp32 (functional collectives, as
+torch's `loss_parallel` issues them; `costmodel.placement` prices them). The loss is then whole on every rank
+and the gradient is the rank's columns; it goes back through `DTensor.to_local`, sharded as the logits were.
 """
 
 from __future__ import annotations

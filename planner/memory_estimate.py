@@ -16,7 +16,10 @@ term is computed by the same functions the simulator calls, over the same stages
                       Megatron placement, the recompute policy's kept bytes and window); per stage kept =
                       the sum, backward peak = max over its layers of (prefix of kept + window); per rank
                       `costmodel.memory_schedule.activation_peaks` over the schedule's compute order
-    workspace         `costmodel.memory.workspace_bytes`
+    workspace         `costmodel.memory.workspace_bytes`, and on a profile with a fitted allocator reserve
+                      `costmodel.memory.reserve_bytes`: the rank's loss transient (per unit instance
+                      `costmodel.simulator.pricing.placed_loss_transient`, the largest over the rank's stages)
+                      plus the reserve fraction of its tensors
 The peak is the worst rank's total; tests/test_memory_agreement.py holds it equal to the simulator's
 peak over the search's candidate families. (A plan whose per-op splits differ from the Megatron
 placement, `Strategy.op_splits`, is simulated again and checked there.)
@@ -95,8 +98,9 @@ class MemoryTables:
                                    microbatches: int, stages_per_rank: int
                                    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Each pipeline rank's activation peak: per layer, then per stage (kept, backward peak), then per
-        rank over the schedule; and each rank's loss transient (the largest over its stages' units). Memoized: it reads none of the candidate's data-parallel, ZeRO, optimizer or
-        offload choices, which the enumeration varies most. `compiled`: torch.compile, whose partitioner saves
+        rank over the schedule; and each rank's loss transient (the largest over its stages' units). Memoized:
+        it reads none of the candidate's data-parallel, ZeRO, optimizer or offload choices, which the
+        enumeration varies most. `compiled`: torch.compile, whose partitioner saves
         less (`costmodel.memory_activations.compiled_keep`)."""
         policies = dict(recompute_per_block)
         # a unit's activations read the pipeline degree only through whether there is a pipeline (its stages
@@ -188,9 +192,9 @@ class MemoryTables:
         d, t = dims, train
         vocab = shards_vocabulary(tp=d.tp, pp=d.pp)
         name, pp, m, v, _ = step_shape(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
-        activations, transients = self.rank_activations(d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute,
-                                            t.recompute_per_block, t.precision, t.attention, t.compile,
-                                            t.cross_entropy, bounds, name, m, v)
+        activations, transients = self.rank_activations(
+            d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute, t.recompute_per_block,
+            t.precision, t.attention, t.compile, t.cross_entropy, bounds, name, m, v)
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,
