@@ -105,7 +105,11 @@ is now the memory model's (`costmodel.allocator`, (1)): a profile with a fitted 
 r x allocated on the rank that holds the loss, T priced from the loss op in the estimator and the simulator alike
 (`costmodel.memory_activations.loss_transient`), and r, fitted on what T leaves, is 0 for `h100-x1-measured` and
 `h200-x1-measured` (it was 8.3% of allocated for both). The default profiles still predict allocated memory under
-the search's 10% margin; ranks without the loss (a pipeline's first stages) have no measured run and get r alone."""
+the search's 10% margin; ranks without the loss (a pipeline's first stages) have no measured run and get r alone.
+Why not the defaults too: a what-if on the Playbook's grid (`benchmarks/playbook_margin.py` with r = 0 on
+`dgx-h100`, so T added) refuses 2 of the 527 configurations that ran at a 0% margin and 5 at 10%, against 0 now:
+nanotron's loss transient is its fp32 logits, and the configurations that ran nearest the limit are already priced
+over their published peaks (70.9 GiB allocated against 56.8 GB published for the highest)."""
 
 
 H100_LOGS = ("h100-runs-8b-shapes.jsonl", "h100-2026-11-26c/runs-call1.jsonl", "h100-2026-11-26c/runs-call2.jsonl",
