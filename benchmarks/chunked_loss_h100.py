@@ -106,10 +106,14 @@ only (+0.2-0.3%). Rather than price the slow loss, the loss now makes the upcast
 log-softmax on the slice's fp32 copy, the keep-mask folded into the gradient's write): +0.1% and +2.3% measured,
 +0.3% priced, for 7 GiB less than the upcast loss on the 1B and 12 GiB less at 16k. Its memory holds one more
 fp32 slice than the first version's while the log-softmax reads the copy (+0.98 GiB at 16k, +0.49 GiB on the
-1B, as measured), now priced. Not explained: at 16k the chunked step's peak (in the loss's forward) holds
-1.7 GiB more than priced (-4.3%), most of it selective recompute's saved tensors (6.0 GiB, 64 tensors, at the
-chunked peak; 4.4 GiB, 36 tensors, at the upcast one's, in the loss's backward); the upcast run is priced
-within 0.1%. The caching allocator's reserve over the allocated peak falls with the loss: 8-17% with the upcast
+1B, as measured), now priced. At 16k the chunked step's peak (in the loss's forward) held 1.7 GiB more than
+priced (-4.3%), the upcast run's (in its backward) 0.1%: replaying the upcast run's snapshot
+(`benchmarks/data/h100-2026-11-26b`) shows the 28 tensors, 1.6 GiB, that the chunked peak held beyond the upcast
+one's: autocast's cached bf16 copies of the four blocks' weights (q, k, v, o, gate, up, down: 416 MiB a
+block), freed when the executor left autocast, after the loss's forward and before its backward. Recomputed
+blocks make them again in backward, so the model holds none (`costmodel.memory.held_autocast_copies`); the
+executor now leaves autocast before the loss (and, in a pipeline, after each stage's forward), which takes
+them off the chunked loss's peak (not yet run on a GPU). The caching allocator's reserve over the allocated peak falls with the loss: 8-17% with the upcast
 loss (its fp32 transients of the whole logits' size), 1-6% with the chunked one: about one loss transient
 either way, which the memory model now adds on profiles with a fitted reserve (`costmodel.allocator`, next
 section). The compiled chunked run (in place) is 368 ms against the upcast compiled run's 350 ms measured

@@ -317,8 +317,12 @@ def held_autocast_copies(params: ParamSet, *, blocks_keep: bool) -> int | None:
     matmul and attention outputs, not casts) re-casts its weights when the backward re-runs its forward, so only
     the copies outside the blocks are held: on a lent H100 (2026-11-26) the 16k selective runs of four
     Llama-3-8B layers, eager and compiled, peaked 1.6 GiB (the blocks' bf16 weights) under the model that kept
-    them, and their memory snapshot held none. `blocks_keep`: `blocks_keep_autocast_copies` of the run. None:
-    every trainable element."""
+    them, and their memory snapshot held none at the upcast loss's peak, in its backward. Autocast caches the
+    copies until its context exits, so this holds where the executor leaves autocast after the forward: before
+    the loss without a pipeline, after each stage's forward in one (`executor.precision.autocast_each_forward`).
+    Until 2026-11-26 it left after the loss (and, in a pipeline, after the whole schedule step): the chunked
+    loss's peak, in its forward, held the blocks' 1.6 GiB of copies beside it (the same runs' snapshot).
+    `blocks_keep`: `blocks_keep_autocast_copies` of the run. None: every trainable element."""
     if blocks_keep or params.autocast_copied_outside is None:
         return params.autocast_copied
     return params.autocast_copied_outside

@@ -292,6 +292,7 @@ def _pipeline(parallel: ParallelModel, device: torch.device, loss_fn: Callable) 
     for part, index in zip(parallel.parts, parallel.stage_indices):
         inner = part.module if hasattr(part, "module") and isinstance(part.module, nn.Module) else part
         set_position_ids(inner, lambda x, d=device: (torch.arange(local, device=d) + offset).unsqueeze(0))
+        parallel.precision.autocast_each_forward(part)
         stages.append(PipelineStage(part, index, p.pp * p.virtual_stages, device, group=mesh.pp.get_group()))
     scaled = parallel.precision.scaled_loss
     if not parallel.vocab_parallel:

@@ -42,6 +42,26 @@ class PrecisionRuntime:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
+    def autocast_each_forward(self, module: Any) -> None:
+        """Autocast around each forward of `module` alone (a pipeline stage's part), not around the schedule's
+        step: leaving it clears autocast's cache of 16-bit weight copies after every forward, which recomputed
+        blocks make again in their backward, and the loss and the backward run outside it, as they do without
+        a pipeline (`executor.train.train_step`; `costmodel.memory.held_autocast_copies` holds none)."""
+        if self.autocast_dtype is None:
+            return
+        open_: list[Any] = []
+
+        def enter(_module: Any, _args: Any) -> None:
+            context = torch.autocast(self.device_type, dtype=self.autocast_dtype)
+            context.__enter__()
+            open_.append(context)
+
+        def leave(_module: Any, _args: Any, _output: Any) -> None:
+            open_.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+
     def scaled_loss(self, loss_fn: Any) -> Any:
         """`loss_fn` whose loss is multiplied by the scaler's scale (itself without a scaler)."""
         if self.scaler is None:

@@ -235,10 +235,15 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
                 with runtime.autocast():
                     inputs = forward_inputs(parallel.parts[0], ids[k * m:(k + 1) * m], labels[k * m:(k + 1) * m],
                                             positions)
-                    # the logits are not bound to a name: nothing holds them through backward, which reads
-                    # only what the loss saved (torchtitan's `del pred`; `costmodel.memory_activations.loss_tensors`
-                    # prices it)
-                    loss = loss_fn(model(**inputs, use_cache=False).logits, labels[k * m:(k + 1) * m])
+                    logits = model(**inputs, use_cache=False).logits
+                # the loss outside autocast (it computes in fp32 either way): leaving autocast frees its cache of
+                # 16-bit weight copies, which recomputed blocks make again in backward, before the loss makes its
+                # working set (`costmodel.memory.held_autocast_copies`; on a lent H100 the chunked loss's peak,
+                # in its forward, held 1.6 GiB of them for four Llama-3-8B layers). The logits are dropped once
+                # the loss holds what it saved: nothing holds them through backward (torchtitan's `del pred`;
+                # `costmodel.memory_activations.loss_tensors` prices it)
+                loss = loss_fn(logits, labels[k * m:(k + 1) * m])
+                del logits
                 (runtime.scaler.scale(loss) if runtime.scaler else loss).backward()
     else:
         rows = p.micro_batch * (p.num_microbatches // p.grad_accum)
@@ -249,8 +254,8 @@ def train_step(parallel: ParallelModel, optimizers: list, loss_fn: ScaledTokenLo
             target = labels[chunk] if parallel.has_last_stage else None
             run_losses: list[torch.Tensor] = []
             watch.pipeline(parallel.schedule.soap_progress, run)
-            with runtime.autocast():
-                parallel.schedule.step(*args, target=target, losses=run_losses if target is not None else None)
+            # each stage's forward runs under autocast (`PrecisionRuntime.autocast_each_forward`), not the step
+            parallel.schedule.step(*args, target=target, losses=run_losses if target is not None else None)
             losses.extend(run_losses)
         # the schedule's own losses: the loss function may also run during the stages' shape inference
         loss_fn.unscaled_sum = (sum((l.detach().cpu() for l in losses), torch.zeros(()))

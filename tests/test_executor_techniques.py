@@ -127,3 +127,50 @@ def test_without_a_pipeline_nothing_holds_the_logits_through_backward(monkeypatc
     monkeypatch.setattr(ScaledTokenLoss, "__call__", watched)
     train(make_plan("llama", micro_batch=2, num_microbatches=2, precision=precision), RunConfig(steps=1, progress=False))
     assert alive == [False, False]
+
+
+def test_without_a_pipeline_the_loss_runs_after_autocast_has_dropped_its_weight_copies(monkeypatch):
+    """Autocast caches a 16-bit copy of each weight until its context exits. A recomputed block makes its copies
+    again in backward, so the memory model holds none of them (`costmodel.memory.held_autocast_copies`); the
+    training loop must leave autocast before the loss, whose forward is the chunked loss's peak."""
+    enabled: list[bool] = []
+    call = ScaledTokenLoss.__call__
+
+    def watched(self, logits, labels):
+        enabled.append(torch.is_autocast_enabled(logits.device.type))
+        return call(self, logits, labels)
+
+    monkeypatch.setattr(ScaledTokenLoss, "__call__", watched)
+    plan = make_plan("llama", micro_batch=2, num_microbatches=2, precision="bf16", recompute="selective")
+    losses = train(plan, RunConfig(steps=2, progress=False)).losses
+    assert enabled == [False] * 4 and all(np.isfinite(losses))
+
+
+
+def test_a_pipeline_part_autocasts_its_own_forward_and_nothing_after_it():
+    """A pipeline stage's part runs its forward under autocast (`PrecisionRuntime.autocast_each_forward`), and
+    the schedule's loss and backward run outside it, as the loop without a pipeline does: autocast's cache of
+    16-bit weight copies is cleared after each forward."""
+    from torch import nn
+
+    from executor.precision import PrecisionRuntime
+
+    seen: list[bool] = []
+
+    class Part(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return self.linear(x)
+
+    part = Part()
+    PrecisionRuntime("cpu", torch.bfloat16).autocast_each_forward(part)
+    out = part(torch.randn(2, 8))
+    assert seen == [True] and out.dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+    out.float().sum().backward()
+    assert part.linear.weight.grad.dtype == torch.float32
+    PrecisionRuntime("cpu", None).autocast_each_forward(fp32 := Part())  # no autocast: no hooks
+    assert fp32(torch.randn(2, 8)).dtype == torch.float32 and seen[-1] is False
