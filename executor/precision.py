@@ -3,7 +3,8 @@
     fp32   nothing
     tf32   TF32 matmuls and convolutions (CUDA flags; no effect on CPU)
     bf16   FSDP: MixedPrecisionPolicy(param bf16, reduce fp32) (see executor.data_parallel);
-           otherwise autocast to bf16 around forward and loss
+           otherwise autocast to bf16 around the forward (each pipeline stage's, `autocast_each_forward`),
+           not the loss or the backward: leaving it clears its cache of 16-bit weight copies
     fp16   autocast to fp16 and a GradScaler; with more than one rank torch's ShardedGradScaler, whose
            inf/NaN check is all-reduced over all ranks, so every rank skips the same steps (TP and
            pipeline ranks hold different gradients), checking one parameter group (one DTensor mesh, or
