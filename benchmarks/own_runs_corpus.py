@@ -33,8 +33,8 @@ This script joins them to the corpus as run records and repeats the fit's leave-
    each prediction re-simulated on the refitted profile (`external.predict`), on (a) the corpus alone and
    (b) the corpus plus the own runs. The "model" grouping is made honest for (b) (`honest_key`): the own
    runs of four Llama-3-8B layers ("8b4l", the same layer shapes as Llama 3.1 8B) are grouped with the
-   corpus's Llama 3.1 8B rows, so leaving out the 8B also leaves them out. `external.GROUPINGS` is patched for
-   the duration of the call only. The corpus's two stacks' Llama 3.1 8B rows share one name and so one group.
+   corpus's Llama 3.1 8B rows, so leaving out the 8B also leaves them out (the key `external.leave_out` is
+   given). The corpus's two stacks' Llama 3.1 8B rows share one name and so one group.
 4. Reported: tokens/s MAPE per stack (torch-native split into torchtitan's and the own rows), in-sample,
    leave one model out, leave one GPU count out; the torchtitan rows' error when the 8B group is left out;
    the fitted multipliers of (b) against the corpus-only fit, and the products left on their datasheet-peak
@@ -56,7 +56,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -159,10 +158,8 @@ def evaluate(prepared: Sequence[Any]) -> Evaluation:
     from executor.validation import external
 
     result = external.fit(prepared)
-    held = {}
-    with mock.patch.dict(external.GROUPINGS, {"model": honest_key(external.GROUPINGS["model"])}):
-        for grouping in ("model", "gpus"):
-            held[grouping] = tuple(external.leave_out(prepared, grouping))
+    held = {"model": tuple(external.leave_out(prepared, "model", key=honest_key(external.GROUPINGS["model"]))),
+            "gpus": tuple(external.leave_out(prepared, "gpus"))}
     return Evaluation(prepared=tuple(prepared), fit=result,
                       in_sample=tuple(external.predict(p, result) for p in prepared), leave_out=held)
 

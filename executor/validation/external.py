@@ -515,10 +515,12 @@ GROUPINGS: dict[str, Callable[[RunRecord], str]] = {
 
 
 def leave_out(prepared: Sequence[Prepared], grouping: str, *,
-              progress: Callable[[], None] | None = None, robust: float | None = None) -> list[Prediction]:
-    """Every run predicted by a fit on the runs outside its group (`GROUPINGS`; `robust` as `fit`'s); runs in
-    groups whose removal leaves nothing to fit are skipped."""
-    key = GROUPINGS[grouping]
+              progress: Callable[[], None] | None = None, robust: float | None = None,
+              key: Callable[[RunRecord], str] | None = None) -> list[Prediction]:
+    """Every run predicted by a fit on the runs outside its group (`GROUPINGS[grouping]`, or `key` where a
+    caller groups its own way; `robust` as `fit`'s); runs in groups whose removal leaves nothing to fit are
+    skipped."""
+    key = key or GROUPINGS[grouping]
     out = []
     for group in dict.fromkeys(key(p.record) for p in prepared):
         held = [p for p in prepared if key(p.record) == group]
