@@ -100,7 +100,7 @@ from dataclasses import dataclass, replace
 
 from costmodel.opcost import (
     CROSS_ENTROPY_MAX_SLICES, FLOAT_DTYPES, LOW_PRECISION_DTYPES, activation_itemsize, cross_entropy_slices,
-    local_scale, loss_slices,
+    local_scale, loss_fp32_bytes, loss_slices,
 )
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
@@ -284,19 +284,14 @@ def loss_tensors(op: OpNode, *, low_precision: bool = False, pipelined: bool = F
     raise SoapError(f"unknown cross-entropy {cross_entropy!r}; choose one of chunked, upcast, megatron")
 
 
-def loss_transient(op: OpNode, *, cross_entropy: str = "chunked",
-                   slices: int = CROSS_ENTROPY_MAX_SLICES) -> tuple[TensorMeta, ...]:
+def loss_transient(fp32_bytes: float, slices: int, cross_entropy: str = "chunked") -> float:
     """The loss's largest fp32 transient, made and freed before the step's peak, whose segment the caching
-    allocator keeps reserved (`costmodel.allocator`, (1)): the whole fp32 logits L under the upcast loss (its
-    copy and gradients of that size) and Megatron's (its fp32 copy), one fp32 slice L / n under the chunked one.
-    Measured on 19 lent-GPU runs (`benchmarks/allocator_reserve.py`): reserved - allocated = 0.8-1.15 x this
-    for the Llama shapes, eager or compiled."""
-    if op.kind is not OpKind.LOSS:
-        raise ValueError(f"{op.name} is not a loss op")
-    inputs = tuple(t for t in op.inputs if t.dtype in FLOAT_DTYPES)
-    if cross_entropy == "chunked":
-        return tuple(replace(t, shape=(*t.shape[:-1], -(-t.shape[-1] // slices))) for t in inputs)
-    return inputs
+    allocator keeps reserved (`costmodel.allocator`, (1)), from `fp32_bytes`, the rank's logits in fp32: all of
+    them under the upcast loss (its copy and gradients of that size) and Megatron's (its fp32 copy), one of the
+    chunked loss's `slices` (`costmodel.opcost.loss_slices`). Measured on 19 lent-GPU runs
+    (`benchmarks/allocator_reserve.py`): reserved - allocated = 0.8-1.15 x this for the Llama shapes, eager or
+    compiled."""
+    return fp32_bytes / slices if cross_entropy == "chunked" else float(fp32_bytes)
 
 
 def traced_in_low_precision(ops: Sequence[OpNode]) -> bool:
@@ -516,20 +511,17 @@ def logits_transient_bytes(tokens: int, vocab: int, cross_entropy: str = "chunke
     """`loss_transient` from a run's numbers rather than its graph: [tokens, vocab] logits on one rank (the
     vocabulary's shard where it is sharded), for a runs log's plan (`executor.validation.refit`)."""
     fp32 = tokens * vocab * 4
-    return fp32 / cross_entropy_slices(fp32, tokens) if cross_entropy == "chunked" else float(fp32)
+    return loss_transient(fp32, cross_entropy_slices(fp32, tokens), cross_entropy)
 
 
 def chunk_loss_transient(placed: Iterable[tuple[OpNode, Mapping[str, int]]], *, micro_batch: int, batch_traced: int,
                          cross_entropy: str = "chunked") -> int:
-    """Bytes of `loss_transient` for the loss ops of one chunk (0 without one), each at its local split and
-    sliced as `costmodel.opcost.loss_slices` says: what the simulator's chunks and the planner's estimate
+    """Bytes of `loss_transient` for the loss ops of one chunk (0 without one), each at its local split
+    (`costmodel.opcost.loss_fp32_bytes`, `loss_slices`): what the simulator's chunks and the planner's estimate
     reserve beyond a rank's allocated peak on a profile with a fitted allocator reserve."""
     best = 0.0
     for op, split in placed:
-        if op.kind is not OpKind.LOSS:
-            continue
-        slices = loss_slices(op, micro_batch=micro_batch, batch_traced=batch_traced, split=split)
-        scale = micro_batch / batch_traced
-        best = max(best, sum(t.numel * 4 * local_scale(t, sample_scale=scale, split=dict(split))  # fp32
-                             for t in loss_transient(op, cross_entropy=cross_entropy, slices=slices)))
+        if op.kind is OpKind.LOSS:
+            sizes = dict(micro_batch=micro_batch, batch_traced=batch_traced, split=split)
+            best = max(best, loss_transient(loss_fp32_bytes(op, **sizes), loss_slices(op, **sizes), cross_entropy))
     return int(best)
