@@ -26,10 +26,13 @@ import json
 import statistics
 from pathlib import Path
 
+from benchmarks.h200_measured import LOGS as H200_LOGS
+
 DATA = Path(__file__).resolve().parent / "data"
-LOGS = ("h100-runs-8b-shapes.jsonl", "h200-runs-execute.jsonl", "h200-runs-8b-shapes.jsonl",
-        "h100-2026-11-26c/runs-call1.jsonl", "h100-2026-11-26c/runs-call2.jsonl",
-        "h100-2026-11-26c/runs-call34.jsonl")
+H100_LOGS = ("h100-runs-8b-shapes.jsonl", "h100-2026-11-26c/runs-call1.jsonl", "h100-2026-11-26c/runs-call2.jsonl",
+             "h100-2026-11-26c/runs-call34.jsonl")
+"""The H100's runs, which `h100-x1-measured`'s reserve is fitted on (`benchmarks.h100_measured`)."""
+LOGS = (*H100_LOGS, *H200_LOGS)
 GIB = 2**30
 
 
@@ -110,11 +113,6 @@ Why not the defaults too: a what-if on the Playbook's grid (`benchmarks/playbook
 `dgx-h100`, so T added) refuses 2 of the 527 configurations that ran at a 0% margin and 5 at 10%, against 0 now:
 nanotron's loss transient is its fp32 logits, and the configurations that ran nearest the limit are already priced
 over their published peaks (70.9 GiB allocated against 56.8 GB published for the highest)."""
-
-
-H100_LOGS = ("h100-runs-8b-shapes.jsonl", "h100-2026-11-26c/runs-call1.jsonl", "h100-2026-11-26c/runs-call2.jsonl",
-             "h100-2026-11-26c/runs-call34.jsonl")
-"""The H100's runs, which `h100-x1-measured`'s reserve is fitted on (`benchmarks.h100_measured`)."""
 
 
 def predicted(rows: list[dict], cluster_name: str = "h100-x1-measured") -> str:
