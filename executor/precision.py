@@ -53,7 +53,7 @@ class PrecisionRuntime:
         open_: list[Any] = []
 
         def enter(_module: Any, _args: Any) -> None:
-            context = torch.autocast(self.device_type, dtype=self.autocast_dtype)
+            context = self.autocast()
             context.__enter__()
             open_.append(context)
 
