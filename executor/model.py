@@ -14,7 +14,12 @@ kept (the slice comes from the parameter's DTensor placements; no communication)
 - `SeededInit(seed)`: HF's own `_init_weights(module)` run on a CPU copy of the unsharded module, with
   the RNG seeded by `sha256(seed, module FQN)`. Every layout therefore starts from bit-identical
   weights, the single-process model included. (Model-level special cases that reach into child
-  modules from a parent, such as GPT-2's scaled residual projections, are not applied.)
+  modules from a parent, such as GPT-2's scaled residual projections, are not applied.) The copy is
+  fp32 whatever the parameter's dtype, and the values are then rounded to it: a 16-bit parameter (a PEFT
+  run's frozen base, `executor.peft`) starts as the fp32 run's weights rounded, and the draw takes the
+  RNG's fast fp32 path. On a lent H100 host (torch 2.11, 2026-11-26) drawing a 16-bit tensor in place
+  ran serially: the bf16 base of four Llama-3-8B layers (1.9e9 elements) was still initializing after 70 s
+  where the fp32 run's took seconds (`benchmarks/data/h100-2026-11-26d`, call 2's stack).
 - `CheckpointWeights(dir)`: a local HF checkpoint (`*.safetensors`), read tensor by tensor, with the
   normalization's renames and transposes.
 Buffers (rotary frequencies, BERT's position ids) are re-created by HF's `_init_weights` on the real
@@ -162,11 +167,11 @@ class SeededInit:
 
     def module_params(self, fqn: str, names: list[str]) -> dict[str, torch.Tensor]:
         source = self.template.get_submodule(fqn)
-        cpu = _shallow_copy_on_cpu(source)
+        cpu = _shallow_copy_on_cpu(source, dtype=torch.float32)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(fqn_seed(self.seed, fqn))
             self.template._init_weights(cpu)
-        return {name: getattr(cpu, name) for name in names}
+        return {name: getattr(cpu, name).to(source.get_parameter(name).dtype) for name in names}
 
 
 class CheckpointWeights:
@@ -200,13 +205,15 @@ class CheckpointWeights:
         return {name: self.tensor(prefix + name) for name in names}
 
 
-def _shallow_copy_on_cpu(module: nn.Module) -> nn.Module:
+def _shallow_copy_on_cpu(module: nn.Module, *, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of `module` with its own parameters and buffers (empty) on the CPU and its children removed:
-    what HF's `_init_weights` fills (it may touch a buffer beside the weights, as DeepSeek-V3's router)."""
+    what HF's `_init_weights` fills (it may touch a buffer beside the weights, as DeepSeek-V3's router).
+    `dtype`: the floating-point parameters' dtype in the copy (None: their own)."""
     clone = copy.copy(module)
     clone._modules = {}
-    clone._parameters = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
-                         for n, p in module._parameters.items()}
+    clone._parameters = {n: None if p is None else nn.Parameter(torch.empty(
+        p.shape, dtype=dtype if dtype is not None and p.dtype.is_floating_point else p.dtype))
+        for n, p in module._parameters.items()}
     clone._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype) for n, b in module._buffers.items()}
     return clone
 

@@ -148,3 +148,27 @@ def test_qlora_trains_on_a_gpu_as_planned():
         dist.destroy_process_group()
     assert torch.cuda.is_available() and all(math.isfinite(x) for x in result.losses)
     assert result.losses[-1] < result.losses[0]
+
+
+def test_a_16_bit_base_is_drawn_in_fp32_and_rounded():
+    """The seeded init draws in fp32 whatever the parameter's dtype, then rounds (`executor.model`): on a GPU
+    host's torch (2.11) a 16-bit draw ran serially, and an 8B-layer LoRA base outlasted its run's limit still
+    initializing. So HF's `_init_weights` sees an fp32 copy, and a bf16 PEFT base holds exactly the fp32 PEFT
+    run's initial weights rounded to bf16."""
+    import torch
+
+    from executor.model import SeededInit, build_meta_model
+    from executor.peft import inject
+
+    def base_weight(precision: str) -> tuple[torch.Tensor, list[torch.dtype]]:
+        plan = make_plan("llama", precision=precision, peft=LORA)
+        model = build_meta_model(plan.model.config, plan.model.task)
+        inject(model, plan)
+        drawn, init = [], model._init_weights
+        model._init_weights = lambda module: (drawn.append(module.weight.dtype), init(module))
+        weight = SeededInit(model, seed=0).module_params("model.layers.0.self_attn.q_proj.base_layer", ["weight"])
+        return weight["weight"], drawn
+
+    (bf16, drawn), (fp32, _) = base_weight("bf16"), base_weight("fp32")
+    assert drawn == [torch.float32]
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
