@@ -17,9 +17,10 @@ kept (the slice comes from the parameter's DTensor placements; no communication)
   modules from a parent, such as GPT-2's scaled residual projections, are not applied.) The copy is
   fp32 whatever the parameter's dtype, and the values are then rounded to it: a 16-bit parameter (a PEFT
   run's frozen base, `executor.peft`) starts as the fp32 run's weights rounded, and the draw takes the
-  RNG's fast fp32 path. On a lent H100 host (torch 2.11, 2026-11-26) drawing a 16-bit tensor in place
-  ran serially: the bf16 base of four Llama-3-8B layers (1.9e9 elements) was still initializing after 70 s
-  where the fp32 run's took seconds (`benchmarks/data/h100-2026-11-26d`, call 2's stack).
+  RNG's fp32 path. On a lent H100 host (torch 2.11, 2026-11-26) the bf16 base of four Llama-3-8B layers
+  (1.9e9 elements) was still in `normal_` on its 16-bit tensors after 70 s, one core busy, where the fp32
+  run of the same layers initialized and ran 6 steps in 37 s (`benchmarks/data/h100-2026-11-26d`, call 2's
+  stack); torch 2.13 draws 16-bit tensors as fast as fp32 ones on this CPU.
 - `CheckpointWeights(dir)`: a local HF checkpoint (`*.safetensors`), read tensor by tensor, with the
   normalization's renames and transposes.
 Buffers (rotary frequencies, BERT's position ids) are re-created by HF's `_init_weights` on the real
