@@ -309,9 +309,15 @@ class ParamSet:
     autocast_copied_outside: int | None = None
     """Of `autocast_copied`, those outside the blocks (the LM head, a tied embedding): the copies a run whose
     blocks recompute still holds (`held_autocast_copies`). None: all of `autocast_copied`."""
+    fp8_linear: int = 0
+    """Of `autocast_copied`, the parameters of float8 Linear layers (`tracer.fp8`). Under fp8 torchao's
+    `Float8Linear` casts its fp32 weight straight to fp8 in each matmul and saves the fp32 weight itself for the
+    backward, so autocast keeps no 16-bit copy of them (`held_autocast_copies`)."""
+    fp8_linear_outside: int = 0
+    """Of `fp8_linear`, those outside the blocks."""
 
 
-def held_autocast_copies(params: ParamSet, *, blocks_keep: bool) -> int | None:
+def held_autocast_copies(params: ParamSet, *, blocks_keep: bool, precision: str = "bf16") -> int | None:
     """The trainable elements whose 16-bit autocast copy lives from forward to backward. Without recompute each
     matmul saves its cast weight for the backward. A recomputed block (full, or selective, whose policy caches
     matmul and attention outputs, not casts) re-casts its weights when the backward re-runs its forward, so only
@@ -322,10 +328,16 @@ def held_autocast_copies(params: ParamSet, *, blocks_keep: bool) -> int | None:
     the loss without a pipeline, after each stage's forward in one (`executor.precision.autocast_each_forward`).
     Until 2026-11-26 it left after the loss (and, in a pipeline, after the whole schedule step): the chunked
     loss's peak, in its forward, held the blocks' 1.6 GiB of copies beside it (the same runs' snapshot).
+    Under fp8 the float8 Linear layers' weights have no copy (`ParamSet.fp8_linear`): on a lent H100
+    (2026-11-26) the eager fp8 step of four Llama-3-8B layers without recompute peaked 1.56 GiB under the
+    bf16-regime price, their blocks' 1.63 GiB of linear weights in bf16 (`benchmarks/fp8_h100.py`).
     `blocks_keep`: `blocks_keep_autocast_copies` of the run. None: every trainable element."""
+    fp8 = precision == "fp8"
     if blocks_keep or params.autocast_copied_outside is None:
-        return params.autocast_copied
-    return params.autocast_copied_outside
+        if params.autocast_copied is None or not fp8:
+            return params.autocast_copied
+        return params.autocast_copied - params.fp8_linear
+    return params.autocast_copied_outside - (params.fp8_linear_outside if fp8 else 0)
 
 
 def blocks_keep_autocast_copies(train: TrainingConfig) -> bool:
@@ -388,8 +400,9 @@ def stage_params(
         degrees = parameter_degrees(ops, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                                     vocab_parallel=vocab_parallel)
     seen: set[str] = set()
-    trainable = frozen = quantized = largest_quantized = copied = copied_outside = 0
+    trainable = frozen = quantized = largest_quantized = copied = copied_outside = fp8 = fp8_outside = 0
     matmul_read = {p.name for op in ops if op.kind is OpKind.MATMUL for p in op.params}
+    fp8_read = {p.name for op in ops if op.attrs.get("fp8_linear") for p in op.params}
     shapes: list[tuple[int, ...]] = []
     units: dict[str | None, int] = {}
     trainable_units: dict[str | None, int] = {}
@@ -407,6 +420,9 @@ def stage_params(
                 trainable += local * count
                 copied += local * count if p.name in matmul_read else 0
                 copied_outside += local if p.name in matmul_read and op.block_id is None else 0
+                if p.name in matmul_read and p.name in fp8_read:
+                    fp8 += local * count
+                    fp8_outside += local if op.block_id is None else 0
                 shape = (math.ceil(p.shape[0] / degree), *p.shape[1:]) if p.shape else ()
                 shapes.extend([shape] * count)
             elif p.dtype in FLOAT_DTYPES:
@@ -417,7 +433,7 @@ def stage_params(
     return ParamSet(trainable, frozen, tuple(shapes), max(units.values(), default=0), quantized_bytes=quantized,
                     largest_quantized=largest_quantized,
                     largest_trainable_unit=max(trainable_units.values(), default=0), autocast_copied=copied,
-                    autocast_copied_outside=copied_outside)
+                    autocast_copied_outside=copied_outside, fp8_linear=fp8, fp8_linear_outside=fp8_outside)
 
 
 def buffer_bytes(*, params: ParamSet, precision: str, zero: int, dp: int, dp_shard: int, offload: bool = False,
@@ -497,7 +513,8 @@ def estimate_memory(
         frozen=params.frozen,
         quantized=params.quantized_bytes,
         autocast=train.peft is None,
-        autocast_copied=held_autocast_copies(params, blocks_keep=blocks_keep_autocast_copies(train)),
+        autocast_copied=held_autocast_copies(params, blocks_keep=blocks_keep_autocast_copies(train),
+                                             precision=train.precision),
     )
     activations = in_flight_microbatches * activation_bytes(
         ops,

@@ -25,6 +25,11 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   op's is one kernel. An op without backward FLOPs,
   saved tensors or parameters (a view, an index computation) has no backward kernel.
 - Views with no FLOPs and no bytes cost nothing (no kernel).
+- fp8: a layer the tracer marks (`tracer.fp8`) adds torchao's float8 casts to its GEMMs (`fp8_cast_kernels`):
+  eager, its ops one by one (33 bytes an element a cast, 9-10 kernels, the backward casting its saved
+  high-precision operands again), compiled, an amax and a fused scaled cast (2 s + 1 bytes, 2 kernels).
+  On a lent H100 (2026-11-26) four Llama-3-8B layers ran 1.61x slower in eager fp8 than in bf16, 1.08x faster
+  compiled (`benchmarks/fp8_h100.py`); the cast kernels count against the simulator's host floor.
 - The loss: the trace records `F.cross_entropy(logits.float())` (the upcast, log-softmax and negative
   log-likelihood). The executor's chunked cross-entropy (`executor.cross_entropy`) makes the same passes over
   the logits a slice of tokens at a time (one per 512 MiB of fp32 logits, 1 to 8: `cross_entropy_slices`), in
@@ -340,23 +345,90 @@ def kernel_time(flops: float, nbytes: float, *, peak: float, matmul: bool, devic
     return factor * max(compute, memory) + device.kernel_overhead_s, "compute" if compute >= memory else "memory"
 
 
-def fp8_cast_bytes(op: OpNode, flops: float, direction: str) -> float:
-    """Bytes torchao's dynamic tensor-wise float8 scaling moves around one fp8 Linear GEMM of `flops`
-    (`tracer.fp8`), in `direction` fwd or bwd. For an [m, k] x [k, n] GEMM (flops = 2mkn, k and n read off
-    the weight), each operand cast is an amax reduction (read) and a scaled cast (read, write 1 byte):
-    2 s + 1 bytes per element from s-byte elements. Forward: the input (m k, bf16) and the weight (k n, its
-    parameter bytes). Backward: the output gradient (m n, bf16) cast likewise, and the fp8 input and weight
-    transposed for the two gradient GEMMs (read 1, write 1 byte each). k and n are the whole weight's: under
-    TP the local shapes are smaller, so this is the unsplit count scaled by the local FLOPs."""
+FP8_EAGER_SCALE_KERNELS = 4
+"""An eager amax-to-scale (`torchao.float8.float8_utils.amax_to_scale`): to float64, clamp, divide, to float32,
+each a one-element kernel."""
+
+
+def fp8_cast_operands(op: OpNode, flops: float, direction: str, *, compile: bool) -> tuple[tuple[float, int], ...]:
+    """(elements, bytes per element of the high-precision source) of each operand torchao's float8 Linear casts
+    to fp8 around one GEMM of `flops` (`tracer.fp8`), in `direction` fwd or bwd, for an [m, k] x [k, n] GEMM
+    (flops = 2mkn; k and n read off the weight, so under TP the unsplit count scaled by the local FLOPs).
+    Forward (`matmul_with_hp_or_float8_args.forward`): the input (m k, bf16) and the weight (k n, its parameter
+    bytes: the fp32 master, cast without an autocast copy). It saves both in high precision, so eagerly the
+    backward casts again: the output gradient twice (m n, for the input gradient and for the weight gradient),
+    the weight and the input. Compiled, the output gradient once: its two tensor-wise casts share one amax and
+    scale, which Inductor computes once, and the partitioner keeps the forward's fp8 operands rather than
+    recomputing their casts (priced as fused before the fp8 rows of the corpus were fitted, and left so)."""
     weight = next((p for p in op.params if len(p.shape) == 2), None)
     if weight is None or flops <= 0:
-        return 0.0
+        return ()
     n, k = weight.shape  # nn.Linear stores [out, in]
     m = flops / (2 * k * n)
     w_bytes = 4 if weight.dtype == "float32" else 2
     if direction == "fwd":
-        return m * k * (2 * 2 + 1) + k * n * (2 * w_bytes + 1)
-    return m * n * (2 * 2 + 1) + 2 * (m * k + k * n)
+        return (m * k, 2), (k * n, w_bytes)
+    return ((m * n, 2),) if compile else ((m * n, 2), (m * n, 2), (k * n, w_bytes), (m * k, 2))
+
+
+def fp8_transposed(op: OpNode, flops: float, direction: str, *, compile: bool) -> tuple[float, ...]:
+    """Elements of the fp8 operands `torch._scaled_mm` gets in the wrong layout (it takes a row-major first and a
+    column-major second operand; torchao's `preprocess_addmm` copies the others): none forward; backward the
+    weight (for the input gradient), and the output gradient and the input (for the weight gradient). Compiled,
+    the output gradient's cast writes its transposed layout too (`fp8_cast_operands`), so two copies."""
+    weight = next((p for p in op.params if len(p.shape) == 2), None)
+    if direction == "fwd" or weight is None or flops <= 0:
+        return ()
+    n, k = weight.shape
+    m = flops / (2 * k * n)
+    return (k * n, m * k) if compile else (k * n, m * n, m * k)
+
+
+def fp8_cast_kernels(op: OpNode, flops: float, direction: str, *, compile: bool) -> tuple[float, ...]:
+    """The bytes each kernel of the float8 casts around one GEMM moves (`fp8_cast_operands`, `fp8_transposed`).
+    A cast of e elements from s-byte elements, dynamic tensor-wise scaling (`hp_tensor_to_float8_dynamic`):
+    - eager, op by op: abs (read s, write s), max (read s), the scale (`FP8_EAGER_SCALE_KERNELS`), to float32
+      unless s is 4 (read s, write 4), multiply by the scale (read 4, write 4), clamp (read 4, write 4), to fp8
+      (read 4, write 1): 9 or 10 kernels, 4 s + 25 bytes an element (33 from bf16 and from fp32 alike);
+    - compiled: an amax reduction (read s) and a scaled cast (read s, write 1): 2 kernels, 2 s + 1 bytes an
+      element, which the device's compile factor then scales as any fused elementwise chain (`_cast_time`).
+    Each transposed copy reads and writes 1 byte an element."""
+    kernels: list[float] = []
+    for elements, s in fp8_cast_operands(op, flops, direction, compile=compile):
+        if compile:
+            kernels += [elements * s, elements * (s + 1)]
+        else:
+            kernels += [elements * 2 * s, elements * s, *[8.0] * FP8_EAGER_SCALE_KERNELS,
+                        *([elements * (s + 4)] if s != 4 else []), elements * 8, elements * 8, elements * 5]
+    kernels += [2 * elements for elements in fp8_transposed(op, flops, direction, compile=compile)]
+    return tuple(kernels)
+
+
+def fp8_cast_bytes(op: OpNode, flops: float, direction: str, *, compile: bool) -> float:
+    """The bytes the float8 casts around one GEMM move (`fp8_cast_kernels`)."""
+    return sum(fp8_cast_kernels(op, flops, direction, compile=compile))
+
+
+def fp8_cast_launches(op: OpNode, direction: str, *, precision: str, compile: bool) -> int:
+    """Kernels the float8 casts add to `op`'s forward or backward (0 unless `op` runs as a float8 Linear):
+    what the simulator's host floor counts beside the GEMMs."""
+    if precision != "fp8" or not op.attrs.get("fp8_linear"):
+        return 0
+    return len(fp8_cast_kernels(op, max(op.fwd_flops, 1.0), direction, compile=compile))
+
+
+def _cast_time(op: OpNode, flops: float, direction: str, device: DeviceProfile, compile: bool) -> float:
+    """The float8 casts around one GEMM (`fp8_cast_kernels`), each kernel priced as a bf16 elementwise one
+    (the device's `arithmetic/bf16` factor, so a fit of the memory-bound classes scales them too); compiled,
+    times the device's `arithmetic/fwd` compile factor at the kernel's bytes."""
+    arithmetic = device.kernel_factors.get("arithmetic/bf16")
+    fused = device.compile_factors.get("arithmetic/fwd") if compile else None
+    total = 0.0
+    for nbytes in fp8_cast_kernels(op, flops, direction, compile=compile):
+        t, _ = kernel_time(0.0, nbytes, peak=device.effective_peak("fp32"), matmul=False, device=device,
+                           factor=arithmetic.at(nbytes) if arithmetic is not None else 1.0)
+        total += t * (fused.at(nbytes) if fused is not None else 1.0)
+    return total
 
 
 def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfile, precision: str,
@@ -367,24 +439,8 @@ def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfi
     if compile and t > 0:
         t *= compile_factor(op, device, "fwd", flops, nbytes)
     if precision == "fp8" and op.attrs.get("fp8_linear"):
-        t += _cast_time(fp8_cast_bytes(op, flops, "fwd"), device, compile)
+        t += _cast_time(op, flops, "fwd", device, compile)
     return t, bound
-
-
-def _cast_time(nbytes: float, device: DeviceProfile, compile: bool) -> float:
-    """The float8 casts of one GEMM: four memory-bound kernels (amax and scaled cast of two operands), priced
-    as bf16 elementwise kernels (the device's `arithmetic/bf16` factor, so a fit of the memory-bound classes,
-    or another stack's fused casts, scales them too), under torch.compile times its arithmetic factor."""
-    if nbytes <= 0:
-        return 0.0
-    each = nbytes / 4
-    curve = device.kernel_factors.get("arithmetic/bf16")
-    factor = curve.at(each) if curve is not None else 1.0
-    t, _ = kernel_time(0.0, each, peak=device.effective_peak("fp32"), matmul=False, device=device, factor=factor)
-    if compile:
-        fused = device.compile_factors.get("arithmetic/fwd")
-        t *= fused.at(each) if fused is not None else 1.0
-    return 4 * t
 
 
 def has_backward(op: OpNode) -> bool:
@@ -411,7 +467,7 @@ def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceP
     t, _ = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
     if compile:
         t *= compile_factor(op, device, "bwd", flops, nbytes)
-    cast = _cast_time(fp8_cast_bytes(op, op.fwd_flops * flops * kernels / max(op.bwd_flops, 1), "bwd"), device, compile) \
+    cast = _cast_time(op, op.fwd_flops * flops * kernels / max(op.bwd_flops, 1), "bwd", device, compile) \
         if precision == "fp8" and op.attrs.get("fp8_linear") else 0.0
     return kernels * t + cast
 

@@ -108,7 +108,9 @@ WeightTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def normalize_for_tp(model: nn.Module) -> None:
-    """Rewrite HF `Conv1D`s as `nn.Linear` (and GPT-2's fused c_attn as `FusedQKV`), keeping values.
+    """Rewrite HF `Conv1D`s as `nn.Linear` (and GPT-2's fused c_attn as `FusedQKV`), keeping values. Each module
+    it makes carries `soap_from_conv1d`, so that rules about HF's Linears (`tracer.fp8.fp8_linear`) leave it
+    as they leave the Conv1D it replaces.
 
     Records `model.soap_checkpoint_keys: {new param FQN: (checkpoint key, transform)}` so a checkpoint
     in the original layout can be loaded.
@@ -146,6 +148,8 @@ def normalize_for_tp(model: nn.Module) -> None:
                     if has_bias:
                         new.bias.copy_(module.bias)
         new.requires_grad_(module.weight.requires_grad)  # a frozen (PEFT base) weight stays frozen
+        for linear in new.modules():  # the Conv1D's regime stays: fp8 plans keep it in bf16 (tracer.fp8)
+            linear.soap_from_conv1d = True
         setattr(parent, name, new)
     model.soap_checkpoint_keys = {**getattr(model, "soap_checkpoint_keys", {}), **renames}  # idempotent
 

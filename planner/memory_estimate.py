@@ -150,6 +150,8 @@ class MemoryTables:
                                        + [outside.largest_trainable_unit or 0]),
             autocast_copied=int(sum(counts[u] * _copied(alone[u]) for u in blocks)) + _copied(outside),
             autocast_copied_outside=_copied(outside),
+            fp8_linear=int(sum(counts[u] * alone[u].fp8_linear for u in blocks)) + outside.fp8_linear,
+            fp8_linear_outside=outside.fp8_linear,
         )
 
     def _rank_state_uncached(self, bounds: tuple[int, ...], schedule: str, pp: int, v: int, tp: int, ep: int,
@@ -165,7 +167,7 @@ class MemoryTables:
         same: dict[tuple[int, int, int], object] = {}  # stages holding as many parameters hold as much state
         for s in range(len(bounds) - 1):
             params = self.held(bounds, (s,), tp, ep, vocab, adafactor)
-            copies = held_autocast_copies(params, blocks_keep=keep_copies)
+            copies = held_autocast_copies(params, blocks_keep=keep_copies, precision=precision)
             key = (params.trainable, params.frozen, params.quantized_bytes, copies)
             if adafactor or key not in same:
                 same[key] = model_state_bytes(

@@ -474,9 +474,9 @@ def compile_choices(req: SpaceRequest, compile_pays: bool) -> tuple[bool, ...]:
 
 def fp8_compiles(req: SpaceRequest, precision: str) -> bool:
     """fp8 plans compile unless compile is pinned or cannot run. torchao's float8 Linears eagerly dispatch their
-    amax, scale and cast ops one by one: on a lent H200 (2026-11-26) GPT-2 trained 3.4x slower in eager fp8 than in
-    bf16 (737 against 215 ms a step), and 0.95x as fast compiled (148 against 139 ms), a gap soap's kernel prices
-    do not show (docs/benchmarks.md, "The measured H200 profile")."""
+    amax, scale and cast ops one by one (`costmodel.opcost.fp8_cast_kernels`): on a lent H100 (2026-11-26) four
+    Llama-3-8B layers ran 1.61x slower in eager fp8 than in bf16 and 1.08x faster compiled
+    (`benchmarks/fp8_h100.py`); on a lent H200 GPT-2 ran 3.4x slower eagerly (its Linears then converted too)."""
     return precision == "fp8" and req.pins.compile is None and compile_violation(
         compile=True, encoder_decoder=req.dims.is_encoder_decoder) is None
 

@@ -232,7 +232,7 @@ def test_plan_on_a_gpu_profile_leaves_compile_off_unless_pinned(tiny):
 
 
 def test_fp8_plans_compile_unless_pinned_off(tiny):
-    """torchao's float8 Linears run eagerly op by op (3.4x slower than bf16 on an H200): an fp8 plan compiles
+    """torchao's float8 Linears run eagerly op by op (1.6x slower than bf16 on an H100): an fp8 plan compiles
     even where the profile prices no compile gain; a pin keeps the user's choice."""
     fp8 = plan_report(tiny, gpus=8, global_batch=64, precision="fp8", cluster="dgx-h100-datasheet")
     assert fp8.plan.parallelism.compile is True and fp8.plan.parallelism.precision == "fp8"

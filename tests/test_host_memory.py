@@ -130,7 +130,7 @@ def test_pinned_shards_are_counted_at_the_pinned_allocators_power_of_two_blocks(
     assert [pow2_ceil(n) for n in (1, 2, 3, 48, 64, 65)] == [1, 2, 4, 64, 64, 128]
     # one block of 2 instances, each with a trainable 3 x 4 fp32 weight: a 48-byte shard takes a 64-byte block
     op = SimpleNamespace(name="layers.w:mm", kind=OpKind.MATMUL, block_id="layers", module_fqn="layers.0.w", outputs=(),
-                         params=(ParamMeta("layers.w", (3, 4), "float32"),))
+                         params=(ParamMeta("layers.w", (3, 4), "float32"),), attrs={})
     graph = SimpleNamespace(ops=(op,), blocks=(SimpleNamespace(id="layers", count=2),))
     rho, share = pinned_rounding(graph, tp=1, pp=1, dp_shard=1, optimizer="adamw", precision="bf16")
     assert rho == pytest.approx(64 / 48)

@@ -129,7 +129,7 @@ from costmodel.memory import (
     workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, chunk_loss_transient, selective_cached
-from costmodel.opcost import activation_itemsize, backward_kernels, loss_launches, op_time
+from costmodel.opcost import activation_itemsize, backward_kernels, fp8_cast_launches, loss_launches, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
 from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
@@ -362,8 +362,10 @@ class _UnitPricer:
             f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)
             fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
             fwd_kernels += (f > 0) + loss_launches(p.op, t.cross_entropy, micro_batch=t.micro_batch,
-                                                   batch_traced=self.graph.batch, split=p.split.local())
-            bwd_kernels += backward_kernels(p.op) if bi + bw > 0 else 0
+                                                   batch_traced=self.graph.batch, split=p.split.local()) \
+                + fp8_cast_launches(p.op, "fwd", precision=t.precision, compile=t.compile)
+            bwd_kernels += backward_kernels(p.op) + fp8_cast_launches(p.op, "bwd", precision=t.precision,
+                                                                      compile=t.compile) if bi + bw > 0 else 0
             if not kept:  # selective checkpointing recomputes it
                 selective += f
                 selective_kernels += f > 0
@@ -486,7 +488,8 @@ def _price_stage(layers: Sequence[Layer], units: _UnitPricer, strategy: Strategy
                               param_shapes=params.shapes if t.optimizer == "adafactor" else None, frozen=params.frozen,
                               pipeline=d.pp > 1, fsdp=fsdp_engine(strategy), quantized=params.quantized_bytes,
                               autocast=t.peft is None,
-                              autocast_copied=held_autocast_copies(params, blocks_keep=blocks_keep_autocast_copies(t)))
+                              autocast_copied=held_autocast_copies(params, blocks_keep=blocks_keep_autocast_copies(t),
+                                                                   precision=t.precision))
     sp = t.sequence_parallel and d.tp > 1
     hidden = shape.hidden_bytes(d.cp) / (d.tp if sp else 1)
     p2p = pricer.collective("send_recv", hidden, groups.pp_pair) if d.pp > 1 else 0.0
