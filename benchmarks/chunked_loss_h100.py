@@ -39,23 +39,14 @@ def records() -> list[dict]:
 
 
 def rows() -> list[dict]:
-    from costmodel.profiles import load_cluster
-    from executor.validation.refit import simulate_on, trace_plan_model
-    from executor.validation.validate import predicted_memory_bytes
-    from planner.plan import plan_from_dict
+    from benchmarks.gpu_repredict import priced
 
     out = []
     for record in records():
-        plan = plan_from_dict(record["plan"])
         row = dict(name=record["name"].removesuffix(".plan").replace("-chunked", ""), call=record["call"],
                    loss=record["loss"], measured_s=record["step_time_s"], measured_gib=record["peak_memory_gib"],
                    reserved_gib=record["peak_memory_reserved_gib"])
-        for name in CLUSTERS:
-            cluster = load_cluster(name)
-            result = simulate_on(plan, trace_plan_model(plan, cluster), cluster)
-            row[name] = (result.step_time_s,
-                         predicted_memory_bytes(result, cluster.device.runtime_workspace_bytes) / 2**30)
-        out.append(row)
+        out.append(row | priced(record, {name: name for name in CLUSTERS}))
     return out
 
 

@@ -127,11 +127,26 @@ def model_of(record: dict) -> str:
     return next(label for prefix, label in MODEL_OF if name.startswith(prefix))
 
 
+def priced(record: dict, clusters: dict) -> dict[str, tuple[float, float]]:
+    """The step (s) and peak memory (GiB) the current cost model gives the plan a runs-log `record` ran, on each
+    of `clusters` (name: ClusterSpec, or a profile name to load)."""
+    from costmodel.profiles import load_cluster
+    from executor.validation.refit import simulate_on, trace_plan_model
+    from executor.validation.validate import predicted_memory_bytes
+    from planner.plan import plan_from_dict
+
+    plan = plan_from_dict(record["plan"])
+    out = {}
+    for name, cluster in clusters.items():
+        cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
+        result = simulate_on(plan, trace_plan_model(plan, cluster), cluster)
+        out[name] = (result.step_time_s, predicted_memory_bytes(result, cluster.device.runtime_workspace_bytes) / 2**30)
+    return out
+
+
 def rows() -> list[dict]:
     from costmodel.profiles import cluster_from_dict, load_cluster
-    from executor.validation.validate import predicted_memory_bytes
-    from executor.validation.refit import refit_cluster, simulate_on, trace_plan_model
-    from planner.plan import plan_from_dict
+    from executor.validation.refit import refit_cluster
 
     records = runs()
     measured = load_cluster(CLUSTERS[1])
@@ -140,15 +155,12 @@ def rows() -> list[dict]:
         cluster = cluster_from_dict(refit_cluster([r for r in records if model_of(r) != model], measured)[1])
         refitted.update({id(r): cluster for r in records if model_of(r) == model})
     out = []
+    default = load_cluster(CLUSTERS[0])
     for record in records:
-        plan = plan_from_dict(record["plan"])
         row = dict(name=record["name"].removesuffix(".plan"), measured_s=record["step_time_s"],
                    measured_gib=record["peak_memory_gib"], then_s=record["predicted_step_time_s"],
                    then_gib=record["predicted_peak_memory_gib"])
-        profiles = {CLUSTERS[0]: load_cluster(CLUSTERS[0]), CLUSTERS[1]: measured, REFIT: refitted[id(record)]}
-        for name, cluster in profiles.items():
-            result = simulate_on(plan, trace_plan_model(plan, cluster), cluster)
-            row[name] = (result.step_time_s, predicted_memory_bytes(result, cluster.device.runtime_workspace_bytes) / 2**30)
+        row.update(priced(record, {CLUSTERS[0]: default, CLUSTERS[1]: measured, REFIT: refitted[id(record)]}))
         out.append(row)
     return out
 
