@@ -170,6 +170,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
 
 def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
     p = plan.parallelism
+    # float8 Linears first, as torchtitan converts before it parallelizes: torchao's swap makes new modules,
+    # which would drop the input and output hooks a TP style registered on the old ones (tests/test_fp8_execute.py)
+    precision_mod.convert_fp8(part, plan)
     if p.tp > 1:
         _, blocks = find_block_list(part)
         modules = list(blocks)
@@ -189,7 +192,6 @@ def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:
     if p.cp > 1:
         apply_cp(part, mesh.cp)
     apply_recompute(part, _recompute_policy(plan))
-    precision_mod.convert_fp8(part, plan)
     if p.compile:
         compile_blocks(part, plan)
     if uses_fsdp(plan):

@@ -12,7 +12,9 @@
            returns the scaled loss (`PrecisionRuntime.scaled_loss`).
     fp8    bf16 as above (FSDP's bf16 MixedPrecisionPolicy, or bf16 autocast), with torchao float8
            training Linear layers (as torchtitan runs fp8) on GPUs with compute capability >= 8.9, applied
-           before compile and FSDP; anywhere else a SoapError
+           before compile and FSDP; on a GPU without fp8 a SoapError. On the CPU (a smoke run, or a test)
+           torchao emulates them (`Float8LinearConfig(emulate=True)`: the same casts and scales, the GEMM
+           in high precision), so every fp8 plan's layout is exercised where no fp8 GPU is.
 """
 
 from __future__ import annotations
@@ -126,11 +128,13 @@ def convert_fp8(model: nn.Module, plan: Plan) -> None:
     """Swap Linear layers for torchao's float8 training layers (fp8 plans only)."""
     if plan.parallelism.precision != "fp8":
         return
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.get_device_capability() < (8, 9):
         raise SoapError("fp8 needs a GPU with compute capability >= 8.9 (H100, L40S, ...); "
                         "re-plan with --precision bf16")
     try:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise SoapError("fp8 training needs torchao (pip install torchao); or re-plan with --precision bf16") from None
-    convert_to_float8_training(model, module_filter_fn=fp8_linear)  # the layers the cost model prices in fp8
+    # the layers the cost model prices in fp8; emulated where no GPU runs them (the module docstring)
+    convert_to_float8_training(model, module_filter_fn=fp8_linear, config=Float8LinearConfig(emulate=not cuda))
