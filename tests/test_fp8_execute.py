@@ -1,7 +1,7 @@
 """fp8 plans execute in every layout, as one process does: torchao's float8 Linears (emulated on the CPU:
 `executor.precision`, the same casts and scales with the GEMM in high precision) under TP with and without
-sequence parallelism, FSDP2, a pipeline, context parallelism, recompute and torch.compile, and a MoE model under
-TP and expert parallelism, on 2 gloo ranks.
+sequence parallelism, FSDP2, pipelines (a zero-bubble one compiled), context parallelism, recompute and
+torch.compile, and a MoE model under TP and expert parallelism, on 2 gloo ranks.
 
 Until 2026-11-26 the executor swapped in the float8 Linears after tensor parallelism, and torchao's swap makes
 new modules, which dropped the TP styles' input and output hooks: every fp8 plan with tp > 1 failed its first
@@ -27,6 +27,9 @@ CASES = {  # name: (family, plan)
     "tp2-sp-recompute-full": ("llama", dict(tp=2, sequence_parallel=True, recompute="full", micro_batch=4)),
     "fsdp-zero3": ("llama", dict(dp_shard=2, zero=3, micro_batch=2)),
     "pp2": ("llama", dict(pp=2, micro_batch=1, num_microbatches=4)),
+    # a schedule that splits the backward, compiled (issue 26's crash class), over float8's autograd Function
+    "pp2-zbv-compile": ("llama", dict(pp=2, virtual_stages=2, schedule="ZBVZeroBubble", micro_batch=1,
+                                      num_microbatches=4, compile=True)),
     "cp2": ("llama", dict(cp=2, micro_batch=4)),
     "ddp-compile": ("llama", dict(dp_replicate=2, micro_batch=2, compile=True)),
     "mixtral-tp2": ("mixtral", dict(tp=2, micro_batch=4)),
