@@ -108,6 +108,7 @@ def test_executor_converts_what_the_tracer_marks(family):
     assert precision.fp8_linear is fp8_linear
     plan = make_plan(family, precision="fp8")
     executed = build_meta_model(plan.model.config, plan.model.task)
+
     def layer(name: str) -> str:  # the trace prices one instance of each block
         return re.sub(r"\.\d+\.", ".N.", name)
 
