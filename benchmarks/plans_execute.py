@@ -223,7 +223,10 @@ def plan_case(case: Case, workdir: Path) -> None:
 
     config = workdir / f"{case.name.split('-w')[0]}.json"
     config.write_text(json.dumps(case.config))
-    common = dict(cluster="local-cpu", global_batch=case.global_batch, seq_len=case.seq_len)
+    # local-cpu has no fp8 rate: an fp8 case is planned for H100s and trains on the CPU ranks, where torchao
+    # emulates its float8 Linears (executor.precision)
+    cluster = "dgx-h100" if case.pins.get("precision") == "fp8" else "local-cpu"
+    common = dict(cluster=cluster, global_batch=case.global_batch, seq_len=case.seq_len)
     try:
         plan = plan_report(str(config), gpus=case.world, gpus_per_node=case.gpus_per_node, **common,
                            **case.pins).plan

@@ -38,6 +38,9 @@ NAMED = {
     "tp4-across-nodes-of-2": ("llama", ISSUE_LLAMA, 4, dict(tp=4, compile=False, **SGD), 2),
     # found by the 200-case benchmark: zero 0/1 on FSDP2 (offload) with cp > 1 was refused by the executor
     "cp2-zero0-offload": ("llama", ISSUE_LLAMA, 2, dict(cp=2, zero=0, offload=True, compile=False, **SGD), None),
+    # fp8 plans with TP failed their first forward (the float8 swap came after TP); planned for H100s, emulated here
+    "fp8-tp2": ("llama", ISSUE_LLAMA, 2, dict(tp=2, precision="fp8"), None),
+    "fp8-pp2-tp2": ("llama", ISSUE_LLAMA, 4, dict(tp=2, pp=2, precision="fp8", compile=False), None),
 }
 
 
@@ -61,8 +64,9 @@ def test_every_written_plan_trains_and_fp32_plans_match_one_rank(cases):
 @pytest.mark.parametrize("name", NAMED)
 def test_issue_26_layouts_run_and_match_one_process(cases, name):
     case = _named(cases, name)
-    assert case.outcome == "ran" and case.reference is not None, f"{summary(case)}: {case.outcome}"
+    assert case.outcome == "ran", f"{summary(case)}: {case.outcome}"
     p = case.plan["parallelism"]
+    assert case.reference is not None or p["precision"] != "fp32"  # fp32 plans are compared with one rank
     for pin, value in case.pins.items():
         if pin in p:
             assert p[pin] == value, (pin, p[pin], value)
