@@ -108,6 +108,10 @@ READING = """Reading it:
   parallelism) before the fp8 swap, so it converted them while the trace, seeing Conv1Ds, priced bf16: the lent
   H200's eager fp8 GPT-2 step ran 3.4x slower than bf16, unexplained until these eager casts were counted. The
   rewritten Linears now keep the bf16 regime, as priced (`tracer.fp8`, tested on GPT-2 and Llama).
+- **fp8 with tensor parallelism did not run at all** (found while checking the executor against these prices):
+  the float8 swap came after TP and dropped the TP styles' hooks. It now comes first, and on the CPU torchao
+  emulates the float8 Linears, so `tests/test_fp8_execute.py` runs fp8 under TP, SP, FSDP2, pipelines (a
+  compiled zero-bubble one), CP, EP and compile against one process, and fp8 cases join `plans_execute`.
 - **The executor leaving autocast before the loss, measured**: the 16k chunked step peaked at 37.34 GiB, priced
   37.28 (it was 38.97 with autocast's 1.6 GiB of weight copies held over the loss).
 - **LoRA and QLoRA did not run**: both outlasted their limit initializing the bf16 base on the CPU (call 2's
