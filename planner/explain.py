@@ -116,7 +116,12 @@ def explain(
         lines.append(f"torch.compile on each block, {reason}; its one-time compilation is not in the step time.")
     if t.precision == "fp8":
         ratio = cluster.device.effective_peak("fp8") / cluster.device.effective_peak("bf16")
-        lines.append(f"FP8 matmuls, which this device runs at {ratio:.2g}x its bf16 rate.")
+        line = (f"FP8 matmuls in the blocks' Linear layers (torchao float8), which this device runs at {ratio:.2g}x "
+                "its bf16 rate")
+        if not t.compile:  # costmodel.opcost.fp8_cast_kernels: the casts op by op
+            line += ("; without torch.compile their casts run op by op and cost more than the faster GEMMs save "
+                     "(an H100 ran eager fp8 1.6x slower than bf16)")
+        lines.append(line + ".")
     if breakdown:
         total = sum(breakdown.values()) or 1.0
         part = max(breakdown, key=lambda k: (breakdown[k], k))

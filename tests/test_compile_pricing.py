@@ -240,6 +240,9 @@ def test_fp8_plans_compile_unless_pinned_off(tiny):
     assert pinned.plan.parallelism.compile is False
     bf16 = plan_report(tiny, gpus=8, global_batch=64, cluster="dgx-h100-datasheet")
     assert bf16.plan.parallelism.compile is False
+    # the plan says why a pinned eager fp8 costs what it does
+    assert any("FP8" in line and "op by op" in line for line in pinned.why)
+    assert not any("op by op" in line for line in fp8.why)
 
 
 def test_inline_cluster_keeps_compile_factors():
