@@ -108,7 +108,11 @@ def uses_ddp(plan: Plan) -> bool:
 
 
 def build_optimizer(plan: Plan, params: list[nn.Parameter], *, lr: float, mesh: MeshView | None) -> torch.optim.Optimizer:
+    """The plan's optimizer over the trainable ones of `params`. A frozen parameter (a PEFT base) is not its:
+    ZeroRedundancyOptimizer would broadcast each frozen tensor from its owner every step (traffic the cost model
+    does not price, for nothing), and refuses QLoRA's 4-bit (uint8) base beside the float adapters."""
     p = plan.parallelism
+    params = [q for q in params if q.requires_grad] or params  # a part with nothing to train still steps
     groups = _group_by_mesh(params)
     on_cuda = params[0].device.type == "cuda"
     if p.zero == 1 and mesh is not None and uses_ddp(plan):

@@ -28,6 +28,8 @@ CASES_2 = {  # name: (family, peft, plan)
     "gpt2-fsdp-zero2-bf16": ("gpt2", LORA, dict(dp_shard=2, zero=2, micro_batch=2, precision="bf16")),
     "gpt2-pp2-tied": ("gpt2", LORA, dict(pp=2, micro_batch=1, num_microbatches=4)),  # a frozen tied pair
     "qlora-ddp": ("llama", QLORA, dict(dp_replicate=2, micro_batch=2)),  # bitsandbytes' CPU backend
+    # ZeroRedundancyOptimizer over every parameter refused the 4-bit (uint8) base beside the float adapters
+    "qlora-ddp-zero1": ("llama", QLORA, dict(dp_shard=2, zero=1, micro_batch=2)),
 }
 CASES_4 = {"fsdp-x-pp": ("llama", LORA, dict(dp_shard=2, zero=2, pp=2, micro_batch=1, num_microbatches=2))}
 
