@@ -36,7 +36,8 @@ compiled backward that donates its saved buffers refuses, so the executor compil
 donation there (`executor.api.compile_blocks`); tests/test_plans_execute.py holds both zero-bubble
 schedules with compile to one process. TP groups may span nodes and may outnumber the KV heads (the
 executor replicates K and V over TP then, `executor.tensor_parallel.replicate_kv_heads`): neither is a
-rule here; keeping the search's TP inside an NVLink domain is the planner's choice (`planner.space`).
+rule here; keeping the search's TP inside an NVLink domain is the planner's choice (`planner.space`). torch's
+Adafactor steps plain parameters only (`optimizer_violation`: not under TP or FSDP2).
 
 Pipeline messages name the plan.json field (`parallelism.num_microbatches`, ...) and the fix; model
 messages name the degree (`tp=3 does not divide 4 attention heads; ...`), which the plan loader prefixes
@@ -45,7 +46,7 @@ with `parallelism:`.
 
 from __future__ import annotations
 
-from costmodel.strategy import ParallelDims
+from costmodel.strategy import ParallelDims, runs_on_fsdp2
 from tracer.errors import SoapError
 
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
@@ -175,6 +176,22 @@ PEFT_SPLITS = ("tp", "cp", "ep")
 """Degrees soap's executor has not run with LoRA adapters (each must be 1 under --peft)."""
 QLORA_SPLITS = ("pp",)
 """Further degrees QLoRA's 4-bit weights do not run under in soap's executor."""
+
+
+def optimizer_violation(optimizer: str, *, tp: int = 1, dp: int = 1, cp: int = 1, pp: int = 1, zero: int = 0,
+                        offload: bool = False) -> str | None:
+    """Why soap's executor cannot step `optimizer` under these choices, or None. torch's Adafactor
+    (`torch.optim.Adafactor`) reduces each gradient over its rows and its columns in place; on a DTensor
+    sharded along one of them (TP, or FSDP2: `costmodel.strategy.runs_on_fsdp2`, offload included) the
+    reduction is a partial placement that an in-place op cannot keep, and the step fails. It runs on DDP,
+    ZeRO-1, pipelines and context parallelism (tests/test_optimizer_layouts.py)."""
+    if optimizer != "adafactor":
+        return None
+    if tp > 1 or runs_on_fsdp2(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, offload=offload):
+        what = "tp > 1" if tp > 1 else "offload" if offload else "FSDP2 (ZeRO 2/3, or a pipeline with data parallelism)"
+        return (f"optimizer adafactor under {what}: torch's Adafactor cannot step sharded (DTensor) parameters; "
+                "use adamw or adamw8bit, or DDP / ZeRO-1 without TP")
+    return None
 
 
 def peft_violation(method: str | None, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0,

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from costmodel.plan_rules import (compile_violation, executed_pipeline_violation, model_violation, peft_violation,
-                                  recompute_violation)
+from costmodel.plan_rules import (compile_violation, executed_pipeline_violation, model_violation, optimizer_violation,
+                                  peft_violation, recompute_violation)
 from costmodel.strategy import (
     ATTENTION_IMPLS,
     CROSS_ENTROPY_IMPLS,
@@ -262,6 +262,10 @@ class Plan(_Strict):
                   or recompute_violation(recompute=p.recompute, encoder_decoder=dims.is_encoder_decoder))
         if reason:
             raise ValueError(reason)
+        reason = optimizer_violation(p.optimizer, tp=p.tp, dp=p.dp, cp=p.cp, pp=p.pp, zero=p.zero,
+                                     offload=p.offload_optimizer)
+        if reason:
+            raise ValueError(f"parallelism: {reason}")
         reason = peft_violation(self.model.peft.method if self.model.peft else None, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
                                 zero=p.zero, offload=p.offload_optimizer, precision=p.precision, compile=p.compile,
                                 recompute=p.recompute)

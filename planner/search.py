@@ -178,9 +178,8 @@ def _frugal_fits(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, head
     """Whether the mesh's most memory-frugal configuration fits (smallest micro-batch, the strongest
     recompute policy allowed, model state offloaded; or not offloaded, where offloading does not fit
     host memory)."""
-    offloads = [o for o in (True, False) if o in offload_choices(req)]
     for frugal in frugal_configs(req, mesh, heads):
-        for offload in offloads:
+        for offload in [o for o in (True, False) if o in offload_choices(req, frugal.optimizer)]:
             t = dataclasses.replace(frugal, offload_optimizer=offload)
             est = estimator.estimate(mesh, t)
             if est.memory_bytes > memory_limit:
@@ -203,7 +202,7 @@ def _expand(req: SpaceRequest, estimator: Estimator, mesh: MeshChoice, heads: li
         if floor > best and floor > global_bar:
             continue
         fitting_level = len(recomputes)
-        for offload in offload_choices(req):
+        for offload in offload_choices(req, head.optimizer):
             for level, recompute in enumerate(recomputes[:fitting_level]):
                 t = training_config(req, mesh, head, recompute=recompute, offload=offload)
                 est = estimator.estimate(mesh, t)

@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from costmodel.plan_rules import (NOT_EXECUTED, compile_violation, executed_pipeline_violation, model_violation,
-                                  peft_violation, recompute_violation)
+                                  optimizer_violation, peft_violation, recompute_violation)
 from costmodel.strategy import (
     EXECUTED_CROSS_ENTROPY,
     MULTI_STAGE_SCHEDULES,
@@ -243,6 +243,10 @@ def validate_pins(req: SpaceRequest) -> None:
                             compile=bool(p.compile), precision=p.precision or "bf16", recompute=p.recompute or "none")
     if reason:
         raise SoapError(f"--peft {req.peft}: {reason}")
+    reason = optimizer_violation(p.optimizer, tp=p.tp or 1, dp=p.dp or 1, cp=p.cp or 1, pp=p.pp or 1,
+                                 zero=p.zero or 0, offload=bool(p.offload))
+    if reason:
+        raise SoapError(f"--optimizer {reason.removeprefix('optimizer ')}")
     if p.dp is not None and req.global_batch % p.dp:
         raise SoapError(f"--dp {p.dp} does not divide the global batch {req.global_batch}; change --global-batch")
     if p.precision is not None and p.precision not in (*req.precisions, "tf32", "auto"):
@@ -439,12 +443,14 @@ class TrainingHead:
 
 def training_heads(req: SpaceRequest, mesh: MeshChoice) -> list[TrainingHead]:
     d = mesh.dims
+    optimizers = [o for o in optimizer_choices(req) if optimizer_violation(
+        o, tp=d.tp, dp=d.dp, cp=d.cp, pp=d.pp, zero=mesh.zero) is None]
     return [
         TrainingHead(mb, count, accum, schedule, v, precision, optimizer)
         for mb, count, accum in micro_batching(req, dp=d.dp, pp=d.pp)
         for schedule, v in schedule_choices(req, pp=d.pp, num_microbatches=count, grad_accum=accum, zero=mesh.zero)
         for precision in precision_choices(req)
-        for optimizer in optimizer_choices(req)
+        for optimizer in optimizers
     ]
 
 
@@ -455,11 +461,12 @@ def recompute_choices(req: SpaceRequest) -> tuple[str, ...]:
                  is None and peft_violation(req.peft, recompute=r) is None)
 
 
-def offload_choices(req: SpaceRequest) -> tuple[bool, ...]:
-    """Optimizer offload off then on, or as pinned."""
+def offload_choices(req: SpaceRequest, optimizer: str | None = None) -> tuple[bool, ...]:
+    """Optimizer offload off then on, or as pinned; off alone where `optimizer` cannot step offloaded state."""
     if req.pins.offload is not None:
         return (req.pins.offload,)
-    return (False,) if peft_violation(req.peft, offload=True) else (False, True)
+    refused = peft_violation(req.peft, offload=True) or (optimizer and optimizer_violation(optimizer, offload=True))
+    return (False,) if refused else (False, True)
 
 
 def compile_choices(req: SpaceRequest, compile_pays: bool) -> tuple[bool, ...]:
@@ -504,12 +511,13 @@ def frugal_configs(req: SpaceRequest, mesh: MeshChoice, heads: list[TrainingHead
     recompute = recompute_choices(req)[-1]
     for head in heads:
         if head.micro_batch == smallest:
-            yield training_config(req, mesh, head, recompute=recompute, offload=offload_choices(req)[-1])
+            yield training_config(req, mesh, head, recompute=recompute,
+                                  offload=offload_choices(req, head.optimizer)[-1])
 
 
 def training_choices(req: SpaceRequest, mesh: MeshChoice) -> Iterator[TrainingConfig]:
     """Every training configuration of one mesh, in a fixed order."""
     for head in training_heads(req, mesh):
         for recompute in recompute_choices(req):
-            for offload in offload_choices(req):
+            for offload in offload_choices(req, head.optimizer):
                 yield training_config(req, mesh, head, recompute=recompute, offload=offload)
