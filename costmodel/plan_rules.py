@@ -37,7 +37,8 @@ donation there (`executor.api.compile_blocks`); tests/test_plans_execute.py hold
 schedules with compile to one process. TP groups may span nodes and may outnumber the KV heads (the
 executor replicates K and V over TP then, `executor.tensor_parallel.replicate_kv_heads`): neither is a
 rule here; keeping the search's TP inside an NVLink domain is the planner's choice (`planner.space`). torch's
-Adafactor steps plain parameters only (`optimizer_violation`: not under TP or FSDP2).
+Adafactor and bitsandbytes' 8-bit AdamW step plain parameters only (`optimizer_violation`: not under TP or
+FSDP2).
 
 Pipeline messages name the plan.json field (`parallelism.num_microbatches`, ...) and the fix; model
 messages name the degree (`tp=3 does not divide 4 attention heads; ...`), which the plan loader prefixes
@@ -180,18 +181,23 @@ QLORA_SPLITS = ("pp",)
 
 def optimizer_violation(optimizer: str, *, tp: int = 1, dp: int = 1, cp: int = 1, pp: int = 1, zero: int = 0,
                         offload: bool = False) -> str | None:
-    """Why soap's executor cannot step `optimizer` under these choices, or None. torch's Adafactor
-    (`torch.optim.Adafactor`) reduces each gradient over its rows and its columns in place; on a DTensor
-    sharded along one of them (TP, or FSDP2: `costmodel.strategy.runs_on_fsdp2`, offload included) the
-    reduction is a partial placement that an in-place op cannot keep, and the step fails. It runs on DDP,
-    ZeRO-1, pipelines and context parallelism (tests/test_optimizer_layouts.py)."""
-    if optimizer != "adafactor":
+    """Why soap's executor cannot step `optimizer` under these choices, or None. Two optimizers step plain
+    tensors only, so not the DTensor parameters of TP or FSDP2 (`costmodel.strategy.runs_on_fsdp2`, offload
+    included): torch's Adafactor (`torch.optim.Adafactor`) reduces each gradient over its rows and its columns in
+    place, which a DTensor sharded along one of them cannot keep, and bitsandbytes' 8-bit AdamW calls its own
+    update kernels, for which DTensor has no sharding rule; each failed its first step. They run on DDP, ZeRO-1,
+    pipelines and context parallelism (tests/test_optimizer_layouts.py)."""
+    if optimizer not in PLAIN_TENSOR_OPTIMIZERS:
         return None
     if tp > 1 or runs_on_fsdp2(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, offload=offload):
         what = "tp > 1" if tp > 1 else "offload" if offload else "FSDP2 (ZeRO 2/3, or a pipeline with data parallelism)"
-        return (f"optimizer adafactor under {what}: torch's Adafactor cannot step sharded (DTensor) parameters; "
-                "use adamw or adamw8bit, or DDP / ZeRO-1 without TP")
+        return (f"optimizer {optimizer} under {what}: {PLAIN_TENSOR_OPTIMIZERS[optimizer]} cannot step sharded "
+                "(DTensor) parameters; use adamw, or DDP / ZeRO-1 without TP")
     return None
+
+
+PLAIN_TENSOR_OPTIMIZERS = {"adafactor": "torch's Adafactor", "adamw8bit": "bitsandbytes' 8-bit AdamW"}
+"""Optimizers that step plain tensors only (`optimizer_violation`), and whose they are."""
 
 
 def peft_violation(method: str | None, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, zero: int = 0,

@@ -1,10 +1,12 @@
-"""Adafactor runs where soap plans it, and is planned only where it runs (`costmodel.plan_rules.optimizer_violation`).
+"""Adafactor and 8-bit AdamW run where soap plans them, and are planned only where they run
+(`costmodel.plan_rules.optimizer_violation`).
 
 torch's Adafactor reduces each gradient over its rows and columns in place, which a DTensor sharded along one of
-them cannot do: under TP or FSDP2 (ZeRO 2/3, a pipeline with data parallelism, offload) its first step failed
-("in-place operations that require placement changes are not supported"), and `--optimizer auto` could pick it
-there. The search now leaves those layouts out for it, a pin of one is an error line, the plan loader refuses one,
-and the layouts it keeps train as one process does on 2 gloo ranks."""
+them cannot do, and bitsandbytes' 8-bit AdamW calls update kernels DTensor has no sharding rule for: under TP or
+FSDP2 (ZeRO 2/3, a pipeline with data parallelism, offload) their first step failed ("in-place operations that
+require placement changes are not supported"; "does not have a sharding strategy registered"), and
+`--optimizer auto` could pick them there. The search now leaves those layouts out for them, a pin of one is an
+error line, the plan loader refuses one, and the layouts they keep train as one process does on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -17,61 +19,72 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from exec_helpers import init_single_process_group, make_plan, spawn_cases  # noqa: E402
 
+from costmodel.plan_rules import optimizer_violation  # noqa: E402
 from tracer.errors import SoapError  # noqa: E402
 
 RUN = {"steps": 3, "lr": 1e-3}
-ADAFACTOR = dict(optimizer="adafactor")
-RUNS = {  # name: (family, plan), each on 2 ranks
-    "ddp": ("llama", dict(dp_replicate=2, micro_batch=2)),
-    "zero1": ("llama", dict(dp_shard=2, zero=1, micro_batch=2)),
-    "pp2": ("llama", dict(pp=2, micro_batch=1, num_microbatches=4)),
-    "cp2": ("llama", dict(cp=2, micro_batch=4)),
+RUNS = {  # name: (optimizer, plan), each on 2 ranks
+    "adafactor-ddp": ("adafactor", dict(dp_replicate=2, micro_batch=2)),
+    "adafactor-zero1": ("adafactor", dict(dp_shard=2, zero=1, micro_batch=2)),
+    "adafactor-pp2": ("adafactor", dict(pp=2, micro_batch=1, num_microbatches=4)),
+    "adafactor-cp2": ("adafactor", dict(cp=2, micro_batch=4)),
+    "adamw8bit-zero1": ("adamw8bit", dict(dp_shard=2, zero=1, micro_batch=2)),
 }
-REFUSED = {"fsdp-zero3": ("llama", dict(dp_shard=2, zero=3, micro_batch=2)),
-           "tp2": ("llama", dict(tp=2, micro_batch=4)),
-           "pp2-dp2": ("llama", dict(pp=2, dp_replicate=2, micro_batch=1, num_microbatches=4)),
-           "offload": ("llama", dict(dp_shard=2, zero=1, micro_batch=2, offload_optimizer=True))}
+REFUSED = {"fsdp-zero3": dict(dp_shard=2, zero=3, micro_batch=2), "tp2": dict(tp=2, micro_batch=4),
+           "pp2-dp2": dict(pp=2, dp_replicate=2, micro_batch=1, num_microbatches=4),
+           "offload": dict(dp_shard=2, zero=1, micro_batch=2, offload_optimizer=True)}
 
 
 @pytest.fixture(scope="module")
-def single_process_losses() -> list[float]:
+def single_process_losses() -> dict[str, list[float]]:
     import torch.distributed as dist
 
     from executor.train import RunConfig, train
 
     init_single_process_group()
     try:
-        return train(make_plan("llama", micro_batch=4, **ADAFACTOR), RunConfig(progress=False, **RUN)).losses
+        return {optimizer: train(make_plan("llama", micro_batch=4, optimizer=optimizer),
+                                 RunConfig(progress=False, **RUN)).losses for optimizer in ("adafactor", "adamw8bit")}
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_rank_losses() -> dict:
-    return spawn_cases(2, [{"name": name, "family": family, "plan": {**plan, **ADAFACTOR}, "run": RUN}
-                           for name, (family, plan) in RUNS.items()])
+    return spawn_cases(2, [{"name": name, "family": "llama", "plan": {**plan, "optimizer": optimizer}, "run": RUN}
+                           for name, (optimizer, plan) in RUNS.items()])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
-def test_adafactor_trains_as_one_process_where_it_is_planned(name, two_rank_losses, single_process_losses):
+def test_they_train_as_one_process_where_they_are_planned(name, two_rank_losses, single_process_losses):
     got = two_rank_losses[name]
     assert isinstance(got, list), f"{name} failed: {got}"
-    assert got == pytest.approx(single_process_losses, rel=1e-4), name
+    assert got == pytest.approx(single_process_losses[RUNS[name][0]], rel=1e-4), name
 
 
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw8bit"])
 @pytest.mark.parametrize("name", list(REFUSED))
-def test_the_plan_loader_refuses_adafactor_on_sharded_parameters(name):
-    family, plan = REFUSED[name]
-    with pytest.raises(SoapError, match="adafactor"):
-        make_plan(family, **plan, **ADAFACTOR)
+def test_the_plan_loader_refuses_them_on_sharded_parameters(name, optimizer):
+    with pytest.raises(SoapError, match=optimizer):
+        make_plan("llama", **REFUSED[name], optimizer=optimizer)
+    make_plan("llama", **REFUSED[name], optimizer="adamw")  # the layout itself is fine
 
 
-def test_a_pinned_sharded_layout_is_one_error_line_and_the_search_avoids_them():
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw8bit"])
+def test_a_pinned_sharded_layout_is_one_error_line_and_the_search_avoids_them(optimizer):
     from planner.api import plan
 
-    with pytest.raises(SoapError, match="--optimizer adafactor under tp > 1"):
-        plan("llama-3-8b", gpus=8, optimizer="adafactor", tp=2)
-    chosen = plan("llama-3-8b", gpus=8, optimizer="adafactor").parallelism
+    with pytest.raises(SoapError, match=f"--optimizer {optimizer} under tp > 1"):
+        plan("llama-3-8b", gpus=8, optimizer=optimizer, tp=2)
+    chosen = plan("llama-3-8b", gpus=8, optimizer=optimizer).parallelism
     assert chosen.tp == 1 and not chosen.offload_optimizer
     assert chosen.dp == 1 or chosen.zero <= 1 and chosen.pp == 1
+
+
+def test_auto_picks_among_the_optimizers_each_layout_can_step():
+    from planner.api import plan
+
+    chosen = plan("llama-3-8b", gpus=8, optimizer="auto").parallelism
+    assert optimizer_violation(chosen.optimizer, tp=chosen.tp, dp=chosen.dp, cp=chosen.cp, pp=chosen.pp,
+                               zero=chosen.zero, offload=chosen.offload_optimizer) is None
