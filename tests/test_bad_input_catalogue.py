@@ -113,6 +113,8 @@ CASES = [
     Case("unknown precision", lambda t: ["plan", "gpt2", "--gpus", "2", "--precision", "fp4"], ("fp4", "bf16")),
     Case("fp8 on a device without it", lambda t: ["plan", "gpt2", "--gpus", "2", "--cluster", "dgx-a100-80g",
                                                   "--precision", "fp8"], ("fp8", "bf16")),
+    Case("an optimizer on a layout it cannot step", lambda t: ["plan", "gpt2", "--gpus", "2", "--tp", "2",
+                                                               "--optimizer", "adafactor"], ("adafactor", "adamw")),
     # memory
     Case("memory limit below anything feasible", lambda t: ["plan", "gpt2", "--gpus", "2", "--mem-limit", "0.01"],
          ("does not fit", "--mem-limit")),
