@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from costmodel.memory import MEMORY_TERMS, MemoryBreakdown
+from costmodel.plan_rules import PLAIN_TENSOR_OPTIMIZERS
 from costmodel.strategy import RECOMPUTE
 from planner.estimate import Estimator
 from planner.search import Candidate, Priced, enumerate_candidates
 from planner.space import (
-    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, recompute_choices, training_heads,
-    validate_pins,
+    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, offload_choices, recompute_choices,
+    training_heads, validate_pins,
 )
 from tracer.errors import SoapError
 
@@ -98,6 +99,8 @@ def pin_changes(req: SpaceRequest) -> list[tuple[str, Pins]]:
         out += [(f"--zero {z}", replace(p, zero=z)) for z in range(p.zero + 1, 4)]
     if p.optimizer == "adamw":
         out.append(("--optimizer adamw8bit", replace(p, optimizer="adamw8bit")))
+    elif p.optimizer in PLAIN_TENSOR_OPTIMIZERS:  # they give up FSDP and TP (costmodel.plan_rules.optimizer_violation)
+        out.append(("--optimizer adamw", replace(p, optimizer="adamw")))
     if p.recompute is not None:
         out += [(f"--recompute {r}", replace(p, recompute=r)) for r in RECOMPUTE[RECOMPUTE.index(p.recompute) + 1:]]
     if p.micro_batch is not None:
@@ -137,7 +140,9 @@ def _frugal(req: SpaceRequest) -> str:
     mb = f"micro-batch {req.pins.micro_batch} (pinned)" if req.pins.micro_batch else "smallest micro-batch"
     recompute = recompute_choices(req)[-1]
     policy = ("no recompute" if recompute == "none" else f"{recompute} recompute") + (" (pinned)" if req.pins.recompute else "")
-    return f"{mb}, {policy}, master weights, gradients and optimizer state offloaded"
+    offloaded = offload_choices(req, None if req.pins.optimizer == "auto" else req.pins.optimizer)[-1]
+    state = "master weights, gradients and optimizer state offloaded" if offloaded else "model state on the GPU"
+    return f"{mb}, {policy}, {state}"
 
 
 def _pinned(req: SpaceRequest) -> bool:

@@ -243,7 +243,9 @@ def validate_pins(req: SpaceRequest) -> None:
                             compile=bool(p.compile), precision=p.precision or "bf16", recompute=p.recompute or "none")
     if reason:
         raise SoapError(f"--peft {req.peft}: {reason}")
-    reason = optimizer_violation(p.optimizer, tp=p.tp or 1, dp=p.dp or 1, cp=p.cp or 1, pp=p.pp or 1,
+    # a pinned ZeRO 2/3 asks for sharding over data parallelism: over as many ranks as are left, unless pinned
+    dp = p.dp or (n // ((p.tp or 1) * (p.pp or 1) * (p.cp or 1)) if (p.zero or 0) >= 2 else 1)
+    reason = optimizer_violation(p.optimizer, tp=p.tp or 1, dp=dp, cp=p.cp or 1, pp=p.pp or 1,
                                  zero=p.zero or 0, offload=bool(p.offload))
     if reason:
         raise SoapError(f"--optimizer {reason.removeprefix('optimizer ')}")

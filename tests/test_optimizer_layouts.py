@@ -88,3 +88,15 @@ def test_auto_picks_among_the_optimizers_each_layout_can_step():
     chosen = plan("llama-3-8b", gpus=8, optimizer="auto").parallelism
     assert optimizer_violation(chosen.optimizer, tp=chosen.tp, dp=chosen.dp, cp=chosen.cp, pp=chosen.pp,
                                zero=chosen.zero, offload=chosen.offload_optimizer) is None
+
+
+def test_where_they_cannot_fit_without_sharding_the_error_names_adamw():
+    """llama-3-70b on 8 GPUs needs FSDP or TP, which adafactor cannot step: the one error line says the plan's model
+    state stays on the GPU (no offload for it) and names `--optimizer adamw` as the fix."""
+    from planner.api import plan
+
+    with pytest.raises(SoapError, match="does not fit") as error:
+        plan("llama-3-70b", gpus=8, optimizer="adafactor")
+    assert "model state on the GPU" in str(error.value) and "--optimizer adamw " in str(error.value)
+    with pytest.raises(SoapError, match="--optimizer adafactor under FSDP2"):
+        plan("llama-3-70b", gpus=8, optimizer="adafactor", zero=3)
