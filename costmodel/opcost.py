@@ -350,6 +350,16 @@ FP8_EAGER_SCALE_KERNELS = 4
 each a one-element kernel."""
 
 
+def _fp8_gemm(op: OpNode, flops: float) -> tuple[float, int, int, int] | None:
+    """(m, k, n, the weight's bytes per element) of a float8 Linear's [m, k] x [k, n] GEMM of `flops`, or None
+    (no 2-D weight, no work)."""
+    weight = next((p for p in op.params if len(p.shape) == 2), None)
+    if weight is None or flops <= 0:
+        return None
+    n, k = weight.shape  # nn.Linear stores [out, in]
+    return flops / (2 * k * n), k, n, 4 if weight.dtype == "float32" else 2
+
+
 def fp8_cast_operands(op: OpNode, flops: float, direction: str, *, compile: bool) -> tuple[tuple[float, int], ...]:
     """(elements, bytes per element of the high-precision source) of each operand torchao's float8 Linear casts
     to fp8 around one GEMM of `flops` (`tracer.fp8`), in `direction` fwd or bwd, for an [m, k] x [k, n] GEMM
@@ -360,12 +370,10 @@ def fp8_cast_operands(op: OpNode, flops: float, direction: str, *, compile: bool
     the weight and the input. Compiled, the output gradient once: its two tensor-wise casts share one amax and
     scale, which Inductor computes once, and the partitioner keeps the forward's fp8 operands rather than
     recomputing their casts (priced as fused before the fp8 rows of the corpus were fitted, and left so)."""
-    weight = next((p for p in op.params if len(p.shape) == 2), None)
-    if weight is None or flops <= 0:
+    gemm = _fp8_gemm(op, flops)
+    if gemm is None:
         return ()
-    n, k = weight.shape  # nn.Linear stores [out, in]
-    m = flops / (2 * k * n)
-    w_bytes = 4 if weight.dtype == "float32" else 2
+    m, k, n, w_bytes = gemm
     if direction == "fwd":
         return (m * k, 2), (k * n, w_bytes)
     return ((m * n, 2),) if compile else ((m * n, 2), (m * n, 2), (k * n, w_bytes), (m * k, 2))
@@ -376,11 +384,10 @@ def fp8_transposed(op: OpNode, flops: float, direction: str, *, compile: bool) -
     column-major second operand; torchao's `preprocess_addmm` copies the others): none forward; backward the
     weight (for the input gradient), and the output gradient and the input (for the weight gradient). Compiled,
     the output gradient's cast writes its transposed layout too (`fp8_cast_operands`), so two copies."""
-    weight = next((p for p in op.params if len(p.shape) == 2), None)
-    if direction == "fwd" or weight is None or flops <= 0:
+    gemm = _fp8_gemm(op, flops)
+    if direction == "fwd" or gemm is None:
         return ()
-    n, k = weight.shape
-    m = flops / (2 * k * n)
+    m, k, n, _ = gemm
     return (k * n, m * k) if compile else (k * n, m * n, m * k)
 
 
