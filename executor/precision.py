@@ -12,9 +12,9 @@
            returns the scaled loss (`PrecisionRuntime.scaled_loss`).
     fp8    bf16 as above (FSDP's bf16 MixedPrecisionPolicy, or bf16 autocast), with torchao float8
            training Linear layers (as torchtitan runs fp8) on GPUs with compute capability >= 8.9, applied
-           first, before tensor parallelism, compile and FSDP; on a GPU without fp8 a SoapError. On the CPU (a smoke run, or a test)
-           torchao emulates them (`Float8LinearConfig(emulate=True)`: the same casts and scales, the GEMM
-           in high precision), so every fp8 plan's layout is exercised where no fp8 GPU is.
+           first, before tensor parallelism, compile and FSDP; on a GPU without fp8 a SoapError. On the CPU
+           (a smoke run, or a test) torchao emulates them (`Float8LinearConfig(emulate=True)`: the same casts
+           and scales, the GEMM in high precision), so every fp8 plan's layout is exercised where no fp8 GPU is.
 """
 
 from __future__ import annotations
