@@ -104,7 +104,8 @@ one's: autocast's cached bf16 copies of the four blocks' weights (q, k, v, o, ga
 block), freed when the executor left autocast, after the loss's forward and before its backward. Recomputed
 blocks make them again in backward, so the model holds none (`costmodel.memory.held_autocast_copies`); the
 executor now leaves autocast before the loss (and, in a pipeline, after each stage's forward), which takes
-them off the chunked loss's peak (not yet run on a GPU). The caching allocator's reserve over the allocated peak falls with the loss: 8-17% with the upcast
+them off the chunked loss's peak (measured on the next lent H100: 37.34 GiB, priced 37.28; `benchmarks/fp8_h100.py`).
+The caching allocator's reserve over the allocated peak falls with the loss: 8-17% with the upcast
 loss (its fp32 transients of the whole logits' size), 1-6% with the chunked one: about one loss transient
 either way, which the memory model now adds on profiles with a fitted reserve (`costmodel.allocator`, next
 section). The compiled chunked run (in place) is 368 ms against the upcast compiled run's 350 ms measured
