@@ -8,7 +8,9 @@ For every row of ../shared/published-runs/ with a measured throughput, its MFU c
 
 F: the traced graph's model FLOPs (`costmodel.simulator.pricing._facts`: no recompute counted), so the bound
 and soap's predicted MFU count the same FLOPs. The peak is the datasheet's (989 TFLOP/s for H100 SXM, 312 for
-A100), never a measured or fitted rate. Rows are grouped by torch.compile (a compiled run is bounded by
+A100), never a measured or fitted rate. A class whose runs all state one recompute mode records it
+(`recompute`): recompute costs FLOPs MFU does not count (full recompute a third more), so the test prices its
+reference plans under the same mode, like with like. Rows are grouped by torch.compile (a compiled run is bounded by
 compiled runs), GPU, model class (`1b`: under 3B parameters;
 `8b`: 3-20B; `70b`: over 20B), scale (`one node`: up to 8 GPUs; `multi-node`) and stack family:
 `eager` (torch-native and nanotron: soap's executor runs this kind of stack) and `fused` (Transformer Engine,
@@ -91,7 +93,7 @@ def measure() -> list[dict]:
                 continue
             per_token, params = flops_per_token(record, cache)
             rows.append(dict(file=name, run=record.name, gpu=gpu, family=family, gpus=record.gpus,
-                             compile=bool(record.torch_compile),
+                             compile=bool(record.torch_compile), recompute=record.recompute,
                              model=model_class(params), params=params, scale=scale_class(record.gpus),
                              mfu=tokens * per_token / peak))
     return rows
@@ -105,9 +107,11 @@ def classes(rows: list[dict]) -> list[dict]:
     for (gpu, model, scale, family, compiled), members in sorted(groups.items()):
         best = max(members, key=lambda r: r["mfu"])
         worst = min(members, key=lambda r: r["mfu"])
+        modes = {r["recompute"] for r in members}
         out.append(dict(gpu=gpu, model=model, scale=scale, family=family, compile=compiled, runs=len(members),
                         mfu_max=round(best["mfu"], 4), best_run=best["run"], mfu_min=round(worst["mfu"], 4),
-                        worst_run=worst["run"], source=sorted({r["file"] for r in members})))
+                        worst_run=worst["run"], recompute=modes.pop() if len(modes) == 1 else None,
+                        source=sorted({r["file"] for r in members})))
     return out
 
 
@@ -116,11 +120,11 @@ def markdown(table: list[dict]) -> str:
              "FLOPs, no recompute, over the datasheet dense 16-bit peak), per GPU, model class, scale and stack "
              "family (`benchmarks/believable_mfu.py`; written to `profiles/published-mfu.json`, which "
              "`tests/test_believable_profiles.py` reads).", "",
-             "| GPU | model | scale | stack | torch.compile | runs | best MFU (run) | worst MFU |",
-             "|---|---|---|---|---|---:|---|---:|"]
+             "| GPU | model | scale | stack | torch.compile | recompute | runs | best MFU (run) | worst MFU |",
+             "|---|---|---|---|---|---|---:|---|---:|"]
     for c in table:
-        lines.append(f"| {c['gpu']} | {c['model']} | {c['scale']} | {c['family']} | {'yes' if c['compile'] else 'no'} | "
-                     f"{c['runs']} | "
+        lines.append(f"| {c['gpu']} | {c['model']} | {c['scale']} | {c['family']} | "
+                     f"{'yes' if c['compile'] else 'no'} | {c['recompute'] or 'mixed'} | {c['runs']} | "
                      f"{100 * c['mfu_max']:.1f}% ({c['best_run']}) | {100 * c['mfu_min']:.1f}% |")
     lines += ["", "Stacks: " + "; ".join(f"`{k}`: {v}" for k, v in STACK_NOTE.items()) + ". No published 70B run, "
               "and no H200, A100 40 GB, V100 or multi-node A100 run, is in the corpus: those classes have no bound."]

@@ -135,7 +135,7 @@ def test_bad_compile_factors_are_refused_naming_the_field(factors, field):
 
 
 def test_gpu_profiles_carry_no_compile_factors():
-    for name in ("dgx-h100-datasheet", "dgx-a100-80g", "dgx-h200-datasheet"):  # fitted dgx-h100/h200 carry a compile fit
+    for name in ("dgx-h100-datasheet", "dgx-a100-80g-datasheet", "dgx-h200-datasheet"):  # the defaults carry a compile fit
         assert not load_cluster(name).device.compile_factors
 
 

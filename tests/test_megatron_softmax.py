@@ -53,7 +53,7 @@ def test_a_megatron_stack_pays_the_unfused_softmax_kernels_only_where_the_rule_f
     kernels' host time where the kernel is unavailable, its backward by 4, and nothing moves where it is."""
     graph = tiny_decoder(layers=2, seq=256)
     host = 1e-3
-    base = load_cluster("dgx-a100-80g")
+    base = load_cluster("dgx-a100-80g-datasheet")
     cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, host_dispatch_s=host))
     for tp, mb, extra in ((4, 1, 4), (2, 2, 0)):
         plain = price_step(graph, _strategy(tp=tp, mb=mb, seq=256, megatron=False), cluster)[0].stages[0].chunks

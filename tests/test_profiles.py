@@ -20,9 +20,10 @@ from soap.cli import main
 from tracer.errors import SoapError
 
 SHIPPED_DEVICES = {"h100-sxm", "h200-sxm", "a100-sxm-80g", "a100-sxm-40g", "a100-sxm-80g-fitted",
-                   "v100-sxm2-16g", "l40s"}
+                   "a100-sxm-80g-native", "a100-sxm-40g-native", "v100-sxm2-16g", "v100-sxm2-16g-native", "l40s"}
 SHIPPED_CLUSTERS = {"dgx-h100", "dgx-h100-datasheet", "dgx-h200", "dgx-h200-datasheet", "dgx-a100-80g",
-                    "dgx-a100-80g-vtrain", "dgx-a100-40g", "dgx1-v100-16g", "l40s-pcie"}
+                    "dgx-a100-80g-datasheet", "dgx-a100-80g-vtrain", "dgx-a100-40g", "dgx-a100-40g-datasheet",
+                    "dgx1-v100-16g", "dgx1-v100-16g-datasheet", "l40s-pcie"}
 
 
 def _numbers_and_curves(obj, path=""):

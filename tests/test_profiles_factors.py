@@ -107,7 +107,7 @@ def test_a_collective_factor_scales_that_collective_at_and_above_its_group_size(
 def test_datasheet_gpu_profiles_carry_no_factors():
     """Datasheet profiles carry no kernel factors; a fitted one (dgx-h100, dgx-a100-80g-vtrain) carries them with the runs
     they came from."""
-    for name in ("dgx-h100-datasheet", "dgx-a100-80g", "l40s-pcie"):
+    for name in ("dgx-h100-datasheet", "dgx-a100-80g-datasheet", "l40s-pcie"):
         cluster = load_cluster(name)
         assert not cluster.device.kernel_factors
         assert not cluster.intra_node.collective_factors and not cluster.inter_node.collective_factors
