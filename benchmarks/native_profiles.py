@@ -251,15 +251,15 @@ def reference_table() -> str:
     return "\n".join(lines)
 
 
-READING = """Reading it: eager, the defaults predict 10-20% under the datasheet profiles, the step's memory-bound kernels
-now priced as soap's executor ran them on Hopper rather than at streaming bandwidth. Compiled, they predict about what
-the datasheet did (which priced torch.compile as eager): the measured compile factor takes back what the step factor
-added, as it did on the H100 and H200 (the eager step's 62.2 / 50.5 ms of memory-bound kernels became 34.7 / 26.7 ms
-compiled). The compiled A100 is the part nothing here checks: its only runs are vTrain's, fused Megatron-DeepSpeed with
-unfused attention at seq 1024, which the 1B under torch.compile outruns in soap's pricing (an xfail of
-tests/test_believable_profiles.py); no compiled A100 run is in the corpus, and torchtitan's compiled H100 rows gained
-x1.16 over eager where these defaults gain x1.17 on the 8B. The V100 is its datasheet with the executor's terms: no
-V100 run or microbenchmark is in the corpus or the reference to check it."""
+READING = """Reading it: eager, the defaults predict 10-20% under the datasheet profiles, the memory-bound kernels
+of a step now priced as soap's executor ran them on Hopper rather than at streaming bandwidth. Compiled, they
+predict about what the datasheet did (which priced torch.compile as eager): the measured compile factor takes back
+what the step factor added, as it did on the H100 and H200 (the eager step's 62.2 / 50.5 ms of memory-bound kernels
+became 34.7 / 26.7 ms compiled). The compiled A100 is the part nothing here checks: its only runs are vTrain's, fused
+Megatron-DeepSpeed with unfused attention at seq 1024, which the 1B under torch.compile outruns in soap's pricing
+(an xfail in tests/test_believable_profiles.py); no compiled A100 run is in the corpus, and torchtitan's compiled
+H100 rows gained x1.16 over eager where these defaults gain x1.17 on the 8B. The V100 is its datasheet with the
+executor's terms: no V100 run or microbenchmark is in the corpus or the reference to check it."""
 
 
 def main() -> None:
