@@ -68,10 +68,10 @@ def main() -> int:
         f"GPU counts searched automatically (up to the default cap); finished in {auto_s:.0f} s. Output:\n\n"
         "```\n" + table.rstrip() + "\n```\n\n"
         f"![tokens/s against cost per million tokens]({Path(PNG).name})\n\n"
-        "Read it with the profiles' caveats: dgx-b200 is datasheet-only (B200 peaks and MAMF, H100-fitted "
-        "framework terms) while dgx-h100 and dgx-a100-80g are the datasheet-level profiles without run-fitted "
-        "kernel factors, so B200 carries H100-fitted slowdowns the other two do not; prices are the shipped "
-        "file's dated defaults.\n\n"
+        "Read it with the profiles' caveats: dgx-h100 is fitted to published H100 runs; dgx-a100-80g is the "
+        "A100's measured hardware with soap's executor's terms measured on Hopper (benchmarks/native_profiles.py); "
+        "dgx-b200 is B200 peaks and MAMF with the fitted H100's efficiency terms borrowed, checked by no B200 run; "
+        "prices are the shipped file's dated defaults.\n\n"
         "### One trace, shared: compare against three plans\n\n" + timing
     )
     if not args.no_write:

@@ -251,6 +251,55 @@ def reference_table() -> str:
     return "\n".join(lines)
 
 
+STACK = "megatron-deepspeed"
+STACK_TERMS = (f"stack:{STACK}", f"stack:{STACK}/memory-bound")
+MEGATRON_HOST_S = 38.4e-6
+"""Megatron-DeepSpeed's host floor per kernel on vTrain's hosts, fitted by `benchmarks/vtrain_a100.py` (printed there,
+not written): the stack's, so the check below prices its rows with it in place of soap's executor's."""
+ROW_STRIDE = 3
+"""`vtrain_check` prices every third row (480 of 1,440, every model, GPU count and tp degree): each row's step is
+split into its parts by nine re-simulations, about 0.8 s a row on a 2-core CPU."""
+
+
+def vtrain_check(stride: int = ROW_STRIDE) -> str:
+    """Every `stride`-th of vTrain's 1,440 Megatron-DeepSpeed rows priced on the A100 default: as soap's executor
+    would run them, then with Megatron-DeepSpeed's stack factors (`STACK_TERMS`: its kernels' rate and its fused
+    memory-bound kernels, `executor.validation.external`) fitted on every row and, leaving each model out, on the
+    others; printed, not written. A table of tokens/s MAPE and, per tp degree, the mean signed error of the step."""
+    from benchmarks.vtrain_tp import price_grid, with_host
+    from costmodel.profiles import load_cluster
+    from executor.validation.external import Prepared, fit, predict, step_terms
+
+    cluster = with_host(load_cluster("dgx-a100-80g"), MEGATRON_HOST_S)
+    records, _, priced = price_grid(cluster)
+    prepared = [Prepared(record=r, plan=plan, graph=graph, cluster=cluster, parts=step_terms(plan, graph, cluster)[0])
+                for r, (plan, graph) in list(zip(records, priced))[::stride]]
+    result = fit(prepared, free=STACK_TERMS)
+    rows = {"as soap's executor runs them (no stack factor)": [predict(p, None) for p in prepared],
+            "with Megatron-DeepSpeed's stack factors, in-sample": [predict(p, result) for p in prepared]}
+
+    def model(p: Prepared) -> str:
+        return f"h{p.record.model['n_embd']} l{p.record.model['n_layer']}"
+
+    held = {}
+    for name in dict.fromkeys(model(p) for p in prepared):
+        partial = fit([p for p in prepared if model(p) != name], free=STACK_TERMS)
+        held.update({id(p): predict(p, partial) for p in prepared if model(p) == name})
+    rows["stack factors fitted leaving each model out"] = [held[id(p)] for p in prepared]
+    lines = ["| A100 default on vTrain's rows | tokens/s MAPE | tp1 | tp2 | tp4 | tp8 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label, predictions in rows.items():
+        cells = []
+        for tp in (1, 2, 4, 8):
+            errors = [1 / (1 + q.error) - 1 for p, q in zip(prepared, predictions) if p.record.tp == tp]
+            cells.append(f"{100 * sum(errors) / len(errors):+.1f}%")
+        mape = 100 * sum(abs(q.error) for q in predictions) / len(predictions)
+        lines.append(f"| {label} | {mape:.1f}% | " + " | ".join(cells) + " |")
+    factors = ", ".join(f"{name} x{result.multipliers.get(name, 1.0):.3g}" for name in STACK_TERMS)
+    return "\n".join(lines) + (f"\n\nStack factors (every row): {factors}; host floor {MEGATRON_HOST_S * 1e6:.1f} us "
+                               "per kernel, Megatron-DeepSpeed's (`benchmarks/vtrain_a100.py`).")
+
+
 READING = """Reading it: eager, the defaults predict 10-20% under the datasheet profiles, the memory-bound kernels
 of a step now priced as soap's executor ran them on Hopper rather than at streaming bandwidth. Compiled, they
 predict about what the datasheet did (which priced torch.compile as eager): the measured compile factor takes back
@@ -282,6 +331,10 @@ def main() -> None:
     for name in ("dgx-a100-80g-datasheet", VTRAIN_CLUSTER, "dgx-a100-80g"):
         eager, compiled = (reference_mfu(name, REFERENCE[0][1], 8, c, "full")[0] for c in (False, True))
         full.append(f"| `{name}` | {100 * eager:.1f}% | {100 * compiled:.1f}% |")
+    check = vtrain_check()
+    print(check)
+    body += (f"\n\nThe corpus's A100 rows (vTrain's Megatron-DeepSpeed grid, every {ROW_STRIDE}rd of 1,440 rows; "
+             "the device terms as shipped, the stack's terms printed, not written):\n\n" + check)
     body += ("\n\nPredicted MFU (over the datasheet dense 16-bit peak) of the plan soap picks at seq 4096, before "
              "(the datasheet profile, now `*-datasheet`) and after (the default):\n\n" + table
              + f"\n\nThe believability test's A100 class (`tests/test_believable_profiles.py`): vTrain's runs, all "
