@@ -163,24 +163,24 @@ def sc21_graphs():
     return {}
 
 
-@pytest.mark.parametrize("fitted", [False, True], ids=["datasheet", "slower-compute-and-host"])
-def test_sc21_zero3_as_deepspeed_ran_it_ranks_below_the_3d_plan(sc21_graphs, fitted):
+@pytest.mark.parametrize("cluster_name", ["dgx-a100-80g-datasheet", "dgx-a100-80g"])
+def test_sc21_zero3_as_deepspeed_ran_it_ranks_below_the_3d_plan(sc21_graphs, cluster_name):
     """SC'21 Table 4 (costmodel.param_gathers' worked example): priced as DeepSpeed ran it, ZeRO-3 of the 175B
     GPT falls with every doubling of the GPUs and ranks below Megatron's tp8 x pp12 at 768 and 1,536 GPUs
     (published 88 vs 149 and 44 vs 141 TFLOP/s). At 384 the published pair is 144 vs 153, 6% apart: soap
     ranks it the same way by a similar margin (docs/benchmarks.md), too close to hold a test to. On soap's
-    own executor (FSDP2, per-block gathers) ZeRO-3 stays nearly flat. The ranking must hold on the datasheet A100 and on one with slower compute and a host floor (a fitted device)."""
-    from benchmarks.sc21_zero3 import STACKS, predicted_tflops, slower_cluster
+    own executor (FSDP2, per-block gathers) ZeRO-3 stays nearly flat. The ranking must hold on the datasheet
+    A100 and on the shipped one (measured hardware, soap's executor's terms: slower memory-bound kernels and a
+    host floor)."""
+    from benchmarks.sc21_zero3 import STACKS, predicted_tflops
 
-    cluster = load_cluster("dgx-a100-80g")
-    if fitted:
-        cluster = slower_cluster(cluster)
+    cluster = load_cluster(cluster_name)
     zero3 = predicted_tflops("zero3", STACKS["zero3"], cluster, sc21_graphs)
     three_d = predicted_tflops("ptd-p", STACKS["ptd-p"], cluster, sc21_graphs)
     for gpus in (768, 1536):
         assert zero3[gpus] < three_d[gpus]
     assert zero3[768] < 0.75 * zero3[384] and zero3[1536] < 0.6 * zero3[768]  # published: 144 / 88 / 44
     assert three_d[1536] > 0.85 * three_d[384]  # published: 141 / 153
-    if not fitted:
+    if cluster_name.endswith("datasheet"):
         own = predicted_tflops("zero3", "torch-native", cluster, sc21_graphs)
         assert own[1536] > 0.8 * own[384] and own[1536] > 3 * zero3[1536]
