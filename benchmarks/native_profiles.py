@@ -10,8 +10,9 @@ property of the software, measured twice: one eager and one compiled step of fou
 tokens under torch.profiler, on a lent H100 and a lent H200 (2026-11-26; `benchmarks/h100_measured.py`,
 `benchmarks/h200_measured.py`). Priced on each GPU's datasheet profile with its memory curve topped at the
 bandwidth a STREAM triad measured on it (`STREAM`: Azure's AI-benchmarking-guide, shared/reference/hardware.md),
-the steps' GEMMs come within 1% of their price (the datasheet curve, topped at the measured MAMF, is right); the
-memory-bound kernels take k times their price and, blocks compiled, k_c times the eager price:
+the steps' GEMMs come within about 1% of their price (the datasheet curve, topped at the measured MAMF, is right),
+attention 21-23% under it (a hardware term: the A100's is vTrain's fit), and the memory-bound kernels take k times
+their price and, blocks compiled, k_c times the eager price:
 
     T_priced(memory-bound; k) = T_measured(eager)      T_priced(memory-bound, compiled; k, k_c) = T_measured(compiled)
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import re
 import sys
@@ -57,10 +57,10 @@ STEPS = {  # measured GPU: (datasheet device, eager step profile, compiled step 
     "H200": ("h200-sxm", "h200-2026-11-26/step-profile-eager.json", "h200-2026-11-26/step-profile-compile.json"),
 }
 MEMORY_BOUND_PREFIXES = ("arithmetic/", "transcendental/", "tanh/", "softmax/", "norm/", "dropout/")
-NATIVE = {  # default cluster: (datasheet cluster it was, hardware device, native device)
-    "dgx-a100-80g": ("dgx-a100-80g-datasheet", "a100-sxm-80g-fitted", "a100-sxm-80g-native"),
-    "dgx-a100-40g": ("dgx-a100-40g-datasheet", "a100-sxm-80g-fitted", "a100-sxm-40g-native"),
-    "dgx1-v100-16g": ("dgx1-v100-16g-datasheet", "v100-sxm2-16g", "v100-sxm2-16g-native"),
+NATIVE = {  # default cluster: (the datasheet cluster it was, now under this name; its native device)
+    "dgx-a100-80g": ("dgx-a100-80g-datasheet", "a100-sxm-80g-native"),
+    "dgx-a100-40g": ("dgx-a100-40g-datasheet", "a100-sxm-40g-native"),
+    "dgx1-v100-16g": ("dgx1-v100-16g-datasheet", "v100-sxm2-16g-native"),
 }
 VTRAIN_CLUSTER = "dgx-a100-80g-vtrain"
 
@@ -116,18 +116,15 @@ def dumps(data: dict) -> str:
     return re.sub(r"\[\s+([-+.\de]+),\s+([-+.\de]+)\s+\]", r"[\1, \2]", json.dumps(data, indent=2)) + "\n"
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def native(hardware: dict, *, name: str, description: str, terms: dict[str, dict]) -> dict:
     """`hardware` with the executor's terms: k on the memory-bound classes, k_c under torch.compile, the host
     floor."""
     from benchmarks.gpu_repredict import HOST_SOURCE, host_floor
     from costmodel.calibration.step_factor import with_compile_factor, with_step_factor
+    from executor.validation.grid import geometric_mean
 
-    k = geomean([t["k"] for t in terms.values()])
-    k_c = geomean([t["k_c"] for t in terms.values()])
+    k = geometric_mean([t["k"] for t in terms.values()])
+    k_c = geometric_mean([t["k_c"] for t in terms.values()])
     each = ", ".join(f"{g} {t['eager']['memory-bound'] * 1e3:.1f} ms measured / "
                      f"{t['priced']['memory-bound'] * 1e3:.1f} ms priced on {t['device']} at its triad: x{t['k']:.2f}"
                      for g, t in terms.items())
@@ -178,7 +175,7 @@ def clusters() -> dict[str, dict]:
     """The default clusters on the native devices, and the datasheet ones under their new names."""
     vtrain_links = _read("clusters", VTRAIN_CLUSTER)["links"]
     out = {}
-    for default, (datasheet, _, device) in NATIVE.items():
+    for default, (datasheet, device) in NATIVE.items():
         current = _read("clusters", default)
         old = current if current["device"] != device else _read("clusters", datasheet)
         kept = copy.deepcopy(old)
@@ -198,6 +195,9 @@ def clusters() -> dict[str, dict]:
 
 
 def markdown(terms: dict[str, dict]) -> str:
+    from benchmarks.gpu_repredict import host_floor
+    from executor.validation.grid import geometric_mean
+
     lines = ["`benchmarks/native_profiles.py`: what soap's executor makes of a GPU, measured on two, carried to the "
              "A100 and V100 defaults (module docstring). One profiled step of four Llama-3-8B layers at 1 x 8,192 "
              "tokens on each lent GPU, priced on its datasheet profile with the memory curve topped at its measured "
@@ -210,10 +210,10 @@ def markdown(terms: dict[str, dict]) -> str:
                      f"{p['attention'] * 1e3:.1f} ms | {e['memory-bound'] * 1e3:.1f} / "
                      f"{p['memory-bound'] * 1e3:.1f} ms | {t['k']:.2f} | "
                      f"{t['compiled']['memory-bound'] * 1e3:.1f} ms | {t['k_c']:.2f} |")
-    k = geomean([t["k"] for t in terms.values()])
-    k_c = geomean([t["k_c"] for t in terms.values()])
+    k = geometric_mean([t["k"] for t in terms.values()])
+    k_c = geometric_mean([t["k_c"] for t in terms.values()])
     lines += ["", f"Carried: k = {k:.2f}, k_c = {k_c:.2f} (geometric means), the host floor of soap's executor "
-              "(40.2 us per eager kernel)."]
+              f"({host_floor()[0] * 1e6:.1f} us per eager kernel)."]
     return "\n".join(lines)
 
 
@@ -239,7 +239,7 @@ def reference_mfu(cluster: str, model: str, gpus: int, compiled: bool,
 def reference_table() -> str:
     lines = ["| cluster | model | GPUs | eager: datasheet -> default | compiled: datasheet -> default | default's plan "
              "(eager) |", "|---|---|---:|---:|---:|---|"]
-    for default, (datasheet, _, _) in NATIVE.items():
+    for default, (datasheet, _) in NATIVE.items():
         for label, model, gpus in REFERENCE:
             cells, plan_text = [], ""
             for compiled in (False, True):
