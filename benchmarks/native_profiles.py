@@ -271,9 +271,14 @@ def vtrain_check(stride: int = ROW_STRIDE) -> str:
     from executor.validation.external import Prepared, fit, predict, step_terms
 
     cluster = with_host(load_cluster("dgx-a100-80g"), MEGATRON_HOST_S)
-    records, _, priced = price_grid(cluster)
-    prepared = [Prepared(record=r, plan=plan, graph=graph, cluster=cluster, parts=step_terms(plan, graph, cluster)[0])
-                for r, (plan, graph) in list(zip(records, priced))[::stride]]
+    records, _, priced = price_grid(cluster, stride)
+    picked = list(zip(records, priced))
+    prepared = []
+    for i, (r, (plan, graph)) in enumerate(picked, 1):
+        prepared.append(Prepared(record=r, plan=plan, graph=graph, cluster=cluster,
+                                 parts=step_terms(plan, graph, cluster)[0]))
+        if i % 60 == 0 or i == len(picked):
+            print(f"vTrain rows split into their parts: {i} / {len(picked)}", file=sys.stderr, flush=True)
     result = fit(prepared, free=STACK_TERMS)
     rows = {"as soap's executor runs them (no stack factor)": [predict(p, None) for p in prepared],
             "with Megatron-DeepSpeed's stack factors, in-sample": [predict(p, result) for p in prepared]}

@@ -173,13 +173,13 @@ def per_microbatch_ms(records, hidden: int, layers: int) -> list[str]:
     return table
 
 
-def price_grid(cluster) -> tuple[list, list, list]:
-    """vTrain's rows (ZeRO 0, as the module docstring says) priced as published on `cluster`: the records, their
-    `grid.RowPrice`s, and (plan as run, traced graph) pairs to re-simulate on other profiles."""
+def price_grid(cluster, stride: int = 1) -> tuple[list, list, list]:
+    """vTrain's rows (ZeRO 0, as the module docstring says; every `stride`-th) priced as published on `cluster`: the
+    records, their `grid.RowPrice`s, and (plan as run, traced graph) pairs to re-simulate on other profiles."""
     from executor.validation.grid import graph_key, price_row
     from executor.validation.run_records import read_records
 
-    records = [r.model_copy(update={"zero": 0}) for r in read_records(GRID).records]
+    records = [r.model_copy(update={"zero": 0}) for r in read_records(GRID).records][::stride]
     graphs: dict = {}
     prices = [price_row(r, cluster, graphs=graphs) for r in records]
     return records, prices, [(p.plan, graphs[graph_key(p.plan, cluster)]) for p in prices]
