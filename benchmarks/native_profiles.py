@@ -116,15 +116,24 @@ def dumps(data: dict) -> str:
     return re.sub(r"\[\s+([-+.\de]+),\s+([-+.\de]+)\s+\]", r"[\1, \2]", json.dumps(data, indent=2)) + "\n"
 
 
-def native(hardware: dict, *, name: str, description: str, terms: dict[str, dict]) -> dict:
-    """`hardware` with the executor's terms: k on the memory-bound classes, k_c under torch.compile, the host
-    floor."""
-    from benchmarks.gpu_repredict import HOST_SOURCE, host_floor
-    from costmodel.calibration.step_factor import with_compile_factor, with_step_factor
+def carried(terms: dict[str, dict]) -> dict[str, float]:
+    """What the defaults carry of `executor_terms`: the two GPUs' geometric mean of k and of k_c, and the executor's
+    host floor in us (fitted on its H100 runs, once: `host_floor` re-simulates every run)."""
+    from benchmarks.gpu_repredict import host_floor
     from executor.validation.grid import geometric_mean
 
-    k = geometric_mean([t["k"] for t in terms.values()])
-    k_c = geometric_mean([t["k_c"] for t in terms.values()])
+    return {"k": geometric_mean([t["k"] for t in terms.values()]),
+            "k_c": geometric_mean([t["k_c"] for t in terms.values()]),
+            "host_us": round(host_floor()[0] * 1e6, 1)}
+
+
+def native(hardware: dict, *, name: str, description: str, terms: dict[str, dict], carry: dict[str, float]) -> dict:
+    """`hardware` with the executor's terms (`carried`): k on the memory-bound classes, k_c under torch.compile,
+    the host floor."""
+    from benchmarks.gpu_repredict import HOST_SOURCE
+    from costmodel.calibration.step_factor import with_compile_factor, with_step_factor
+
+    k, k_c = carry["k"], carry["k_c"]
     each = ", ".join(f"{g} {t['eager']['memory-bound'] * 1e3:.1f} ms measured / "
                      f"{t['priced']['memory-bound'] * 1e3:.1f} ms priced on {t['device']} at its triad: x{t['k']:.2f}"
                      for g, t in terms.items())
@@ -137,13 +146,13 @@ def native(hardware: dict, *, name: str, description: str, terms: dict[str, dict
     device = with_compile_factor(device, k_c, (
         f"the same steps with each block compiled, their memory-bound kernels over the eager price above "
         f"({compiled_each}; geometric mean), carried here as a property of Inductor's fusion"))
-    device["host_dispatch_us"] = {"value": round(host_floor()[0] * 1e6, 1),
+    device["host_dispatch_us"] = {"value": carry["host_us"],
                                   "source": "soap's executor's host floor, carried: " + HOST_SOURCE}
     device["name"], device["description"] = name, description
     return device
 
 
-def devices(terms: dict[str, dict]) -> dict[str, dict]:
+def devices(terms: dict[str, dict], carry: dict[str, float]) -> dict[str, dict]:
     """The three native devices (module docstring)."""
     a100 = _read("devices", "a100-sxm-80g-fitted")
     a100_80 = streaming(a100, STREAM["a100-sxm-80g"], STREAM_SOURCE)
@@ -158,13 +167,14 @@ def devices(terms: dict[str, dict]) -> dict[str, dict]:
     fitted = "GEMMs, attention, launch and activation collectives fitted to vTrain's Megatron-DeepSpeed runs"
     executor = "soap's executor's eager, compiled and host terms measured on a lent H100 and H200"
     return {
-        "a100-sxm-80g-native": native(a100_80, name="a100-sxm-80g-native", terms=terms, description=(
+        "a100-sxm-80g-native": native(a100_80, name="a100-sxm-80g-native", terms=terms, carry=carry, description=(
             f"NVIDIA A100 SXM4 80GB as soap's executor runs it: datasheet memory and peaks, {fitted} "
             f"(a100-sxm-80g-fitted), memory curve at its measured triad, {executor} (benchmarks/native_profiles.py)")),
-        "a100-sxm-40g-native": native(a100_40, name="a100-sxm-40g-native", terms=terms, description=(
+        "a100-sxm-40g-native": native(a100_40, name="a100-sxm-40g-native", terms=terms, carry=carry, description=(
             f"NVIDIA A100 SXM4 40GB as soap's executor runs it: the 80GB's die and clocks with 40 GB of HBM2 at "
             f"1.555 TB/s; {fitted} on the 80GB, {executor} (benchmarks/native_profiles.py)")),
         "v100-sxm2-16g-native": native(_read("devices", "v100-sxm2-16g"), name="v100-sxm2-16g-native", terms=terms,
+                                       carry=carry,
                                        description=(
             f"NVIDIA V100 SXM2 16GB as soap's executor runs it: its datasheet profile (no V100 measurement in the "
             f"corpus or reference), {executor} (benchmarks/native_profiles.py)")),
@@ -194,10 +204,7 @@ def clusters() -> dict[str, dict]:
     return out
 
 
-def markdown(terms: dict[str, dict]) -> str:
-    from benchmarks.gpu_repredict import host_floor
-    from executor.validation.grid import geometric_mean
-
+def markdown(terms: dict[str, dict], carry: dict[str, float]) -> str:
     lines = ["`benchmarks/native_profiles.py`: what soap's executor makes of a GPU, measured on two, carried to the "
              "A100 and V100 defaults (module docstring). One profiled step of four Llama-3-8B layers at 1 x 8,192 "
              "tokens on each lent GPU, priced on its datasheet profile with the memory curve topped at its measured "
@@ -210,10 +217,8 @@ def markdown(terms: dict[str, dict]) -> str:
                      f"{p['attention'] * 1e3:.1f} ms | {e['memory-bound'] * 1e3:.1f} / "
                      f"{p['memory-bound'] * 1e3:.1f} ms | {t['k']:.2f} | "
                      f"{t['compiled']['memory-bound'] * 1e3:.1f} ms | {t['k_c']:.2f} |")
-    k = geometric_mean([t["k"] for t in terms.values()])
-    k_c = geometric_mean([t["k_c"] for t in terms.values()])
-    lines += ["", f"Carried: k = {k:.2f}, k_c = {k_c:.2f} (geometric means), the host floor of soap's executor "
-              f"({host_floor()[0] * 1e6:.1f} us per eager kernel)."]
+    lines += ["", f"Carried: k = {carry['k']:.2f}, k_c = {carry['k_c']:.2f} (geometric means), the host floor of "
+              f"soap's executor ({carry['host_us']:.1f} us per eager kernel)."]
     return "\n".join(lines)
 
 
@@ -331,11 +336,12 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print, but write neither profiles nor docs")
     args = parser.parse_args()
     terms = executor_terms()
-    body = markdown(terms)
+    carry = carried(terms)
+    body = markdown(terms, carry)
     print(body)
     if args.dry_run:
         return
-    for name, device in devices(terms).items():
+    for name, device in devices(terms, carry).items():
         (PROFILES / "devices" / f"{name}.json").write_text(dumps(device))
     for name, cluster in clusters().items():
         (PROFILES / "clusters" / f"{name}.json").write_text(dumps(cluster))

@@ -20,7 +20,8 @@ def terms():
 
 
 def test_the_shipped_defaults_are_what_the_builder_makes(terms):
-    built = {("devices", name): device for name, device in native_profiles.devices(terms).items()}
+    carry = native_profiles.carried(terms)
+    built = {("devices", name): device for name, device in native_profiles.devices(terms, carry).items()}
     built |= {("clusters", name): cluster for name, cluster in native_profiles.clusters().items()}
     for (kind, name), data in built.items():
         shipped = json.loads((native_profiles.PROFILES / kind / f"{name}.json").read_text())
