@@ -269,11 +269,12 @@ split into its parts by nine re-simulations, about 0.8 s a row on a 2-core CPU."
 def vtrain_check(stride: int = ROW_STRIDE) -> str:
     """Every `stride`-th of vTrain's 1,440 Megatron-DeepSpeed rows priced on the A100 default: as soap's executor
     would run them, then with Megatron-DeepSpeed's stack factors (`STACK_TERMS`: its kernels' rate and its fused
-    memory-bound kernels, `executor.validation.external`) fitted on every row and, leaving each model out, on the
-    others; printed, not written. A table of tokens/s MAPE and, per tp degree, the mean signed error of the step."""
+    memory-bound kernels, `executor.validation.external`) fitted on every row and, leaving each model or each GPU
+    count out, on the others; printed, not written. A table of tokens/s MAPE and, per tp degree, the mean signed
+    error of the step."""
     from benchmarks.vtrain_tp import price_grid, with_host
     from costmodel.profiles import load_cluster
-    from executor.validation.external import Prepared, fit, predict, step_terms
+    from executor.validation.external import Prepared, fit, mape, predict, step_terms
 
     cluster = with_host(load_cluster("dgx-a100-80g"), MEGATRON_HOST_S)
     records, _, priced = price_grid(cluster, stride)
@@ -307,8 +308,7 @@ def vtrain_check(stride: int = ROW_STRIDE) -> str:
         for tp in (1, 2, 4, 8):
             errors = [1 / (1 + q.error) - 1 for p, q in zip(prepared, predictions) if p.record.tp == tp]
             cells.append(f"{100 * sum(errors) / len(errors):+.1f}%")
-        mape = 100 * sum(abs(q.error) for q in predictions) / len(predictions)
-        lines.append(f"| {label} | {mape:.1f}% | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {mape(predictions):.1f}% | " + " | ".join(cells) + " |")
     factors = ", ".join(f"{name} x{result.multipliers.get(name, 1.0):.3g}" for name in STACK_TERMS)
     if result.at_peak:
         factors += " (held at the datasheet peak: " + ", ".join(" x ".join(p) for p in result.at_peak) + ")"
