@@ -6,7 +6,8 @@ Draws random tiny models (llama, gpt2, bert, t5, mixtral: random widths, heads, 
 vocabularies including odd ones, experts and top-k), a world of 1-4 ranks, a node size (small "nodes"
 of 1 or 2 ranks make TP and other groups span nodes) and random pins from the whole product (several
 of tp, pp, dp, cp, ep whose product divides the world, schedule, virtual stages, zero, recompute,
-compile, offload, micro-batch, precision fp32/bf16; compile is drawn with the schedules that split the
+compile, offload, micro-batch, precision fp32/bf16, and PEFT: LoRA or QLoRA adapters, whose refusals
+`costmodel.plan_rules.peft_violation` states; compile is drawn with the schedules that split the
 backward too), all from one seed; what is not pinned the planner searches. For each:
 1. `soap plan` (`planner.api.plan_report` on the `local-cpu` cluster): a plan, or a refusal, which must
    be a `SoapError` (the `error:` line), never another exception;
@@ -15,8 +16,8 @@ backward too), all from one seed; what is not pinned the planner searches. For e
 3. it trains 2 steps on its world of gloo ranks (`executor.train.train`, what every `soap execute`
    worker runs), all plans of one world size in one process group;
 4. fp32 plans must reproduce the losses of the same model's 1-rank fp32 eager plan (relative 1e-4,
-   SGD: see COMPARE_LR): a parallel layout, or compile, changes where the arithmetic runs, not the
-   training.
+   SGD: see COMPARE_LR), with the same adapters where the case has them: a parallel layout, or compile,
+   changes where the arithmetic runs, not the training.
 
 `tests/test_plans_execute.py` runs a CI-sized sample (fixed seed); this script runs a larger one and
 prints one line per case plus the counts, and writes section `plans-execute` of docs/benchmarks.md.
@@ -103,10 +104,15 @@ def random_config(rng: random.Random, family: str) -> dict[str, Any]:
 
 
 FOCUS = ("pp", "tp", "compile", "zero", "cp", "dp", "ep", "virtual_stages", "offload", "schedule", "recompute",
-         "micro_batch")
+         "micro_batch", "peft")
 """Case i pins FOCUS[i % len(FOCUS)] first (where the planner offers it and the model allows it), so
-that any twelve consecutive cases pin every dimension once; the rest is drawn at random. In the first
-twelve, t5 (FAMILIES[3], data-parallel only) draws zero and offload."""
+that any thirteen consecutive cases pin every dimension once; the rest is drawn at random. In the first
+thirteen, t5 (FAMILIES[3], data-parallel only) draws zero and offload."""
+PEFT_SHARE = 0.2
+"""Of the cases whose focus is not PEFT, the share that fine-tunes with adapters too (its other pins drawn as
+for any case, so LoRA meets pipelines, ZeRO, recompute, precision and the planner's refusals)."""
+PEFT_METHODS = ("lora", "lora", "qlora")
+"""QLoRA's 4-bit base runs on bitsandbytes' CPU backend here (tests/test_peft_execute.py)."""
 DEGREES = ("tp", "pp", "dp", "cp", "ep")
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
@@ -183,6 +189,8 @@ def random_pins(rng: random.Random, world: int, config: dict[str, Any], allowed:
     pins.setdefault("precision", "fp32" if rng.random() < 0.7 else "bf16")
     if pins["precision"] == "fp32" and "optimizer" in allowed:
         pins["optimizer"] = "sgd"  # compared with one rank: SGD keeps a gradient's scale and its rounding (COMPARE_LR)
+    if focus == "peft" or rng.random() < PEFT_SHARE:
+        pins["peft"] = rng.choice(PEFT_METHODS)  # not a planner pin: plan_case hands it to `peft=`
     return pins
 
 
@@ -226,10 +234,10 @@ def plan_case(case: Case, workdir: Path) -> None:
     # local-cpu has no fp8 rate: an fp8 case is planned for H100s and trains on the CPU ranks, where torchao
     # emulates its float8 Linears (executor.precision)
     cluster = "dgx-h100" if case.pins.get("precision") == "fp8" else "local-cpu"
-    common = dict(cluster=cluster, global_batch=case.global_batch, seq_len=case.seq_len)
+    pins = {k: v for k, v in case.pins.items() if k != "peft"}
+    common = dict(cluster=cluster, global_batch=case.global_batch, seq_len=case.seq_len, peft=case.pins.get("peft"))
     try:
-        plan = plan_report(str(config), gpus=case.world, gpus_per_node=case.gpus_per_node, **common,
-                           **case.pins).plan
+        plan = plan_report(str(config), gpus=case.world, gpus_per_node=case.gpus_per_node, **common, **pins).plan
     except SoapError as exc:
         case.outcome = f"refused: {exc}"
         return
@@ -340,6 +348,8 @@ def summary(case: Case) -> str:
         parts.append("compile")
     if p.get("offload_optimizer"):
         parts.append("offload")
+    if (case.plan.get("model") or {}).get("peft"):
+        parts.append(case.plan["model"]["peft"]["method"])
     return " ".join(parts)
 
 

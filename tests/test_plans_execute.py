@@ -41,6 +41,9 @@ NAMED = {
     # fp8 plans with TP failed their first forward (the float8 swap came after TP); planned for H100s, emulated here
     "fp8-tp2": ("llama", ISSUE_LLAMA, 2, dict(tp=2, precision="fp8"), None),
     "fp8-pp2-tp2": ("llama", ISSUE_LLAMA, 4, dict(tp=2, pp=2, precision="fp8", compile=False), None),
+    # found by the benchmark once it drew PEFT: a planned LoRA pipeline named layers 1-4 of 0-3 (the PEFT graph's
+    # representative block is its last traced one)
+    "lora-pp2": ("llama", ISSUE_LLAMA, 2, dict(pp=2, compile=False, peft="lora", **SGD), None),
 }
 
 

@@ -50,20 +50,27 @@ def layer_sequence(graph: OpGraph) -> tuple[Layer, ...]:
             label = "<prologue>" if index == 0 else "<epilogue>" if index == len(segments) - 1 else f"<between-{index}>"
             layers.append(Layer(index, None, 0, seg.ops, label))
         else:
-            container, first = block_container(seg.block_id), _first_index(seg.block_id, seg.ops)
-            layers.extend(Layer(index, seg.block_id, i, seg.ops, f"{container}.{first + i}") for i in range(seg.repeat))
+            container, positions = block_container(seg.block_id), _positions(graph, seg.block_id, seg.ops, seg.repeat)
+            layers.extend(Layer(index, seg.block_id, i, seg.ops, f"{container}.{positions[i]}")
+                          for i in range(seg.repeat))
     return tuple(layers)
 
 
-def _first_index(block_id: str, ops: Sequence[OpNode]) -> int:
-    """Index of the block's first instance in its module list (`encoder.block#1` starts at 1)."""
+def _positions(graph: OpGraph, block_id: str, ops: Sequence[OpNode], repeat: int) -> tuple[int, ...]:
+    """Each instance's index in the block's module list: the positions the tracer recorded for its type
+    (`Block.indices`; `encoder.block#1` starts at 1), else counted from the first index the representative's
+    ops name. Not from the ops alone where the tracer recorded them: a PEFT graph keeps the last traced instance
+    as the representative (`tracer.graph.build_graph`'s `last_instance`), whose ops name `model.layers.1`."""
+    indices = graph.block(block_id).indices
+    if len(indices) == repeat:
+        return tuple(indices)
     prefix = block_container(block_id) + "."
     for op in ops:
         if op.module_fqn.startswith(prefix):
             head = op.module_fqn[len(prefix):].split(".", 1)[0]
             if head.isdigit():
-                return int(head)
-    return 0
+                return tuple(range(int(head), int(head) + repeat))
+    return tuple(range(repeat))
 
 
 def balanced_bounds(layers: Sequence[Layer], n_stages: int) -> tuple[int, ...]:
