@@ -15,7 +15,8 @@ peft), and as the cost model prices it (costmodel/peft.py):
    `q_proj.base_layer.weight`, `executor.model.CheckpointWeights` reads either); the adapters start as
    peft starts them: A Kaiming-uniform (seeded per
    FQN, as every soap parameter), B zero, so the adapted model equals its base at step 0.
-3. `quantize_base` (QLoRA, after materialization, before DDP): each adapted module's base linear becomes a
+3. `quantize_base` (QLoRA, after materialization, before DDP): each adapted module's base linear (but what the
+   model keeps in fp32, and an MoE's stacked experts: `tracer.peft.quantized_modules`) becomes a
    bitsandbytes `Linear4bit` (NF4, double quantization, compute dtype = the run's), its weight quantized
    where it lies. bitsandbytes 0.50 quantizes and runs 4-bit matmuls on the CPU too (its CPU backend),
    so QLoRA executes and is tested on CPU; without bitsandbytes the run stops with one line.
@@ -31,7 +32,7 @@ from torch import nn
 
 from planner.plan import Plan
 from tracer.errors import SoapError
-from tracer.peft import apply_lora
+from tracer.peft import apply_lora, quantized_modules
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -99,16 +100,16 @@ def bitsandbytes_or_error() -> Any:
 
 
 def quantize_base(model: nn.Module, plan: Plan) -> None:
-    """Step 3 (QLoRA plans only): every adapted module's base linear as an NF4 `Linear4bit`."""
+    """Step 3 (QLoRA plans only): each adapted module's base linear as an NF4 `Linear4bit`
+    (`tracer.peft.quantized_modules`: the ones the tracer prices as NF4)."""
     spec = plan.model.peft_spec()
     if spec is None or not spec.quantized:
         return
     bnb = bitsandbytes_or_error()
     dtype = compute_dtype(plan)
-    for fqn, module in list(model.named_modules()):
-        base = getattr(module, "base_layer", None)
-        if base is None or not hasattr(module, "lora_A"):
-            continue
+    for fqn in quantized_modules(model):
+        module = model.get_submodule(fqn)
+        base = module.base_layer
         weight = base.weight.detach()
         if type(base).__name__ == "Conv1D":  # GPT-2 keeps [in, out]
             weight = weight.t()

@@ -175,3 +175,57 @@ def test_execute_says_in_one_line_what_a_qlora_plan_lacks(tmp_path, monkeypatch,
     assert main(["execute", str(plan_file)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: this QLoRA plan needs bitsandbytes"), err
+
+
+def test_qlora_keeps_what_the_model_keeps_in_fp32_and_so_every_adapter_trains():
+    """T5's feed-forward casts its input to `wo.weight.dtype`; a 4-bit `wo` (uint8 storage) stopped the gradient
+    there, and two DDP ranks refused the step (found by benchmarks/plans_execute.py). QLoRA now leaves `wo` as
+    transformers' 4-bit loading does (`_keep_in_fp32_modules`), and every adapter gets a gradient."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from executor.peft import quantize_base
+    from tracer.peft import apply_lora, quantized_modules
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2, vocab_size=96,
+                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    model = apply_lora(T5ForConditionalGeneration(config), PeftSpec.from_value("qlora"))
+    quantized = quantized_modules(model)
+    assert quantized and not any(name.endswith(".wo") for name in quantized)
+    assert any(name.endswith(".wi") for name in quantized)
+    spec = PeftSpec.from_value("qlora")
+    quantize_base(model, SimpleNamespace(model=SimpleNamespace(peft_spec=lambda: spec),
+                                         parallelism=SimpleNamespace(precision="fp32")))
+    ids = torch.randint(1, 96, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    adapters = {name: p.grad for name, p in model.named_parameters() if "lora_B" in name}
+    dead = [name for name, grad in adapters.items() if grad is None or not grad.abs().sum() > 0]
+    assert adapters and not dead, dead
+
+
+def test_stacked_experts_get_adapters_but_no_4_bit_base_and_trace_on_meta():
+    """transformers 5 stacks an MoE's experts into 3-D parameters and peft's "all-linear" adapts them too (its
+    `ParamWrapper`, whose fold turns autocast off: no meta backend, so the trace failed); QLoRA quantizes linears
+    only, as bitsandbytes' `Linear4bit` holds."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import tracer
+    from tracer.peft import apply_lora, quantized_modules
+
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=96, max_position_embeddings=64, num_local_experts=2,
+                  num_experts_per_tok=1)
+    with torch.device("meta"):
+        plain = MixtralForCausalLM(MixtralConfig(**fields))
+        model = apply_lora(MixtralForCausalLM(MixtralConfig(**fields)), PeftSpec.from_value("qlora"))
+    quantized = quantized_modules(model)
+    assert any(name.endswith("self_attn.q_proj") for name in quantized)
+    assert not any("experts" in name for name in quantized)
+    assert any("experts" in name for name, p in model.named_parameters() if p.requires_grad)
+    graph = tracer.trace(plain, batch=1, seq_len=16, peft="lora")
+    assert graph.params_trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert any(op.target == "aten.baddbmm.default" for op in graph.ops)

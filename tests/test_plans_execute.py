@@ -42,8 +42,9 @@ NAMED = {
     "fp8-tp2": ("llama", ISSUE_LLAMA, 2, dict(tp=2, precision="fp8"), None),
     "fp8-pp2-tp2": ("llama", ISSUE_LLAMA, 4, dict(tp=2, pp=2, precision="fp8", compile=False), None),
     # found by the benchmark once it drew PEFT: a planned LoRA pipeline named layers 1-4 of 0-3 (the PEFT graph's
-    # representative block is its last traced one)
+    # representative block is its last traced one), and T5's 4-bit `wo` stopped its gradient (DDP refused step 2)
     "lora-pp2": ("llama", ISSUE_LLAMA, 2, dict(pp=2, compile=False, peft="lora", **SGD), None),
+    "qlora-t5-dp2": ("t5", TINY_T5, 2, dict(peft="qlora", **SGD), None),
 }
 
 

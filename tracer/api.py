@@ -158,7 +158,7 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     from tracer.autocast_mode import traced_regime
 
     torch_dtype = torch.float32 if is_autocast(dtype) else getattr(torch, dtype)
-    from tracer.peft import apply_lora, quantized_base, target_base_weights
+    from tracer.peft import apply_lora, meta_safe_adapters, quantized_base, target_base_weights
 
     def adapted(model: Any) -> Any:
         if peft is None:
@@ -192,7 +192,7 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)
-    with torch.device("meta"), traced_regime(model, dtype, frontend) as frontend:
+    with torch.device("meta"), meta_safe_adapters(), traced_regime(model, dtype, frontend) as frontend:
         captured = capture(model, inputs, frontend, preset=spec.source == "preset")
     graph = build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
                         seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,

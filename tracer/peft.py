@@ -17,11 +17,16 @@ A PEFT run holds its base in the compute dtype and its adapters in fp32, without
 (executor/peft.py), so `tracer.trace(peft=...)` traces an autocast regime as the plain 16-bit model.
 
 `default targets`: peft's "all-linear", i.e. every linear (and GPT-2 Conv1D) of the model but the output
-head: the attention and MLP projections of each architecture, as peft picks them.
+head: the attention and MLP projections of each architecture, as peft picks them. Under transformers 5 an MoE's
+experts are stacked parameters, not linears, and peft's "all-linear" adapts them too (its `ParamWrapper`: each
+expert's delta folded into the stacked weight, `baddbmm(W, A, B)`, every forward); `meta_safe_adapters` lets that
+fold run on meta.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -131,10 +136,53 @@ def apply_lora(model: Any, spec: PeftSpec) -> Any:
     return model
 
 
+@contextmanager
+def meta_safe_adapters() -> Iterator[None]:
+    """peft's fold of an adapter into stacked expert weights (`_LoraFactorsProxy`) turns autocast off around its
+    `baddbmm`, and `torch.autocast` has no meta device ("unsupported scalarType"), so an MoE with adapted experts
+    could not be traced. Inside this context the fold runs without that context on meta tensors: a PEFT model
+    runs without autocast (the module docstring), so the context changes nothing but the error; elsewhere peft's
+    own forward runs, and it is restored on exit."""
+    try:
+        from peft.tuners.lora.layer import _LoraFactorsProxy
+    except ImportError:  # another peft: nothing folded this way
+        yield
+        return
+    import torch
+
+    original = _LoraFactorsProxy.forward
+
+    def forward(self: Any, weight: Any) -> Any:
+        if weight.device.type != "meta":
+            return original(self, weight)
+        return torch.baddbmm(weight, self.lhs, self.rhs, alpha=self.scaling)
+
+    _LoraFactorsProxy.forward = forward
+    try:
+        yield
+    finally:
+        _LoraFactorsProxy.forward = original
+
+
+def quantized_modules(model: Any) -> list[str]:
+    """FQNs of the adapted modules whose base QLoRA quantizes to NF4 (bitsandbytes' `Linear4bit`): a linear's, or
+    GPT-2's Conv1D's. Not an MoE's stacked experts (peft's `ParamWrapper`: 3-D weights, which `Linear4bit` cannot
+    hold), nor a module the model keeps in fp32 (`_keep_in_fp32_modules`, T5's `wo`): transformers' own 4-bit
+    loading leaves those unquantized, and T5's feed-forward casts its input to `wo.weight.dtype`, which for 4-bit
+    storage is uint8 (the gradient stopped there: found by benchmarks/plans_execute.py)."""
+    import torch
+
+    keep = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
+    return [name for name, module in model.named_modules()
+            if hasattr(module, "lora_A") and name.rsplit(".", 1)[-1] not in keep
+            and (isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+                 or type(getattr(module, "base_layer", None)).__name__ == "Conv1D")]
+
+
 def target_base_weights(model: Any) -> list[str]:
-    """FQNs of the base weights of the adapted modules (what QLoRA quantizes)."""
-    return [f"{name}.base_layer.weight" for name, module in model.named_modules()
-            if hasattr(module, "base_layer") and hasattr(module, "lora_A")]
+    """FQNs of the base weights QLoRA quantizes (`quantized_modules`)."""
+    return [f"{name}.base_layer.weight" for name in quantized_modules(model)]
 
 
 def quantized_base(graph: Any, weights: set[str]) -> Any:
