@@ -229,3 +229,13 @@ def test_stacked_experts_get_adapters_but_no_4_bit_base_and_trace_on_meta():
     graph = tracer.trace(plain, batch=1, seq_len=16, peft="lora")
     assert graph.params_trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert any(op.target == "aten.baddbmm.default" for op in graph.ops)
+
+
+def test_a_pipeline_stage_holds_an_adapted_module_whole():
+    """A stage names the module peft adapted, not its parts: BERT's MLM-head dense, which "all-linear" adapts,
+    was listed as `dense.base_layer`, `dense.lora_A.default`, ..., and the stage without it replaced the parts."""
+    from tracer.peft import adapted_module
+
+    assert adapted_module("cls.predictions.transform.dense.lora_A.default") == "cls.predictions.transform.dense"
+    assert adapted_module("model.layers.0.mlp.experts.base_layer.lora_B.default") == "model.layers.0.mlp.experts"
+    assert adapted_module("cls.predictions.decoder") == "cls.predictions.decoder"

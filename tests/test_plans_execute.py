@@ -29,6 +29,8 @@ TINY_T5 = dict(model_type="t5", d_model=32, d_ff=64, d_kv=8, num_heads=4, num_la
                vocab_size=96, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
 """Found by the 200-case benchmark and this sample: T5 under activation checkpointing trains differently
 from T5 without it (one process, fp32), so `costmodel.plan_rules.recompute_violation` forbids it."""
+TINY_BERT = dict(model_type="bert", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=96, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 NAMED = {
     # compiled blocks under the schedules that split the backward crashed ("donated buffers")
     "zbv-compile": ("llama", ISSUE_LLAMA, 4, dict(pp=2, dp=2, schedule="ZBVZeroBubble", compile=True, **SGD), None),
@@ -45,6 +47,8 @@ NAMED = {
     # representative block is its last traced one), and T5's 4-bit `wo` stopped its gradient (DDP refused step 2)
     "lora-pp2": ("llama", ISSUE_LLAMA, 2, dict(pp=2, compile=False, peft="lora", **SGD), None),
     "qlora-t5-dp2": ("t5", TINY_T5, 2, dict(peft="qlora", **SGD), None),
+    # LoRA adapts BERT's MLM-head dense; its stage named peft's parts, and the other stage replaced them
+    "lora-bert-pp2": ("bert", TINY_BERT, 2, dict(pp=2, compile=False, peft="lora", **SGD), None),
 }
 
 

@@ -164,6 +164,22 @@ def meta_safe_adapters() -> Iterator[None]:
         _LoraFactorsProxy.forward = original
 
 
+ADAPTER_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
+                           "lora_magnitude_vector"})
+"""The submodules peft puts inside the module it adapts (`dense` becomes `dense.base_layer`, `dense.lora_A.default`,
+...)."""
+
+
+def adapted_module(fqn: str) -> str:
+    """The module an FQN inside peft's adapter belongs to (`cls.predictions.transform.dense.lora_A.default` ->
+    `cls.predictions.transform.dense`: the unit a pipeline stage holds or replaces); any other FQN unchanged."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts):
+        if part in ADAPTER_PARTS:
+            return ".".join(parts[:i])
+    return fqn
+
+
 def quantized_modules(model: Any) -> list[str]:
     """FQNs of the adapted modules whose base QLoRA quantizes to NF4 (bitsandbytes' `Linear4bit`): a linear's, or
     GPT-2's Conv1D's. Not an MoE's stacked experts (peft's `ParamWrapper`: 3-D weights, which `Linear4bit` cannot

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from costmodel.placement import block_container
 from tracer.errors import SoapError
 from tracer.ir import OpGraph, OpNode
+from tracer.peft import adapted_module
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,11 @@ class Layer:
 
     @property
     def modules(self) -> tuple[str, ...]:
-        """Module FQNs this layer puts on its stage."""
+        """Module FQNs this layer puts on its stage: an adapted module whole, not peft's parts inside it (BERT's
+        MLM head's dense, which LoRA adapts: its `lora_A.default` replaced on another stage broke the adapter)."""
         if self.block_id is not None:
             return (self.name,)
-        return tuple(dict.fromkeys(op.module_fqn for op in self.ops if op.module_fqn and op.params))
+        return tuple(dict.fromkeys(adapted_module(op.module_fqn) for op in self.ops if op.module_fqn and op.params))
 
 
 def layer_sequence(graph: OpGraph) -> tuple[Layer, ...]:
