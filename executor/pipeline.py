@@ -55,16 +55,18 @@ from tracer.errors import SoapError
 
 
 class ZeroEmbedding(nn.Module):
-    """Stands in for an embedding owned by another stage: adds nothing."""
+    """Stands in for an embedding owned by another stage: adds nothing, in the embedding's dtype (an fp32 zero
+    added to a 16-bit PEFT base's hidden states made them fp32, which its bf16 linears then refused: BERT's
+    token-type and position embeddings on a LoRA pipeline's second stage)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.dim = dim
+        self.dim, self.dtype = dim, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # broadcastable rather than ids-shaped: under sequence parallelism the hidden states it is added
         # to hold only this rank's tokens
-        return torch.zeros((1,) * ids.dim() + (self.dim,), device=ids.device)
+        return torch.zeros((1,) * ids.dim() + (self.dim,), device=ids.device, dtype=self.dtype)
 
 
 def stages_of_rank(plan: Plan, pp_rank: int) -> list[int]:
@@ -131,7 +133,7 @@ def _drop_other_stages_parameters(module: nn.Module, mine: set[str], listed: set
 
 def _neutral(module: nn.Module, *, owner_is_first: bool) -> nn.Module | None:
     if isinstance(module, nn.Embedding):
-        return ZeroEmbedding(module.embedding_dim)
+        return ZeroEmbedding(module.embedding_dim, module.weight.dtype)
     if isinstance(module, nn.Dropout) and owner_is_first:
         return nn.Identity()
     if any(True for _ in module.parameters()):

@@ -49,6 +49,8 @@ NAMED = {
     "qlora-t5-dp2": ("t5", TINY_T5, 2, dict(peft="qlora", **SGD), None),
     # LoRA adapts BERT's MLM-head dense; its stage named peft's parts, and the other stage replaced them
     "lora-bert-pp2": ("bert", TINY_BERT, 2, dict(pp=2, compile=False, peft="lora", **SGD), None),
+    # and in bf16 the second stage's stand-ins for BERT's token-type and position embeddings added fp32 zeros
+    "lora-bert-pp2-bf16": ("bert", TINY_BERT, 2, dict(pp=2, compile=False, peft="lora", precision="bf16"), None),
 }
 
 
