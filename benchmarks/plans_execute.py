@@ -254,7 +254,8 @@ def plan_case(case: Case, workdir: Path) -> None:
 
 
 def _worker(rank: int, world: int, store: str, plans: list[dict[str, Any]], out: str) -> None:
-    """One rank: load each plan as `soap execute` does, check it, train STEPS steps; rank 0 writes the losses."""
+    """One rank: load each plan as `soap execute` does, check it, train STEPS steps; each rank writes its losses
+    or errors (`execute` keeps rank 0's losses, and the error of the rank that failed first)."""
     import datetime
 
     import torch.distributed as dist
@@ -276,9 +277,22 @@ def _worker(rank: int, world: int, store: str, plans: list[dict[str, Any]], out:
             results[item["key"]] = train(plan, RunConfig(steps=STEPS, progress=False, lr=lr)).losses
         except Exception as exc:  # noqa: BLE001 - reported per case to the parent
             results[item["key"]] = f"{type(exc).__name__}: {exc} | {traceback.format_exc()[-600:]}"
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
+    Path(f"{out}.{rank}").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+PEER_ERRORS = ("Timed out waiting", "Connection closed by peer", "Application timeout caused pair closure")
+"""gloo's words for a rank that waited on a peer which had failed: the peer's own error says what went wrong."""
+
+
+def merged(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """{key: rank 0's losses, or the error of a rank that did not just wait on a failed peer}."""
+    out = {}
+    for key, first in per_rank[0].items():
+        errors = [r[key] for r in per_rank if not isinstance(r.get(key), list)]
+        own = [e for e in errors if not any(word in str(e) for word in PEER_ERRORS)]
+        out[key] = first if not errors else (own or errors)[0]
+    return out
 
 
 def execute(plans_by_world: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -295,7 +309,7 @@ def execute(plans_by_world: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
         out, store = tempfile.mktemp(prefix="soap-plans-out-"), tempfile.mktemp(prefix="soap-plans-store-")
         try:
             mp.start_processes(_worker, args=(world, store, plans, out), nprocs=world, start_method="forkserver")
-            results |= json.loads(Path(out).read_text())
+            results |= merged([json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world)])
         except Exception as exc:  # noqa: BLE001 - a crashed group fails every plan in it
             results |= {p["key"]: f"process group of {world} crashed: {exc}" for p in plans}
     return results
