@@ -6,7 +6,8 @@ Draws random tiny models (llama, gpt2, bert, t5, mixtral: random widths, heads, 
 vocabularies including odd ones, experts and top-k), a world of 1-4 ranks, a node size (small "nodes"
 of 1 or 2 ranks make TP and other groups span nodes) and random pins from the whole product (several
 of tp, pp, dp, cp, ep whose product divides the world, schedule, virtual stages, zero, recompute,
-compile, offload, micro-batch, precision fp32/bf16, and PEFT: LoRA or QLoRA adapters, whose refusals
+compile, offload, micro-batch, gradient accumulation, precision fp32/bf16/fp8, optimizer, the loss (chunked or
+upcast cross-entropy), and PEFT: LoRA or QLoRA adapters, whose refusals
 `costmodel.plan_rules.peft_violation` states; compile is drawn with the schedules that split the
 backward too), all from one seed; what is not pinned the planner searches. For each:
 1. `soap plan` (`planner.api.plan_report` on the `local-cpu` cluster): a plan, or a refusal, which must
@@ -112,7 +113,7 @@ FOCUS = ("pp", "tp", "compile", "zero", "cp", "dp", "ep", "virtual_stages", "off
 """Case i pins FOCUS[i % len(FOCUS)] first (where the planner offers it and the model allows it), so
 that any thirteen consecutive cases pin every dimension once; the rest is drawn at random. In the first
 thirteen, t5 (FAMILIES[3], data-parallel only) draws zero and offload."""
-PEFT_SHARE = 0.2
+PEFT_SHARE = 0.1
 """Of the cases whose focus is not PEFT, the share that fine-tunes with adapters too (its other pins drawn as
 for any case, so LoRA meets pipelines, ZeRO, recompute, precision and the planner's refusals)."""
 PEFT_METHODS = ("lora", "lora", "qlora")
@@ -146,7 +147,11 @@ def random_pins(rng: random.Random, world: int, config: dict[str, Any], allowed:
     }
     encoder_decoder = config["model_type"] == "t5"
     options: dict[str, Any] = {
-        "precision": lambda: rng.choice(("fp32", "fp32", "bf16")),
+        # fp8 is planned for H100s and runs torchao's emulated float8 on the CPU ranks (plan_case)
+        "precision": lambda: rng.choice(("fp32", "fp32", "bf16", "fp8")),
+        "optimizer": lambda: rng.choice(("adamw", "adafactor", "adamw8bit")),  # fp32 cases compare under SGD
+        "cross_entropy": lambda: rng.choice(("chunked", "upcast")),
+        "grad_accum": lambda: 2,
         # encoder-decoders train without recompute (costmodel.plan_rules.recompute_violation)
         "recompute": lambda: "none" if encoder_decoder else rng.choice(("none", "selective", "full")),
         "zero": lambda: rng.choice((0, 1, 2, 3)),

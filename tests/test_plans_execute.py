@@ -17,7 +17,9 @@ from benchmarks.plans_execute import FAMILIES, FOCUS, Case, run, sample_cases, s
 
 pytestmark = pytest.mark.slow
 
-SEED = 0
+SEED = 7
+"""Since the sample draws PEFT, fp8, optimizers and the loss too, seed 0 drew LoRA onto its one context-parallel
+case (refused by rule) and left no cp plan to run; seed 7 pins every degree, fp8 and PEFT in 13 cases."""
 CASES = len(FOCUS)
 """One case per FOCUS pin: every family at least twice, every dimension pinned once."""
 
