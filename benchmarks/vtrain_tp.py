@@ -150,6 +150,23 @@ def _per_microbatch_cells(records, hidden: int, layers: int) -> dict[tuple[int, 
     return cells
 
 
+def inverted_pairs(records) -> tuple[int, list[tuple[float, object]]]:
+    """Pairs of rows alike but for the hidden size (1024 and 2048: the same layers, GPUs, degrees, micro-batch and
+    global batch, so the same kernels, each with 2-4x the work at 2048): how many there are, and the pairs whose
+    h2048 row measured faster, as (h1024 time / h2048 time, the h1024 record), slowest first. No model whose
+    time grows with the work prices such a pair right: its error on one of the two is at least about half the
+    inversion. `python -m benchmarks.vtrain_tp --pairs` prints them."""
+    def key(r):
+        return (r.model["n_layer"], r.gpus, r.tp, r.pp, r.dp, r.micro_batch, r.batch)
+
+    by_hidden = {(r.model["n_embd"], *key(r)): r for r in records}
+    pairs = [(r, by_hidden[(2048, *key(r))]) for r in records
+             if r.model["n_embd"] == 1024 and (2048, *key(r)) in by_hidden]
+    inverted = sorted(((small.measured_step_s / big.measured_step_s, small) for small, big in pairs
+                       if big.measured_step_s < small.measured_step_s), key=lambda x: -x[0])
+    return len(pairs), inverted
+
+
 def measured_per_microbatch(records, hidden: int, layers: int) -> dict[tuple[int, int], float]:
     """`_per_microbatch_cells` averaged over GPU counts (each count's mean weighs alike)."""
     return {key: sum(sum(v) / len(v) for v in by_gpus.values()) / len(by_gpus)
@@ -188,7 +205,21 @@ def price_grid(cluster, stride: int = 1) -> tuple[list, list, list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print, but do not write docs")
+    parser.add_argument("--pairs", action="store_true", help="only print the rows a bigger model ran faster than "
+                        "its smaller twin (`inverted_pairs`), nothing priced")
     args = parser.parse_args()
+    if args.pairs:
+        from collections import Counter
+
+        from executor.validation.run_records import read_records
+
+        total, inverted = inverted_pairs(read_records(GRID).records)
+        by_tp = Counter(r.tp for _, r in inverted)
+        print(f"{len(inverted)} of {total} h1024/h2048 pairs measured the h2048 row faster (by tp: "
+              + ", ".join(f"tp{tp} {n}" for tp, n in sorted(by_tp.items())) + f"); up to {inverted[0][0]:.2f}x:")
+        for ratio, r in inverted[:10]:
+            print(f"  {ratio:.3f}  {r.name}")
+        return
 
     from costmodel.collectives import CommGroup, collective_time
     from costmodel.host_sync import expected_max_normal
