@@ -18,6 +18,8 @@ maximum positions, 2048) (inputs.py), and patches + 1 for image models.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 from dataclasses import dataclass
@@ -192,7 +194,8 @@ def _trace_uncached(spec: Any, batch: int, seq_len: int, frontend: str, dtype: s
     del full
     model.train()
     inputs = example_inputs(model, spec.task, batch, seq_len)
-    with torch.device("meta"), meta_safe_adapters(), traced_regime(model, dtype, frontend) as frontend:
+    adapters = meta_safe_adapters() if peft is not None else contextlib.nullcontext()  # peft imported for PEFT only
+    with torch.device("meta"), adapters, traced_regime(model, dtype, frontend) as frontend:
         captured = capture(model, inputs, frontend, preset=spec.source == "preset")
     graph = build_graph(capture=captured, types=types, name=spec.name, task=spec.task, batch=batch,
                         seq_len=seq_len, params_total=params_total, params_trainable=params_trainable,
