@@ -260,7 +260,7 @@ def plan_case(case: Case, workdir: Path) -> None:
 
 def _worker(rank: int, world: int, store: str, plans: list[dict[str, Any]], out: str) -> None:
     """One rank: load each plan as `soap execute` does, check it, train STEPS steps; each rank writes its losses
-    or errors (`execute` keeps rank 0's losses, and the error of the rank that failed first)."""
+    or errors (`merged` keeps rank 0's losses, or the failing rank's own error)."""
     import datetime
 
     import torch.distributed as dist
