@@ -4,10 +4,10 @@ PEFT ones since it draws PEFT), all drawn through the planner.
 
 Random tiny llama, gpt2, bert, t5 and mixtral models on 1-4 gloo ranks with random pins from the whole
 product (degrees, schedules, virtual stages, ZeRO, recompute, compile, offload, micro-batching and
-accumulation, precision, optimizer, loss, PEFT, node size) go through `soap plan` -> plan.json -> the launcher's rule check -> 2 training steps. The planner
-may refuse pins no plan meets (with a `SoapError`, the `error:` line); every plan it writes must train,
-and fp32 plans must reproduce the same model's 1-rank plan's losses. `python -m benchmarks.plans_execute`
-runs a larger sample (200 cases, docs/benchmarks.md).
+accumulation, precision, optimizer, loss, PEFT, node size) go through `soap plan` -> plan.json -> the
+launcher's rule check -> 2 training steps. The planner may refuse pins no plan meets (with a `SoapError`,
+the `error:` line); every plan it writes must train, and fp32 plans must reproduce the same model's 1-rank
+plan's losses. `python -m benchmarks.plans_execute` runs a larger sample (200 cases, docs/benchmarks.md).
 """
 
 from __future__ import annotations
