@@ -19,7 +19,6 @@ maximum positions, 2048) (inputs.py), and patches + 1 for image models.
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import json
 from dataclasses import dataclass

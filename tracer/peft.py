@@ -190,10 +190,12 @@ def quantized_modules(model: Any) -> list[str]:
 
     keep = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
             *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
+    def quantizable(base: Any) -> bool:
+        return isinstance(base, torch.nn.Linear) or type(base).__name__ == "Conv1D"
+
     return [name for name, module in model.named_modules()
             if hasattr(module, "lora_A") and name.rsplit(".", 1)[-1] not in keep
-            and (isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
-                 or type(getattr(module, "base_layer", None)).__name__ == "Conv1D")]
+            and quantizable(getattr(module, "base_layer", None))]
 
 
 def target_base_weights(model: Any) -> list[str]:
