@@ -116,7 +116,7 @@ READING = """Reading it:
   37.28 (it was 38.97 with autocast's 1.6 GiB of weight copies held over the loss).
 - **LoRA and QLoRA did not run**: both outlasted their limit initializing the bf16 base on the CPU (call 2's
   faulthandler stack: `normal_` on a 16-bit tensor after 70 s). The seeded init now draws in fp32 and rounds
-  (`executor.model.SeededInit`); the runs wait for the next lent GPU."""
+  (`executor.model.SeededInit`); the next lent H100 ran them (`benchmarks/peft_h100.py`)."""
 
 
 def main() -> None:
