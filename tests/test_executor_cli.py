@@ -182,3 +182,19 @@ def test_parallelize_needs_a_process_group():
     plan = make_plan("llama", micro_batch=4)
     with pytest.raises(SoapError, match="initialized process group"):
         parallelize(build_meta_model(plan.model.config, plan.model.task), plan)
+
+
+def test_the_reported_step_leaves_the_warm_up_step_out():
+    """The report's step time is the median of the steps after the first where others ran (the first carries
+    cuBLAS's heuristics, the allocator's growth and compilation), as `soap calibrate`'s validation times it."""
+    from executor.train import RunResult
+
+    def report(times: list[float]) -> dict:
+        return RunResult(losses=[1.0] * len(times), step_times_s=times, tokens_per_step=400,
+                         peak_memory_per_rank_gib=[1.0], memory_source="process peak RSS", predicted_step_time_s=None,
+                         predicted_peak_memory_gib=None, parallelism={}).to_json()
+
+    assert report([5.12, 3.99])["step_time_s"] == 3.99
+    assert report([5.5, 4.27, 4.19])["step_time_s"] == pytest.approx(4.23)
+    assert report([5.5, 4.27, 4.19])["tokens_per_s"] == pytest.approx(400 / 4.23)
+    assert report([0.5])["step_time_s"] == 0.5 and report([])["step_time_s"] == 0.0

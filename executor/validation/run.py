@@ -168,14 +168,11 @@ def _peak_memory(plan_json: str, steps: int, device: str) -> dict[str, int]:
 
 
 def _timed_run(plan_json: str, steps: int, device: str, memory: dict[str, int]) -> dict[str, Any]:
-    import statistics
-
     from executor.train import RunConfig, train
     from planner.plan import plan_from_dict
 
     result = train(plan_from_dict(json.loads(plan_json)), RunConfig(steps=steps, progress=False))
-    timed = result.step_times_s[1:] or result.step_times_s
-    return {"step_time_s": statistics.median(timed), "step_times_s": list(result.step_times_s),
+    return {"step_time_s": result.step_time_s, "step_times_s": list(result.step_times_s),
             **memory,
             "peak_memory_source": "cuda max_memory_allocated" if device == "cuda" else "peak RSS growth (VmHWM)",
             "losses": list(result.losses)}
