@@ -13,8 +13,13 @@ tensor source*, one parameter-owning module at a time, and only the rank's slice
 kept (the slice comes from the parameter's DTensor placements; no communication):
 - `SeededInit(seed)`: HF's own `_init_weights(module)` run on a CPU copy of the unsharded module, with
   the RNG seeded by `sha256(seed, module FQN)`. Every layout therefore starts from bit-identical
-  weights, the single-process model included. (Model-level special cases that reach into child
-  modules from a parent, such as GPT-2's scaled residual projections, are not applied.) The copy is
+  weights, the single-process model included. HF initializes children before their parents, and a parent's
+  `_init_weights` may set its children's weights (T5's attention and feed-forward modules scale each
+  projection by its fan-in, GPT-2's blocks scale their residual projections): each ancestor's
+  `_init_weights` then runs too, nearest first, on a stand-in whose path down to the module is the CPU copy
+  and whose other tensors are meta (`_ancestors_around`), re-seeded alike. Without it a T5 drew every
+  projection at HF's generic std, T5's `initializer_factor` of 1.0 (its attention's q 32x too large at
+  d_model 64), and its unscaled attention made fp32 steps sensitive to the micro-batch split. The copy is
   fp32 whatever the parameter's dtype, and the values are then rounded to it: a 16-bit parameter (a PEFT
   run's frozen base, `executor.peft`) starts as the fp32 run's weights rounded, and the draw takes the
   RNG's fp32 path. On a lent H100 host (torch 2.11, 2026-11-26) the bf16 base of four Llama-3-8B layers
@@ -169,6 +174,7 @@ class SeededInit:
     def __init__(self, template: nn.Module, seed: int) -> None:
         self.template = template
         self.seed = seed
+        self.skeleton = _meta_skeleton(template)
 
     def module_params(self, fqn: str, names: list[str]) -> dict[str, torch.Tensor]:
         source = self.template.get_submodule(fqn)
@@ -176,7 +182,42 @@ class SeededInit:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(fqn_seed(self.seed, fqn))
             self.template._init_weights(cpu)
+            for ancestor in _ancestors_around(self.skeleton, fqn, cpu):  # HF inits children first, parents last
+                torch.manual_seed(fqn_seed(self.seed, fqn))
+                self.template._init_weights(ancestor)
         return {name: getattr(cpu, name).to(source.get_parameter(name).dtype) for name in names}
+
+
+def _meta_skeleton(module: nn.Module) -> nn.Module:
+    """`module`'s tree of shallow copies holding meta tensors of its parameters' and buffers' shapes: what a parent's
+    `_init_weights` may write to without touching memory (the template itself may hold a materialized stage)."""
+    clone = copy.copy(module)
+    clone._parameters = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                                requires_grad=p.requires_grad)
+                         for n, p in module._parameters.items()}
+    clone._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
+                      for n, b in module._buffers.items()}
+    clone._modules = {n: None if m is None else _meta_skeleton(m) for n, m in module._modules.items()}
+    return clone
+
+
+def _ancestors_around(skeleton: nn.Module, fqn: str, leaf: nn.Module) -> list[nn.Module]:
+    """The ancestors of module `fqn`, nearest first, each a copy of its skeleton whose path down to `fqn` ends in
+    `leaf`: a parent's `_init_weights` that sets its children (T5's attention and feed-forward scale each projection
+    by its fan-in; GPT-2's blocks scale their residual projections) then sets `leaf` and only meta tensors beside it."""
+    if not fqn:
+        return []
+    parts = fqn.split(".")
+    nodes = [skeleton]
+    for part in parts[:-1]:
+        nodes.append(nodes[-1]._modules[part])
+    out, child = [], leaf
+    for node, part in zip(reversed(nodes), reversed(parts)):
+        stand_in = copy.copy(node)
+        stand_in._modules = {**node._modules, part: child}
+        out.append(stand_in)
+        child = stand_in
+    return out
 
 
 class CheckpointWeights:

@@ -1,4 +1,4 @@
-"""Single-process executor behaviour: precisions, optimizers, data and the loss normalization."""
+"""Single-process executor behaviour: precisions, optimizers, data, the loss normalization and the seeded init."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from exec_helpers import init_single_process_group, make_plan
+from exec_helpers import TASKS, init_single_process_group, make_plan, tiny_config
 
 from executor.data import IGNORE, ScaledTokenLoss, Slicer, TokenSource
 from executor.train import RunConfig, train
@@ -178,3 +178,41 @@ def test_a_pipeline_part_autocasts_its_own_forward_and_nothing_after_it():
     assert part.linear.weight.grad.dtype == torch.float32
     PrecisionRuntime("cpu", None).autocast_each_forward(fp32 := Part())  # no autocast: no hooks
     assert fp32(torch.randn(2, 8)).dtype == torch.float32 and seen[-1] is False
+
+
+T5 = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2, vocab_size=96,
+          dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "mixtral", "qwen2_moe", "deepseek_v3", "t5"])
+def test_the_seeded_init_draws_each_parameter_as_hf_does(family):
+    """Every parameter of a meta-built model materialized by seed (`executor.model.SeededInit`) is drawn at the
+    scale HF's own init gives it: T5's projections at their fan-in scales (they were all drawn at T5's generic
+    std of 1.0) and GPT-2's residual projections at 0.02 / sqrt(2 n_layer) (they were drawn at 0.02), both set by
+    a parent module's `_init_weights`; constants (norms, biases) exactly."""
+    import copy
+
+    import transformers
+
+    from executor.model import build_meta_model, materialize
+
+    config = transformers.AutoConfig.for_model("t5", **T5).to_dict() if family == "t5" else tiny_config(family)
+    task = "seq2seq-lm" if family == "t5" else TASKS[family]
+    model = build_meta_model(config, task)
+    materialize(model, copy.deepcopy(model), torch.device("cpu"), seed=0)
+    fields = {k: v for k, v in config.items() if k not in ("transformers_version", "architectures", "model_type")}
+    auto = {"causal-lm": transformers.AutoModelForCausalLM, "masked-lm": transformers.AutoModelForMaskedLM,
+            "seq2seq-lm": transformers.AutoModelForSeq2SeqLM}[task]
+    torch.manual_seed(0)
+    hf = dict(auto.from_config(transformers.AutoConfig.for_model(config["model_type"], **fields)).named_parameters())
+    compared = 0
+    for name, param in model.named_parameters():
+        if name not in hf:  # GPT-2's fused c_attn is three Linears here (`executor.model.normalize_for_tp`)
+            continue
+        ours, theirs = param.detach().float(), hf[name].detach().float()
+        if theirs.std() == 0:
+            assert torch.equal(ours, theirs), name
+        elif theirs.numel() >= 64:
+            assert 0.8 < ours.std() / theirs.std() < 1.25, (name, ours.std().item(), theirs.std().item())
+        compared += 1
+    assert compared >= 0.8 * len(hf)

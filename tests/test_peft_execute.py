@@ -167,7 +167,8 @@ def test_a_16_bit_base_is_drawn_in_fp32_and_rounded():
         model = build_meta_model(plan.model.config, plan.model.task)
         inject(model, plan)
         drawn, init = [], model._init_weights
-        model._init_weights = lambda module: (drawn.append(module.weight.dtype), init(module))
+        model._init_weights = lambda module: (drawn.append(module.weight.dtype) if "weight" in module._parameters
+                                              else None, init(module))  # its ancestors hold no weight of their own
         weight = SeededInit(model, seed=0).module_params("model.layers.0.self_attn.q_proj.base_layer", ["weight"])
         return weight["weight"], drawn
 
