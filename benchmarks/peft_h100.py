@@ -11,14 +11,13 @@ A lent H100 (2026-11-27, `benchmarks/gpu_session_peft.sh` and two single runs af
 The plans are in `benchmarks/data/h100-2026-11-27/plans`; the first three runs' records (plan as run) in its
 `call1-runs.jsonl`, the two picks' reports in `call2-*.run.json` and `call3-*.run.json`. Each plan is re-priced with
 the current cost model on the default `dgx-h100` and the measured `h100-x1-measured` (as `benchmarks.gpu_repredict`
-does). The measured step is the median of the steps after the first (`executor.train.RunResult.step_time_s`).
+does). The measured step is the median of the steps after the first (`executor.train.steady_step_s`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 from pathlib import Path
 
 RUNS = Path(__file__).resolve().parent / "data" / "h100-2026-11-27"
@@ -40,13 +39,9 @@ def records() -> list[dict]:
     return out
 
 
-def steady_step_s(record: dict) -> float:
-    times = record["step_times_s"]
-    return statistics.median(times[1:] or times)
-
-
 def rows() -> list[dict]:
     from benchmarks.gpu_repredict import priced
+    from executor.train import steady_step_s
     from planner.plan import plan_from_dict
 
     out = []
@@ -55,7 +50,7 @@ def rows() -> list[dict]:
         peft = plan.model.peft.method if plan.model.peft else "full"
         row = dict(name=record["name"], peft=peft, layers=plan.model.config["num_hidden_layers"], seq=plan.seq_len,
                    micro=f"{plan.parallelism.micro_batch}x{plan.parallelism.num_microbatches}",
-                   measured_s=steady_step_s(record), measured_gib=record["peak_memory_gib"],
+                   measured_s=steady_step_s(record["step_times_s"]), measured_gib=record["peak_memory_gib"],
                    reserved_gib=record.get("peak_memory_reserved_gib"))
         out.append(row | priced(record, {name: name for name in CLUSTERS}))
     return out

@@ -80,6 +80,14 @@ class RunConfig:
     time (`executor.watchdog.limits_for`)."""
 
 
+def steady_step_s(step_times_s: list[float]) -> float:
+    """The median step, the first left out where others ran: it carries the warm-up (cuBLAS's heuristics, the
+    allocator's growth, compilation). A lent H100's 8B LoRA step of 3.99 s read 4.55 s as the median of two
+    steps with the first (5.12 s) in it (`benchmarks/data/h100-2026-11-27`)."""
+    timed = step_times_s[1:] or step_times_s
+    return statistics.median(timed) if timed else 0.0
+
+
 @dataclass
 class RunResult:
     """What rank 0 reports: the `--json` object of `soap execute`."""
@@ -102,11 +110,7 @@ class RunResult:
 
     @property
     def step_time_s(self) -> float:
-        """The median step, the first left out where others ran: it carries the warm-up (cuBLAS's heuristics, the
-        allocator's growth, compilation). A lent H100's 8B LoRA step of 3.99 s read 4.55 s as the median of two
-        steps with the first (5.12 s) in it (`benchmarks/data/h100-2026-11-27`)."""
-        timed = self.step_times_s[1:] or self.step_times_s
-        return statistics.median(timed) if timed else 0.0
+        return steady_step_s(self.step_times_s)
 
     def to_json(self) -> dict[str, Any]:
         return {
