@@ -13,9 +13,9 @@
 # Carried: .whl (pydantic, pydantic_core, annotated-types, typing-inspection, transformers 5.24 and peft 0.21.2, the
 # versions the plans were made with) and .sitepeft (bitsandbytes 0.50.2 with its CUDA 13.0 library alone):
 #   run: python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
-#        export PYTHONPATH=/tmp/site:$PWD/.sitepeft:$PWD; DEADLINE=600 bash THIS
+#        export PYTHONPATH=/tmp/site:$PWD/.sitepeft:$PWD; DEADLINE=540 bash THIS
 set -u
-W=/tmp/gs9; DEADLINE=${DEADLINE:-420}
+W=/tmp/gs9; DEADLINE=${DEADLINE:-540}
 source benchmarks/gpu_lib.sh
 export HF_HUB_OFFLINE=1
 python3 -c "import peft, bitsandbytes as b, transformers as t; print('peft', peft.__version__, 'bitsandbytes',

@@ -190,6 +190,7 @@ def quantized_modules(model: Any) -> list[str]:
 
     keep = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
             *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
+
     def quantizable(base: Any) -> bool:
         return isinstance(base, torch.nn.Linear) or type(base).__name__ == "Conv1D"
 
