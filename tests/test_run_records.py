@@ -73,8 +73,8 @@ def test_twin_names_are_told_apart(tmp_path):
     assert len(set(names)) == 2 and "seq 1024" in names[1]
 
 
-def _fake(name, parts, measured, *, compiled=False, precision="bf16", stack="torch-native"):
-    record = RunRecord.model_validate(_row(name=name, stack=stack, step_time_s=measured))
+def _fake(name, parts, measured, *, compiled=False, precision="bf16", stack="torch-native", sdpa_backend=None):
+    record = RunRecord.model_validate(_row(name=name, stack=stack, step_time_s=measured, sdpa_backend=sdpa_backend))
     plan = SimpleNamespace(parallelism=SimpleNamespace(compile=compiled, precision=precision))
     return Prepared(record=record, plan=plan, graph=None, cluster=None, parts=parts)
 
@@ -204,6 +204,48 @@ def test_fp8_gemms_are_fitted_over_bf16s():
     bf16_only = cluster_from_dict(apply_fit(base, Fit(multipliers={"matmul/bf16": 1.5}, runs={"matmul/bf16": ("a",)}),
                                             source="test"))
     assert bf16_only.device.kernel_factors["matmul/fp8"].at(1e9) == pytest.approx(1.5)
+
+
+def test_a_stated_sdpa_kernel_is_fitted_over_the_unstated_runs_attention(tmp_path):
+    """Runs of a torch whose SDPA ran another kernel (FlashAttention-2 where soap's executor runs cuDNN's) share
+    every term with the unstated runs but their attention's own multiplier: planted, the fit finds both; the
+    written profile keeps the unstated runs' attention and folds the kernel's in only to predict its runs."""
+    import math
+    import random
+
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"sdpa_backend": "flash_attention", "rows": [_row(name="a"), _row(name="b")]}))
+    assert {r.sdpa_backend for r in read_records(path, cluster="dgx-h100").records} == {"flash_attention"}
+    path.write_text(json.dumps(_row(sdpa_backend="flash-attn-3")))
+    with pytest.raises(SoapError, match="sdpa_backend"):
+        read_records(path)
+
+    assert part_parameters(_fake("f", {}, 1.0, sdpa_backend="flash_attention"))["attention"] == (
+        "attention", "attention/flash_attention")
+    assert part_parameters(_fake("n", {}, 1.0))["attention"] == ("attention",)
+    rng = random.Random(5)
+    truth = {"matmul/bf16": 1.2, "attention": 0.8, "attention/flash_attention": 2.2, "memory-bound": 1.5}
+    runs = []
+    for i in range(30):
+        parts = {k: rng.uniform(0.05, 2.0) for k in ("matmul", "attention", "memory-bound")}
+        probe = _fake(f"r{i}", parts, 1.0, sdpa_backend="flash_attention" if i % 3 == 0 else None)
+        measured = sum(parts[p] * math.prod(truth[k] for k in ks) for p, ks in part_parameters(probe).items()
+                       if p in parts)
+        runs.append(replace(probe, record=probe.record.model_copy(update={"step_time_s": measured})))
+    result = fit(runs, prior_weight=1e-5)
+    for name, value in truth.items():
+        assert result.multipliers[name] == pytest.approx(value, rel=0.03), name
+    assert set(result.runs["attention/flash_attention"]) == {f"r{i}" for i in range(0, 30, 3)}
+
+    base = cluster_to_dict(load_cluster("dgx-h100-datasheet"))
+    written = apply_fit(base, result, source="test")
+    assert cluster_from_dict(written).device.kernel_factors["attention/bf16"].at(1e9) == pytest.approx(0.8, rel=0.03)
+    assert "attention/flash_attention x2.2" in written["device"]["kernel_factors"]["source"]
+    assert "reported, not written" in written["device"]["kernel_factors"]["source"]
+    folded = cluster_from_dict(apply_fit(base, result, source="test", sdpa_backend="flash_attention"))
+    assert folded.device.kernel_factors["attention/bf16"].at(1e9) == pytest.approx(0.8 * 2.2, rel=0.05)
 
 
 def test_fitted_profiles_stay_inside_the_loaders_bounds_and_name_their_runs():

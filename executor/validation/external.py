@@ -25,20 +25,23 @@ predicts runs it was not fitted on.
    both precisions' GEMMs run on the same tensor cores under the same clocks and stack and fp8 adds its casts,
    scales and rate on top: a fit on one precision predicts the other with its twin's multiplier, where two free
    multipliers left the held-out one at the prior, 73% / 35% error on torch-native / NeMo rows, 51% / 25%
-   tied); `compile` for the
-   memory-bound part of a compiled run (Inductor fuses elementwise ops; matmul and attention keep their
-   library kernels); and the run's stack (`stack:<name>`, every compute part of a run from a stack that is
-   not torch-native, e.g. Transformer Engine's fused kernels). theta minimizes the squared log ratios plus
-   a weak pull toward 0 (a term no run exercises stays as the profile had it), by damped Gauss-Newton,
-   each multiplier kept inside the profile loader's bounds, and no kernel class made faster than its datasheet
-   peak (`_peak_ceilings`): the product of the parameters scaling a run's matmul or attention part (the class's
-   multiplier times its stack's factor) stays at or above the value at which that part's fastest kernels run at
-   the peak on the run's device, a hinge penalty (`PEAK_WEIGHT`) that binds only past it; a product left on
-   its ceiling is reported (`Fit.at_peak`, printed by `soap calibrate --from-runs`). Without it a stack's
-   factor and the device's multiplier trade freely where the runs cannot tell them apart: a fit on the NeMo 8B
-   rows alone priced Transformer Engine's fp8 GEMMs at 4.5x the profile's fp8 rate, 2.7x the fp8 peak, and
-   leaving out either NeMo model erred 16.8% on it (12.3% with the ceiling; fits that stay below every ceiling,
-   the full corpus's among them, are unchanged). Optionally robust (`fit(robust=delta)`): a log
+   tied); `compile` for the memory-bound part of a compiled run (Inductor fuses elementwise ops; matmul and
+   attention keep their library kernels); the run's stack (`stack:<name>`, every compute part of a run from a
+   stack that is not torch-native, e.g. Transformer Engine's fused kernels); and, for a run that states its SDPA
+   kernel (`RunRecord.sdpa_backend`), `attention/<backend>` on its attention part: that kernel's rate over the
+   unstated runs' (what soap's executor runs), so runs of a torch release whose SDPA dispatched to another
+   kernel share every other term with soap's own (torchtitan's runs of December 2024 ran FlashAttention-2 on
+   H100, soap's own of 2026 cuDNN's Hopper kernels: `benchmarks/own_runs_corpus.py`). theta minimizes the
+   squared log ratios plus a weak pull toward 0 (a term no run exercises stays as the profile had it), by damped
+   Gauss-Newton, each multiplier kept inside the profile loader's bounds, and no kernel class made faster than its
+   datasheet peak (`_peak_ceilings`): the product of the parameters scaling a run's matmul or attention part (the
+   class's multiplier times its stack's factor) stays at or above the value at which that part's fastest kernels run
+   at the peak on the run's device, a hinge penalty (`PEAK_WEIGHT`) that binds only past it; a product left on its
+   ceiling is reported (`Fit.at_peak`, printed by `soap calibrate --from-runs`). Without it a stack's factor and the
+   device's multiplier trade freely where the runs cannot tell them apart: a fit on the NeMo 8B rows alone priced
+   Transformer Engine's fp8 GEMMs at 4.5x the profile's fp8 rate, 2.7x the fp8 peak, and leaving out either NeMo
+   model erred 16.8% on it (12.3% with the ceiling; fits that stay below every ceiling, the full corpus's among them,
+   are unchanged). Optionally robust (`fit(robust=delta)`): a log
    ratio r counts as delta^2 ln(1 + (r / delta)^2) in place of r^2 (Cauchy's loss, by iteratively reweighted
    Gauss-Newton, weight 1 / (1 + (r / delta)^2)), so that a run measured many times slower than anything its
    parts can carry (a disturbed or failing run: on the Playbook grid, pipelined runs 3-50x slower than the
@@ -49,7 +52,8 @@ predicts runs it was not fitted on.
 3. The fitted terms are written into the profile (`apply_fit`): `kernel_factors` per class and precision,
    `compile_factors` for the memory-bound classes, `kernel_overhead_us`, each link's bandwidth and latency,
    `activation_collective_factor`; each changed number's source names the runs whose parts it scales.
-   Stack factors are reported, not written: soap's predictions are for its own executor (torch-native).
+   Stack factors and SDPA-kernel multipliers are reported, not written: soap's predictions are for its own
+   executor (torch-native, the attention kernel torch dispatches to today).
 4. Errors are re-simulated, not read off the linear model: in-sample (every run, fitted profile) and
    leave-one-out (refit without a run, or without every run of one model, GPU count or stack, and predict
    those). A held-out stack has no stack factor to use; its runs are predicted as torch-native.
@@ -199,11 +203,13 @@ def part_parameters(prepared: Prepared) -> dict[str, tuple[str, ...]]:
     stack = () if native else (f"stack:{prepared.record.stack}",)
     fused = () if native else (f"stack:{prepared.record.stack}/memory-bound",)
     memory = ("memory-bound", "compile") if prepared.compiled else ("memory-bound",)
+    backend = prepared.record.sdpa_backend
+    kernel = (f"attention/{backend}",) if backend else ()  # a stated SDPA kernel's rate over the unstated runs'
     # an fp8 run's GEMMs are bf16's scaled by fp8's own multiplier (module docstring, step 2)
     matmul = ("matmul/bf16", "matmul/fp8") if prepared.precision == "fp8" else (f"matmul/{prepared.precision}",)
     return {
         "matmul": (*matmul, *stack),
-        "attention": ("attention", *stack),
+        "attention": ("attention", *kernel, *stack),
         "memory-bound": (*memory, *fused),
         "kernel-launch": ("kernel-launch",),
         "host-floor": ("host-floor",),
@@ -393,9 +399,11 @@ def _runs_text(runs: Sequence[str]) -> str:
     return f"{len(runs)} runs ({shown}{f'; and {len(runs) - NAMED_RUNS} more' if len(runs) > NAMED_RUNS else ''})"
 
 
-def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | None = None) -> dict:
+def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | None = None,
+              sdpa_backend: str | None = None) -> dict:
     """A copy of an inline cluster profile with the fitted terms written in, each changed number's source
-    naming its runs. `stack`: also fold that stack's factor into the compute classes (to predict its runs)."""
+    naming its runs. `stack`: also fold that stack's factor into the compute classes, and `sdpa_backend` that
+    attention kernel's multiplier into attention (to predict runs of that stack or kernel)."""
     out = copy.deepcopy(cluster_inline)
     device = out["device"]
     today = datetime.date.today().isoformat()
@@ -410,6 +418,7 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
     native = not stack or stack == TORCH_NATIVE
     core = 1.0 if native else m.get(f"stack:{stack}", 1.0)
     fused = 1.0 if native else m.get(f"stack:{stack}/memory-bound", 1.0)
+    backend = m.get(f"attention/{sdpa_backend}", 1.0) if sdpa_backend else 1.0
     kernel = device.get("kernel_factors", {"source": "", "factors": {}})
     factors = kernel.setdefault("factors", {})
     notes = []
@@ -427,7 +436,8 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
         if name in m:
             notes.append(f"{name} {note(name)}" + (f" over matmul/bf16's (x{m[name] * tied:.3g} in all)"
                                                    if precision == "fp8" else ""))
-    for name, classes, scale in (("attention", ("attention",), core), ("memory-bound", MEMORY_BOUND_CLASSES, fused)):
+    for name, classes, scale in (("attention", ("attention",), core * backend),
+                                 ("memory-bound", MEMORY_BOUND_CLASSES, fused)):
         if name in m or scale != 1.0:
             for cls in classes:
                 for precision in PRECISION_KEYS:
@@ -439,6 +449,10 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
             folded = "folded in here" if not native and name.split(":")[1].split("/")[0] == stack else \
                 "reported, not written: soap predicts its own torch-native executor"
             notes.append(f"{name} {note(name)} ({folded})")
+        elif name.startswith("attention/"):
+            folded = "folded in here" if name == f"attention/{sdpa_backend}" else \
+                "reported, not written: soap prices the attention kernel its executor runs"
+            notes.append(f"{name} {note(name)} over attention's ({folded})")
     if factors:
         kernel["source"] = "; ".join(notes) if notes else kernel.get("source", "")
         device["kernel_factors"] = kernel
@@ -489,7 +503,8 @@ def fitted_cluster(prepared: Prepared, result: Fit, *, with_stack: bool = True) 
     from costmodel.profiles import cluster_from_dict, cluster_to_dict
 
     stack = prepared.record.stack if with_stack else None
-    return cluster_from_dict(apply_fit(cluster_to_dict(prepared.cluster), result, source="leave-one-out", stack=stack))
+    return cluster_from_dict(apply_fit(cluster_to_dict(prepared.cluster), result, source="leave-one-out", stack=stack,
+                                       sdpa_backend=prepared.record.sdpa_backend))
 
 
 def predict(prepared: Prepared, result: Fit | None, *, with_stack: bool = True) -> Prediction:

@@ -2,8 +2,8 @@
 
 A user's cluster logs, a benchmark table, a paper: one record per training configuration that ran, with
 what it measured. A file is either JSON Lines (one record per line) or one JSON object whose `rows` are the
-records and whose other keys (`stack`, `cluster`, `source`, `memory_kind`) are defaults for every row: the
-layout of `../shared/published-runs/`. Unknown keys are kept and ignored (notes, sources, releases).
+records and whose other keys (`stack`, `cluster`, `source`, `memory_kind`, `sdpa_backend`) are defaults for every
+row: the layout of `../shared/published-runs/`. Unknown keys are kept and ignored (notes, sources, releases).
 
     {"name": "Llama 3.1 8B BF16 8xH100 fsdp8",          # how errors and fitted sources name the run
      "model": "llama-3-8b",                              # a preset, a config.json path, an HF config as a
@@ -19,7 +19,8 @@ layout of `../shared/published-runs/`. Unknown keys are kept and ignored (notes,
      "memory_gib": 82.4, "memory_kind": "reserved",      # peak per GPU: the allocator's reserved bytes
                                                          # (torch.cuda.max_memory_reserved, what runs out
                                                          # first) or its allocated bytes
-     "stack": "torch-native"}                            # the software that ran it
+     "stack": "torch-native",                            # the software that ran it
+     "sdpa_backend": null}                               # its attention kernel where stated (see the field)
 
 `null` is "not stated". A stated value is pinned as published; an unstated one falls back to the stack's
 documented default where it has one (`STACK_DEFAULTS`: NeMo / Megatron-Core runs use the distributed
@@ -50,7 +51,7 @@ STACK_DEFAULTS: dict[str, dict[str, Any]] = {
 """Values a stack uses when a record leaves them unstated. nemo-te: NeMo 2.0's LLM recipes set
 `use_distributed_optimizer=True` (Megatron-Core's distributed optimizer shards optimizer state: ZeRO-1) and
 leave activation recompute off unless `recompute_granularity` is set (NeMo 2.0 recipes, llm/recipes/*.py)."""
-FILE_DEFAULTS = ("stack", "cluster", "memory_kind")
+FILE_DEFAULTS = ("stack", "cluster", "memory_kind", "sdpa_backend")
 SHORT_FORM_KEYS = {"hidden", "ffn", "layers", "heads", "vocab"}
 
 
@@ -86,6 +87,12 @@ class RunRecord(BaseModel):
     memory_gib: float | None = Field(default=None, gt=0)
     memory_kind: Literal["reserved", "allocated"] = "reserved"
     stack: str = TORCH_NATIVE
+    sdpa_backend: Literal["flash_attention", "efficient_attention", "cudnn_attention", "math"] | None = None
+    """The kernel the run's attention ran, in `torch.nn.attention.SDPBackend`'s names, where it is not the one soap's
+    executor runs on that device today: the fit gives a stated backend a multiplier of its own over the unstated
+    runs' attention (`executor.validation.external`, `attention/<backend>`). Which kernel torch's SDPA dispatches to
+    changes with its release: soap's own H100 runs (torch 2.11) ran cuDNN's sm90 flash kernels
+    (`benchmarks/data/h100-2026-11-26*` traces), where torch of late 2024 ran its own FlashAttention-2."""
 
     @model_validator(mode="after")
     def _measured(self) -> RunRecord:
