@@ -70,8 +70,13 @@ def dequantize_time(op: OpNode, *, device: DeviceProfile, precision: str) -> tup
     numel = sum(p.numel for p in op.params if is_quantized(p.dtype))
     if not numel:
         return 0.0, 0.0
+    once = dequantize_seconds(numel, device=device, precision=precision)
+    return once, once
+
+
+def dequantize_seconds(numel: int, *, device: DeviceProfile, precision: str) -> float:
+    """One dequantization of `numel` 4-bit elements to the compute width of `precision` (module docstring)."""
     from costmodel.opcost import activation_itemsize
 
     nbytes = nf4_bytes(numel) + numel * activation_itemsize(precision)
-    once = nbytes / (device.memory_bandwidth * device.memory_efficiency.at(nbytes)) + device.kernel_overhead_s
-    return once, once
+    return nbytes / (device.memory_bandwidth * device.memory_efficiency.at(nbytes)) + device.kernel_overhead_s
