@@ -17,10 +17,7 @@ missing half is the kernel's rate (a factor on `dequantize_seconds`) or somethin
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,12 +29,13 @@ WEIGHTS = (("q_proj, o_proj", 4096, 4096), ("k_proj, v_proj", 1024, 4096), ("gat
 SMOKE_WEIGHTS = (("smoke", 256, 512),)
 
 
-def measure(weights: Sequence[tuple[str, int, int]], *, cluster: str, warmup: int = 5, iters: int = 20) -> dict:
-    """Each weight quantized once and dequantized `iters` times (module docstring)."""
+def measure(weights: Sequence[tuple[str, int, int]], *, cluster: str, samples: int = 7) -> dict:
+    """Each weight quantized once and its dequantization timed (module docstring)."""
     import bitsandbytes
     import bitsandbytes.functional as bnb
     import torch
 
+    from costmodel.calibration.microbench import TimingConfig, time_kernel
     from costmodel.peft import dequantize_seconds, nf4_bytes
     from costmodel.profiles import load_cluster
 
@@ -47,18 +45,8 @@ def measure(weights: Sequence[tuple[str, int, int]], *, cluster: str, warmup: in
     for name, out_features, in_features in weights:
         weight = torch.randn(out_features, in_features, device=on, dtype=torch.bfloat16)
         packed, state = bnb.quantize_4bit(weight, quant_type="nf4", blocksize=64, compress_statistics=True)
-        samples = []
-        for i in range(warmup + iters):
-            if on == "cuda":
-                torch.cuda.synchronize()
-            began = time.perf_counter()
-            bnb.dequantize_4bit(packed, state)
-            if on == "cuda":
-                torch.cuda.synchronize()
-            if i >= warmup:
-                samples.append(time.perf_counter() - began)
+        seconds = time_kernel(lambda p=packed, s=state: bnb.dequantize_4bit(p, s), on, TimingConfig(samples=samples))
         numel = out_features * in_features
-        seconds = statistics.median(samples)
         moved = nf4_bytes(numel) + 2 * numel
         priced = dequantize_seconds(numel, device=device, precision="bf16")
         rows.append({"weight": name, "shape": [out_features, in_features], "seconds": seconds, "priced_s": priced,
@@ -71,7 +59,7 @@ def measure(weights: Sequence[tuple[str, int, int]], *, cluster: str, warmup: in
 
 def table(result: dict) -> str:
     lines = [f"{result['device']}, torch {result['torch']}, bitsandbytes {result['bitsandbytes']}; priced on "
-             f"`{result['cluster']}` (host-timed, synchronized: a kernel launch included, as the price includes one):",
+             f"`{result['cluster']}` (soap's microbenchmark timer: median seconds a call, launch included, as priced):",
              "", "| weight | shape | measured | priced | measured / priced | TB/s moved |",
              "|---|---|---:|---:|---:|---:|"]
     for r in result["rows"]:
@@ -86,12 +74,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--out", help="write the measurements as JSON here")
     parser.add_argument("--smoke", action="store_true", help="a small weight, any machine")
     args = parser.parse_args(argv)
-    result = measure(SMOKE_WEIGHTS if args.smoke else WEIGHTS, cluster=args.cluster,
-                     **(dict(warmup=1, iters=3) if args.smoke else {}))
-    print(table(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    return result
+    from benchmarks.report import emit
+
+    result = measure(SMOKE_WEIGHTS if args.smoke else WEIGHTS, cluster=args.cluster, samples=3 if args.smoke else 7)
+    return emit(result, table(result), args.out)
 
 
 if __name__ == "__main__":

@@ -59,3 +59,14 @@ def update_section(name: str, title: str, body: str, *, machine: str | None = No
         tmp = DOC.with_suffix(".md.tmp")
         tmp.write_text(text)
         os.replace(tmp, DOC)
+
+
+def emit(result: dict, table: str, out: str | None) -> dict:
+    """Print a measurement script's table and, where asked, keep its measurements as JSON (the GPU scripts' output
+    comes back from a lent machine as files)."""
+    import json
+
+    print(table)
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result

@@ -24,11 +24,8 @@ TFLOP/s count the causal half of the score matrix: forward 2 x 2 x b h s^2 d / 2
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,43 +36,21 @@ HEADS, HEAD_DIM = 32, 128
 TOKENS_PER_CALL = 16_384
 MATH_MAX_SEQ = 4096
 """The math kernel materializes b x h x s x s scores (and their gradient): 2 GiB in bf16 at 4k for 32 heads."""
-SMOKE = dict(heads=4, head_dim=64, seqs=(256,), tokens=512, warmup=1, iters=2)
-
-
-def _timer(device: str) -> Callable[[Callable[[], None], int, int], float]:
-    import torch
-
-    def timed(step: Callable[[], None], warmup: int, iters: int) -> float:
-        for _ in range(warmup):
-            step()
-        samples = []
-        for _ in range(iters):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            else:
-                began = time.perf_counter()
-                step()
-                samples.append(time.perf_counter() - began)
-        return statistics.median(samples)
-
-    return timed
+SMOKE = dict(heads=4, head_dim=64, seqs=(256,), tokens=512, samples=3)
 
 
 def measure(seqs: Sequence[int], *, heads: int = HEADS, head_dim: int = HEAD_DIM, tokens: int = TOKENS_PER_CALL,
-            warmup: int = 3, iters: int = 10) -> dict:
+            samples: int = 7) -> dict:
     """Forward + backward of causal SDPA per backend and sequence length (module docstring)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from costmodel.calibration.microbench import TimingConfig, time_kernel
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    timed = _timer(device)
+    timing = TimingConfig(samples=samples, max_case_s=5.0)
     rows = []
     for seq in seqs:
         batch = max(1, tokens // seq)
@@ -97,7 +72,7 @@ def measure(seqs: Sequence[int], *, heads: int = HEADS, head_dim: int = HEAD_DIM
                 q.grad = k.grad = v.grad = None
 
             try:
-                seconds = timed(step, warmup, iters)
+                seconds = time_kernel(step, device, timing)
             except RuntimeError as err:  # no viable kernel for this backend, shape or device
                 rows.append({**row, "seconds": None, "why": str(err).splitlines()[0][:160]})
                 continue
@@ -136,14 +111,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--out", help="write the measurements as JSON here")
     parser.add_argument("--smoke", action="store_true", help="a small shape, any machine")
     args = parser.parse_args(argv)
+    from benchmarks.report import emit
+
     if args.smoke:
         result = measure(**SMOKE)
     else:
         result = measure([int(s) for s in args.seqs.split(",")])
-    print(table(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    return result
+    return emit(result, table(result), args.out)
 
 
 if __name__ == "__main__":
