@@ -92,7 +92,8 @@ class RunRecord(BaseModel):
     executor runs on that device today: the fit gives a stated backend a multiplier of its own over the unstated
     runs' attention (`executor.validation.external`, `attention/<backend>`). Which kernel torch's SDPA dispatches to
     changes with its release: soap's own H100 runs (torch 2.11) ran cuDNN's sm90 flash kernels
-    (`benchmarks/data/h100-2026-11-26*` traces), where torch of late 2024 ran its own FlashAttention-2."""
+    (`benchmarks/data/h100-2026-11-26*` traces), where torch of late 2024, by its release notes, ran its own
+    FlashAttention-2."""
 
     @model_validator(mode="after")
     def _measured(self) -> RunRecord:
