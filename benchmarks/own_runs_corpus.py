@@ -37,8 +37,8 @@ This script joins them to the corpus as run records and repeats the fit's leave-
    given). The corpus's two stacks' Llama 3.1 8B rows share one name and so one group.
 4. Reported: tokens/s MAPE per stack (torch-native split into torchtitan's and the own rows), in-sample,
    leave one model out, leave one GPU count out; the torchtitan rows' error when the 8B group, or their GPU
-   count, is left out; the fitted multipliers of (b) against the corpus-only fit, and the products left on their
-   datasheet-peak ceiling (`Fit.at_peak`).
+   count, is left out (`titan_held_out`); the fitted multipliers of (b) against the corpus-only fit, and the
+   products left on their datasheet-peak ceiling (`Fit.at_peak`).
 5. Transfer (`transfer`): the torchtitan rows predicted by fits on the own runs alone, on their 8B-shaped runs
    alone and on their other families alone, beside the torchtitan rows' own in-sample fit: which multipliers the
    two torch-native sources ask for, and so whether one set of device multipliers can serve both.
@@ -193,10 +193,11 @@ def mape_cells(predictions: Sequence[Any], records: dict[str, Any]) -> str:
     return " | ".join(cells)
 
 
-def eight_b_out(evaluation: Evaluation) -> list[Any]:
-    """The torchtitan rows' predictions by the fit without the Llama 3.1 8B group."""
+def titan_held_out(evaluation: Evaluation, grouping: str) -> list[Any]:
+    """The torchtitan rows' predictions by the fits without their group (`Evaluation.leave_out`'s grouping: "model",
+    the Llama 3.1 8B group; "gpus", their GPU count)."""
     names = {p.record.name for p in evaluation.prepared if p.record.cluster == TORCHTITAN_CLUSTER}
-    return [q for q in evaluation.leave_out["model"] if q.name in names]
+    return [q for q in evaluation.leave_out[grouping] if q.name in names]
 
 
 def label(record: Any) -> str:
@@ -254,22 +255,16 @@ def report(results: dict[str, Evaluation], conversion: dict[str, list[str]], ela
         lines.append(f"| {title} | in-sample | {mape_cells(e.in_sample, records)} |")
         lines.append(f"| {title} | leave one model out | {mape_cells(e.leave_out['model'], records)} |")
         lines.append(f"| {title} | leave one GPU count out | {mape_cells(e.leave_out['gpus'], records)} |")
-    lines += ["", "Torchtitan rows (500 W, 8-128 GPUs) predicted by the fit without the Llama 3.1 8B group "
-              "(its torchtitan, NeMo and own 8b4l rows):", "",
-              "| fit | torchtitan MAPE | mean signed | per row |", "|---|---:|---:|---|"]
-    for title, e in results.items():
-        held = eight_b_out(e)
-        signed = 100 * sum(q.error for q in held) / max(len(held), 1)
-        lines.append(f"| {title} | {mape(held):.1f}% | {signed:+.1f}% | "
-                     + ", ".join(f"{label(records[q.name])} {q.error:+.0%}" for q in held) + " |")
-    lines += ["", "Torchtitan rows predicted by the fit without their GPU count (8: every long-sequence row):", "",
-              "| fit | torchtitan MAPE | mean signed | per row |", "|---|---:|---:|---|"]
-    titan = {p.record.name for e in results.values() for p in e.prepared if p.record.cluster == TORCHTITAN_CLUSTER}
-    for title, e in results.items():
-        held = [q for q in e.leave_out["gpus"] if q.name in titan]
-        signed = 100 * sum(q.error for q in held) / max(len(held), 1)
-        lines.append(f"| {title} | {mape(held):.1f}% | {signed:+.1f}% | "
-                     + ", ".join(f"{label(records[q.name])} {q.error:+.0%}" for q in held) + " |")
+    for grouping, caption in (("model", "Torchtitan rows (500 W, 8-128 GPUs) predicted by the fit without the Llama "
+                                         "3.1 8B group (its torchtitan, NeMo and own 8b4l rows):"),
+                              ("gpus", "Torchtitan rows predicted by the fit without their GPU count (8: every "
+                                       "long-sequence row):")):
+        lines += ["", caption, "", "| fit | torchtitan MAPE | mean signed | per row |", "|---|---:|---:|---|"]
+        for title, e in results.items():
+            held = titan_held_out(e, grouping)
+            signed = 100 * sum(q.error for q in held) / max(len(held), 1)
+            lines.append(f"| {title} | {mape(held):.1f}% | {signed:+.1f}% | "
+                         + ", ".join(f"{label(records[q.name])} {q.error:+.0%}" for q in held) + " |")
     for title, e in results.items():
         if not title.startswith("(b)"):
             continue
