@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -207,14 +208,38 @@ def compile_blocks(part: nn.Module, plan: Plan) -> None:
     input pass with `retain_graph=True` and a weight pass later, and a donating backward refuses the
     first ("compiled with non-empty donated buffers"). Under those schedules the blocks compile without
     donation: the saved tensors then live until the weight pass, which is what the simulator prices for
-    the split backward anyway (they are held until W, compiled or not)."""
+    the split backward anyway (they are held until W, compiled or not).
+
+    A TP block under full recompute compiles inside its checkpoint (`_compile_inside_checkpoint`), not
+    around it: compiling HF's checkpointed forward whole makes AOTAutograd's partitioner save the TP
+    mesh (a DeviceMesh, not a tensor) for the recomputation, and the first step fails ("expected all
+    tensors_saved_with_vc_check to be Tensors", torch 2.13; found by benchmarks/plans_execute.py).
+    Either order recomputes the whole compiled forward in backward, which is what full recompute prices."""
     from torch._functorch import config as functorch_config
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     p = plan.parallelism
     # read when a block first runs (compilation is lazy), so set per plan, before the step
     functorch_config.donated_buffer = not (p.pp > 1 and p.schedule in SPLIT_BACKWARD_SCHEDULES)
     for block in all_blocks(part):
-        block.compile()
+        if p.tp > 1 and _recompute_policy(plan) == "full" and isinstance(block, GradientCheckpointingLayer):
+            _compile_inside_checkpoint(block)
+        else:
+            block.compile()
+
+
+def _compile_inside_checkpoint(block: nn.Module) -> None:
+    """Compile `block`'s own forward and leave HF's checkpointing (`GradientCheckpointingLayer`, which
+    checkpoints `partial(forward, self, **kwargs)`) around it, eager: the checkpoint then runs, and
+    recomputes, the compiled forward. One compiled frame serves every block of the class (the blocks
+    differ in parameters, which dynamo takes as inputs, not in code)."""
+    compiled = torch.compile(type(block).forward.__wrapped__)  # the forward HF's checkpointing wrapper wraps
+    checkpoint = block._gradient_checkpointing_func
+
+    def checkpointed(forward: functools.partial, *args: Any) -> Any:
+        return checkpoint(functools.partial(compiled, *forward.args, **forward.keywords), *args)
+
+    block._gradient_checkpointing_func = checkpointed
 
 
 def _recompute_policy(plan: Plan) -> str:
