@@ -30,6 +30,13 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   high-precision operands again), compiled, an amax and a fused scaled cast (2 s + 1 bytes, 2 kernels).
   On a lent H100 (2026-11-26) four Llama-3-8B layers ran 1.61x slower in eager fp8 than in bf16, 1.08x faster
   compiled (`benchmarks/fp8_h100.py`); the cast kernels count against the simulator's host floor.
+  Another stack's fp8 (`TrainingConfig.fp8_casts`, set only to price a published run as it ran): Transformer
+  Engine's (`FP8_CASTS`'s "transformer-engine") casts each GEMM input with one fused kernel that writes the
+  row-major and the transposed fp8 copies and records the amax (read 2, write 1 + 1 bytes an element; delayed
+  scaling takes the scale from the amax history, so no reduction pass precedes the cast), the output gradient
+  likewise in backward, and needs no transposed copies there (they were written with the cast); the weight's
+  cast (bf16 parameters) runs on a step's first micro-batch only (`is_first_microbatch`), priced as that
+  share of each micro-batch (`te_cast_kernels`). Its kernels are TE's own: torch.compile does not touch them.
 - The loss: the trace records `F.cross_entropy(logits.float())` (the upcast, log-softmax and negative
   log-likelihood). The executor's chunked cross-entropy (`executor.cross_entropy`) makes the same passes over
   the logits a slice of tokens at a time (one per 512 MiB of fp32 logits, 1 to 8: `cross_entropy_slices`), in
@@ -76,6 +83,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from costmodel.profiles import UNALIGNED_MATMUL, DeviceProfile
+from costmodel.strategy import FP8_CASTS
 from tracer.errors import SoapError
 from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_roles
 from tracer.peft import QLORA_BASE_DTYPE
@@ -84,6 +92,8 @@ MATMUL_LIKE = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 LOW_PRECISION_DTYPES = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+TE_CAST_BYTES = 4
+"""Bytes an element of Transformer Engine's fused cast-transpose: read 2 (bf16), write 1 (fp8) and 1 (its transpose)."""
 
 
 @dataclass(frozen=True)
@@ -411,27 +421,53 @@ def fp8_cast_kernels(op: OpNode, flops: float, direction: str, *, compile: bool)
     return tuple(kernels)
 
 
+def te_cast_kernels(op: OpNode, flops: float, direction: str, *, weight_share: float) -> tuple[float, ...]:
+    """The bytes each of Transformer Engine's cast kernels around one [m, k] x [k, n] GEMM of `flops` moves (module
+    docstring): forward the input's cast-transpose (m k elements) and the weight's (k n, on `weight_share` of the
+    micro-batches: 1 / the step's micro-batches), backward the output gradient's (m n); `TE_CAST_BYTES` an
+    element each."""
+    gemm = _fp8_gemm(op, flops)
+    if gemm is None:
+        return ()
+    m, k, n, _ = gemm
+    if direction == "fwd":
+        return TE_CAST_BYTES * m * k, TE_CAST_BYTES * k * n * weight_share
+    return (TE_CAST_BYTES * m * n,)
+
+
+def cast_kernels(op: OpNode, flops: float, direction: str, *, compile: bool, casts: str = "torchao",
+                 weight_share: float = 1.0) -> tuple[float, ...]:
+    """The bytes of each kernel of `casts`'s float8 casts around one GEMM (`fp8_cast_kernels`, `te_cast_kernels`)."""
+    if casts not in FP8_CASTS:
+        raise SoapError(f"unknown fp8 casts {casts!r}; choose one of {', '.join(FP8_CASTS)}")
+    if casts == "transformer-engine":
+        return te_cast_kernels(op, flops, direction, weight_share=weight_share)
+    return fp8_cast_kernels(op, flops, direction, compile=compile)
+
+
 def fp8_cast_bytes(op: OpNode, flops: float, direction: str, *, compile: bool) -> float:
     """The bytes the float8 casts around one GEMM move (`fp8_cast_kernels`)."""
     return sum(fp8_cast_kernels(op, flops, direction, compile=compile))
 
 
-def fp8_cast_launches(op: OpNode, direction: str, *, precision: str, compile: bool) -> int:
+def fp8_cast_launches(op: OpNode, direction: str, *, precision: str, compile: bool, casts: str = "torchao") -> int:
     """Kernels the float8 casts add to `op`'s forward or backward (0 unless `op` runs as a float8 Linear):
     what the simulator's host floor counts beside the GEMMs."""
     if precision != "fp8" or not op.attrs.get("fp8_linear"):
         return 0
-    return len(fp8_cast_kernels(op, max(op.fwd_flops, 1.0), direction, compile=compile))
+    return len(cast_kernels(op, max(op.fwd_flops, 1.0), direction, compile=compile, casts=casts))
 
 
-def _cast_time(op: OpNode, flops: float, direction: str, device: DeviceProfile, compile: bool) -> float:
-    """The float8 casts around one GEMM (`fp8_cast_kernels`), each kernel priced as a bf16 elementwise one
-    (the device's `arithmetic/bf16` factor, so a fit of the memory-bound classes scales them too); compiled,
-    times the device's `arithmetic/fwd` compile factor at the kernel's bytes."""
+def _cast_time(op: OpNode, flops: float, direction: str, device: DeviceProfile, compile: bool,
+               casts: str = "torchao", weight_share: float = 1.0) -> float:
+    """The float8 casts around one GEMM (`cast_kernels`), each kernel priced as a bf16 elementwise one
+    (the device's `arithmetic/bf16` factor, so a fit of the memory-bound classes scales them too); torchao's
+    compiled, times the device's `arithmetic/fwd` compile factor at the kernel's bytes (Transformer Engine's
+    kernels are its own, compiled or not)."""
     arithmetic = device.kernel_factors.get("arithmetic/bf16")
-    fused = device.compile_factors.get("arithmetic/fwd") if compile else None
+    fused = device.compile_factors.get("arithmetic/fwd") if compile and casts == "torchao" else None
     total = 0.0
-    for nbytes in fp8_cast_kernels(op, flops, direction, compile=compile):
+    for nbytes in cast_kernels(op, flops, direction, compile=compile, casts=casts, weight_share=weight_share):
         t, _ = kernel_time(0.0, nbytes, peak=device.effective_peak("fp32"), matmul=False, device=device,
                            factor=arithmetic.at(nbytes) if arithmetic is not None else 1.0)
         total += t * (fused.at(nbytes) if fused is not None else 1.0)
@@ -439,14 +475,14 @@ def _cast_time(op: OpNode, flops: float, direction: str, device: DeviceProfile, 
 
 
 def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfile, precision: str,
-                 compile: bool = False) -> tuple[float, str]:
+                 compile: bool = False, casts: str = "torchao", weight_share: float = 1.0) -> tuple[float, str]:
     peak = compute_peak(op, device, precision)
     factor = kernel_factor(op, device, precision, flops, nbytes)
     t, bound = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
     if compile and t > 0:
         t *= compile_factor(op, device, "fwd", flops, nbytes)
     if precision == "fp8" and op.attrs.get("fp8_linear"):
-        t += _cast_time(op, flops, "fwd", device, compile)
+        t += _cast_time(op, flops, "fwd", device, compile, casts, weight_share)
     return t, bound
 
 
@@ -464,7 +500,7 @@ def backward_kernels(op: OpNode) -> int:
 
 
 def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceProfile, precision: str,
-                  compile: bool = False) -> float:
+                  compile: bool = False, casts: str = "torchao") -> float:
     if not has_backward(op):
         return 0.0
     peak = compute_peak(op, device, precision)
@@ -474,7 +510,7 @@ def backward_time(op: OpNode, flops: float, fwd_bytes: float, *, device: DeviceP
     t, _ = kernel_time(flops, nbytes, peak=peak, matmul=op.kind in MATMUL_LIKE, device=device, factor=factor)
     if compile:
         t *= compile_factor(op, device, "bwd", flops, nbytes)
-    cast = _cast_time(op, op.fwd_flops * flops * kernels / max(op.bwd_flops, 1), "bwd", device, compile) \
+    cast = _cast_time(op, op.fwd_flops * flops * kernels / max(op.bwd_flops, 1), "bwd", device, compile, casts) \
         if precision == "fp8" and op.attrs.get("fp8_linear") else 0.0
     return kernels * t + cast
 
@@ -489,12 +525,15 @@ def op_time(
     split: Mapping[str, int] | None = None,
     compile: bool = False,
     cross_entropy: str = "upcast",
+    fp8_casts: str = "torchao",
+    microbatches: int = 1,
 ) -> OpCost:
     """Time of `op` for a micro-batch of `micro_batch` samples (the graph was traced at `batch_traced`),
     under torch.compile when `compile` and `op` is in a block (the device's `compile_factors`, see the module
     docstring). A loss op under the run's `cross_entropy` takes a launch overhead more for each kernel that
     loss launches beyond the traced (upcast) one's (`extra_loss_kernels`): its passes over the logits are
-    the same, but for the vocabulary-parallel path's (`VOCAB_PARALLEL_LOSS_EXTRA_BYTES`).
+    the same, but for the vocabulary-parallel path's (`VOCAB_PARALLEL_LOSS_EXTRA_BYTES`). An fp8 op takes
+    `fp8_casts`'s casts (`FP8_CASTS`); Transformer Engine's weight cast a step's `microbatches` share.
 
     `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); each tensor
     of the op that has a dimension with that role is divided by the degree (once per role), so the
@@ -504,8 +543,9 @@ def op_time(
         op, precision=precision, micro_batch=micro_batch, batch_traced=batch_traced, split=split
     )
     compile = compile and op.block_id is not None  # the executor compiles the blocks only
-    fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile)
-    bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile)
+    fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile,
+                                casts=fp8_casts, weight_share=1 / microbatches)
+    bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile, casts=fp8_casts)
     fwd_s += loss_launches(op, cross_entropy, micro_batch=micro_batch, batch_traced=batch_traced,
                            split=split) * device.kernel_overhead_s
     if op.kind is OpKind.LOSS and cross_entropy == "chunked" and int(dict(split or {}).get("parameter", 1)) > 1:

@@ -46,6 +46,9 @@ PARAM_GATHERS: tuple[str, ...] = ("block", "tensor")
 """ZeRO-3 gather granularities (`costmodel.param_gathers`)."""
 CROSS_ENTROPY_IMPLS: tuple[str, ...] = ("chunked", "upcast", "megatron")
 """The loss's cross-entropy (`TrainingConfig.cross_entropy`, `costmodel.memory_activations.loss_tensors`)."""
+FP8_CASTS: tuple[str, ...] = ("torchao", "transformer-engine")
+"""Whose float8 casts an fp8 run's GEMMs take (`TrainingConfig.fp8_casts`, priced by `costmodel.opcost`): torchao's
+(soap's executor) or Transformer Engine's."""
 EXECUTED_CROSS_ENTROPY: tuple[str, ...] = ("chunked", "upcast")
 """Those the executor computes (`executor.cross_entropy`); "megatron" is priced for another stack only."""
 
@@ -189,6 +192,9 @@ class TrainingConfig:
     nanotron's vocab-parallel one. Its memory differs (`costmodel.memory_activations.loss_tensors`); its
     passes over the logits are the same, and the chunked one's extra kernels are priced as launches
     (`costmodel.opcost.loss_launches`)."""
+    fp8_casts: str = "torchao"
+    """Whose float8 casts an fp8 run's GEMMs take (`costmodel.opcost.FP8_CASTS`): "torchao", the executor's;
+    "transformer-engine", Transformer Engine's fused cast-transposes. Set to price another stack's run as it ran."""
     peft: str | None = None
     """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
     run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""
@@ -213,6 +219,7 @@ class TrainingConfig:
             (self.attention, ATTENTION_IMPLS, "attention implementation"),
             (self.param_gather, PARAM_GATHERS, "parameter gather granularity"),
             (self.cross_entropy, CROSS_ENTROPY_IMPLS, "cross-entropy"),
+            (self.fp8_casts, FP8_CASTS, "fp8 casts"),
         ):
             if value not in allowed:
                 raise SoapError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")

@@ -8,7 +8,7 @@ A 16-bit run is not one regime (executor/precision.py, executor/data_parallel.py
   the residual stream and the loss stay fp32 (the `autocast-bfloat16`/`autocast-float16` trace);
 - fp32, tf32 and fp8: the fp32 trace (fp8's 16-bit activations are the fp32 trace rescaled);
 - another stack's 16-bit model (`TrainingConfig.half_model`: Megatron-LM's and DeepSpeed's fp16): the
-  `float16`/`bfloat16` trace, no autocast.
+  `float16`/`bfloat16` trace, no autocast; its fp8 runs too (Megatron-Core's fp8 holds a bf16 model).
 The autocast trace emulates CUDA's autocast lists; CPU autocast has others (layer_norm stays bf16), so
 on a CPU device profile (its name says cpu) an autocast run keeps the fp32 trace at 16 bits, as before.
 `regime_dtype` picks the trace dtype (`tracer.autocast.trace_dtype_for`); `RegimeEstimator` keeps one
@@ -43,7 +43,7 @@ def runs_fsdp(dims: ParallelDims, zero: int, offload_optimizer: bool) -> bool:
 
 
 def regime_dtype(dims: ParallelDims, train: TrainingConfig, device: DeviceProfile) -> str:
-    if train.half_model and train.precision in ("fp16", "bf16"):  # another stack's 16-bit model, no autocast
+    if train.half_model and train.precision in ("fp16", "bf16", "fp8"):  # another stack's 16-bit model, no autocast
         return "float16" if train.precision == "fp16" else "bfloat16"
     fsdp = runs_fsdp(dims, train.zero, train.offload_optimizer)
     return _on_device(trace_dtype_for(train.precision, fsdp), device)

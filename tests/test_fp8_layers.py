@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import tracer
-from costmodel.opcost import compute_peak, fp8_cast_bytes, fp8_cast_kernels
+from costmodel.opcost import cast_kernels, compute_peak, fp8_cast_bytes, fp8_cast_kernels, op_time
 from costmodel.profiles import load_device
 from tracer.fp8 import fp8_linear, fp8_linear_names
 from tracer.ir import OpKind
@@ -64,6 +64,61 @@ def test_traced_fp8_ops_run_at_the_fp8_rate_with_their_casts():
         33 * (2 * m * n + k * n + m * k) + 2 * (k * n + m * n + m * k))
     assert len(fp8_cast_kernels(q, 2 * m * k * n, "fwd", compile=False)) == 10 + 9  # to float32: the input only
     assert len(fp8_cast_kernels(q, 2 * m * k * n, "fwd", compile=True)) == 4
+
+
+def test_transformer_engines_casts_are_one_fused_kernel_an_operand_and_the_weight_once_a_step():
+    """NeMo's fp8 runs through Transformer Engine (`TrainingConfig.fp8_casts`): one cast-transpose kernel an operand,
+    4 bytes an element, the weight's on a step's first micro-batch only, no transposed copies in backward, and no
+    compile factor on TE's own kernels; torchao's compiled casts move more."""
+    from costmodel.profiles import load_cluster
+    from tracer.errors import SoapError
+
+    graph = tracer.trace("llama-3-8b", batch=1, seq_len=128)
+    q = next(op for op in graph.ops if op.attrs.get("fp8_linear") and op.module_fqn.endswith("q_proj"))
+    m, k, n = 128, 4096, 4096
+    flops = 2 * m * k * n
+    te = dict(compile=True, casts="transformer-engine")
+    assert cast_kernels(q, flops, "fwd", **te, weight_share=1 / 8) == pytest.approx((4 * m * k, 4 * k * n / 8))
+    assert cast_kernels(q, flops, "bwd", **te) == pytest.approx((4 * m * n,))
+    assert sum(cast_kernels(q, flops, "fwd", **te)) < fp8_cast_bytes(q, flops, "fwd", compile=True)
+    with pytest.raises(SoapError, match="unknown fp8 casts 'te'"):
+        cast_kernels(q, flops, "fwd", compile=True, casts="te")
+    device = load_cluster("dgx-h100").device
+
+    def forward(**kw):
+        return op_time(q, device=device, precision="fp8", micro_batch=1, batch_traced=1, **kw).fwd_s
+
+    te_step = dict(fp8_casts="transformer-engine")
+    assert forward(compile=True, microbatches=32, **te_step) < forward(compile=True, microbatches=1, **te_step)
+    assert forward(compile=True, microbatches=32) == forward(compile=True, microbatches=1)  # torchao: every one
+    # compile does not touch TE's kernels (the GEMM keeps its library kernel either way); it fuses torchao's
+    assert forward(compile=True, **te_step) == pytest.approx(forward(compile=False, **te_step), rel=1e-12)
+    assert forward(compile=False, **te_step) < forward(compile=False)  # torchao eager: 33 bytes an element a cast
+
+
+def test_nemo_runs_are_priced_as_megatron_core_runs_them():
+    """A NeMo row is priced with Transformer Engine's casts and Megatron-Core's bf16 model (no autocast casts of
+    each Linear's input and weight), in bf16 and fp8 alike; soap's own plan keeps torchao's casts and autocast."""
+    from costmodel.profiles import load_cluster
+    from executor.validation.grid import FP8_CASTS_BY_STACK, StackPlan, as_run
+    from executor.validation.run_records import RunRecord
+    from planner.api import plan
+    from planner.regimes import regime_dtype
+
+    device = load_cluster("dgx-h100").device
+    for precision in ("fp8", "bf16"):
+        planned = plan("llama-3-8b", gpus=8, cluster="dgx-h100", precision=precision, global_batch=8, seq_len=1024,
+                       tp=1, pp=1, dp=8, zero=1)
+        record = RunRecord(name="nemo", model="llama-3-8b", gpus=8, seq=1024, micro_batch=1, precision=precision,
+                           stack="nemo-te", tokens_per_s_per_gpu=1.0)
+        priced = as_run(planned, record)
+        assert isinstance(priced, StackPlan)
+        train = priced.strategy().train
+        assert train.fp8_casts == FP8_CASTS_BY_STACK["nemo-te"] and train.half_model
+        assert regime_dtype(priced.strategy().dims, train, device) == "bfloat16"
+        own = planned.strategy()
+        assert own.train.fp8_casts == "torchao"  # soap's own executor: torchao's float8, autocast over fp32 weights
+        assert regime_dtype(own.dims, own.train, device) == "autocast-bfloat16"
 
 
 def test_fp8_is_slower_than_bf16_eager_and_faster_compiled_and_keeps_no_autocast_copy_of_its_linears(tmp_path):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from costmodel.opcost import activation_itemsize
 from costmodel.placement import ActivationShape, block_placements
 from costmodel.profiles import ClusterSpec
-from costmodel.simulator.pricing import Pricer, ProfilePricer, mesh_groups, node_ranks
+from costmodel.simulator.pricing import Pricer, mesh_groups, profile_pricer
 from costmodel.strategy import Strategy
 from tracer.ir import OpGraph
 
@@ -39,8 +39,7 @@ class OpCostRow:
 
 def op_costs(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec, *, pricer: Pricer | None = None) -> tuple[OpCostRow, ...]:
     t, dims = strategy.train, graph.dims
-    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster),
-                                     compile=t.compile, cross_entropy=t.cross_entropy)
+    pricer = pricer or profile_pricer(cluster, strategy)
     groups = mesh_groups(strategy, cluster.domain_size)
     by_group = {"tp": groups.tp, "cp": groups.cp, "ep": groups.ep}
     shape = ActivationShape(micro_batch=t.micro_batch, seq_len=t.seq_len, hidden=dims.hidden,

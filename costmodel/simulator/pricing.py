@@ -162,6 +162,13 @@ class Pricer(Protocol):
         """Moving `nbytes` between device and host."""
 
 
+def profile_pricer(cluster: ClusterSpec, strategy: Strategy) -> ProfilePricer:
+    """The default pricer of `strategy` on `cluster`."""
+    t = strategy.train
+    return ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster), compile=t.compile,
+                         cross_entropy=t.cross_entropy, fp8_casts=t.fp8_casts, microbatches=t.num_microbatches)
+
+
 @dataclass(frozen=True)
 class ProfilePricer:
     """Prices from the cluster's profiles via costmodel.opcost and costmodel.collectives."""
@@ -175,6 +182,11 @@ class ProfilePricer:
     """torch.compile on: every kernel takes the device's `compile_factors` (`costmodel.opcost`)."""
     cross_entropy: str = "chunked"
     """The run's loss (`TrainingConfig.cross_entropy`): its extra kernels (`costmodel.opcost.op_time`)."""
+    fp8_casts: str = "torchao"
+    """Whose float8 casts an fp8 run takes (`TrainingConfig.fp8_casts`, `costmodel.opcost.op_time`)."""
+    microbatches: int = 1
+    """Micro-batches of a step on one rank (`TrainingConfig.num_microbatches`): Transformer Engine casts a weight
+    on the first only."""
 
     @property
     def slowdown(self) -> float:
@@ -183,7 +195,8 @@ class ProfilePricer:
 
     def op(self, op: OpNode, split: Mapping[str, int], micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
         cost = op_time(op, device=self.cluster.device, precision=self.precision, micro_batch=micro_batch,
-                       batch_traced=batch_traced, split=split, compile=self.compile, cross_entropy=self.cross_entropy)
+                       batch_traced=batch_traced, split=split, compile=self.compile, cross_entropy=self.cross_entropy,
+                       fp8_casts=self.fp8_casts, microbatches=self.microbatches)
         weight = cost.bwd_s / 2 if op.kind is OpKind.MATMUL and op.params else 0.0
         k = self.slowdown
         return k * cost.fwd_s, k * (cost.bwd_s - weight), k * weight
@@ -258,8 +271,7 @@ def price_step(
     dims = graph.dims
     d.check_model(num_layers=dims.num_layers, heads=dims.heads, kv_heads=dims.kv_heads, vocab=dims.vocab, seq_len=t.seq_len)
     strategy.check_batch()
-    pricer = pricer or ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster), compile=t.compile,
-                                     cross_entropy=t.cross_entropy)
+    pricer = pricer or profile_pricer(cluster, strategy)
     groups = mesh_groups(strategy, cluster.domain_size)
     n_stages = d.pp * t.virtual_stages
     layers = layer_sequence(graph)
@@ -363,9 +375,9 @@ class _UnitPricer:
             fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
             fwd_kernels += (f > 0) + loss_launches(p.op, t.cross_entropy, micro_batch=t.micro_batch,
                                                    batch_traced=self.graph.batch, split=p.split.local()) \
-                + fp8_cast_launches(p.op, "fwd", precision=t.precision, compile=t.compile)
-            bwd_kernels += backward_kernels(p.op) + fp8_cast_launches(p.op, "bwd", precision=t.precision,
-                                                                      compile=t.compile) if bi + bw > 0 else 0
+                + fp8_cast_launches(p.op, "fwd", precision=t.precision, compile=t.compile, casts=t.fp8_casts)
+            bwd_kernels += backward_kernels(p.op) + fp8_cast_launches(
+                p.op, "bwd", precision=t.precision, compile=t.compile, casts=t.fp8_casts) if bi + bw > 0 else 0
             if not kept:  # selective checkpointing recomputes it
                 selective += f
                 selective_kernels += f > 0

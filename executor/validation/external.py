@@ -3,9 +3,10 @@ predicts runs it was not fitted on.
 
 1. Each record is planned as published (`RunRecord.pins`; `planner.api.plan_report` with every stated
    choice pinned and no memory limit, so a configuration soap thinks too big is still priced) on its
-   cluster profile, with its stack's loss (`executor.validation.grid.CROSS_ENTROPY_BY_STACK`: torchtitan's
-   upcast cross-entropy, Megatron's vocab-parallel one), and its simulated step is split into parts by
-   re-simulating with one term made free (`step_terms`):
+   cluster profile, as its stack runs it (`executor.validation.grid.as_run`, what the grid benchmarks price
+   with too: the stack's loss, torchtitan's upcast cross-entropy or Megatron's vocab-parallel one; NeMo's 16-bit
+   model, local gradient accumulation and Transformer Engine's fp8 casts), and its simulated step is split into
+   parts by re-simulating with one term made free (`step_terms`):
    - compute by kernel class: `matmul` (the GEMMs), `attention` (the SDPA core;
      bf16 under fp8 too) and `memory-bound` (every other class: elementwise, norm, softmax, dropout), each
      the step time lost when that class costs nothing (its `kernel_factors` at 0), scaled so that together
@@ -180,12 +181,9 @@ def prepare(record: RunRecord, *, cluster: str | None = None, graphs: dict | Non
         report = plan_report(record.model_spec(), cluster=spec, mem_limit_gib=1e6, **record.pins())
     except SoapError as err:
         raise SoapError(f"{record.name}: {err}") from None
-    from executor.validation.grid import CROSS_ENTROPY_BY_STACK, StackPlan, graph_key
+    from executor.validation.grid import as_run, graph_key
 
-    plan = report.plan
-    loss = CROSS_ENTROPY_BY_STACK.get(record.stack)  # the stack's loss, whose memory the run held
-    if loss is not None and loss != plan.parallelism.cross_entropy:
-        plan = StackPlan(plan, cross_entropy=loss)
+    plan = as_run(report.plan, record)
     graphs = {} if graphs is None else graphs
     key = graph_key(plan, spec)
     if key not in graphs:

@@ -100,11 +100,14 @@ class StackPlan:
         return replace(strategy, op_splits=()) if self.megatron_tp else strategy
 
 
-HALF_MODEL_STACKS = ("deepspeed-2021", "megatron-lm", "nanotron")
+HALF_MODEL_STACKS = ("deepspeed-2021", "megatron-lm", "nanotron", "nemo-te")
 """Stacks whose fp16/bf16 runs hold the model in that type, fp32 master weights in the optimizer, no autocast
-(`TrainingConfig.half_model`): Megatron-LM's `--fp16` (Float16Module), DeepSpeed's fp16 engine, and nanotron
+(`TrainingConfig.half_model`): Megatron-LM's `--fp16` (Float16Module), DeepSpeed's fp16 engine, nanotron
 (its model built in the config's `dtype`, bf16 for the Playbook, with fp32 gradient accumulation and master
-weights in the optimizer)."""
+weights in the optimizer), and NeMo's Megatron-Core (Float16Module, fp32 main parameters in the distributed
+optimizer; its fp8 runs hold the same bf16 model, Transformer Engine casting the GEMMs' operands). Priced as an
+autocast run, a NeMo 8B row took autocast's casts of every Linear's input and weight (10% of its compute on the
+datasheet H100), which Nemotron-4 15B's rows (FSDP2's bf16 regime) did not."""
 TENSOR_GATHER_STACKS = ("deepspeed-2021",)
 """Stacks whose ZeRO-3 all-gathers each parameter tensor on its own, blocking compute, and again for a full
 recompute (DeepSpeed's `partition_parameters._allgather_param` of 2021: `costmodel.param_gathers`, "tensor");
@@ -123,13 +126,21 @@ Megatron's and nanotron's vocab-parallel cross-entropy, an fp32 softmax made and
 Only its memory differs (`costmodel.memory_activations.loss_tensors`)."""
 
 
+FP8_CASTS_BY_STACK = {"nemo-te": "transformer-engine"}
+"""Stacks whose fp8 GEMMs take another library's casts (`TrainingConfig.fp8_casts`): NeMo / Megatron-Core runs fp8
+through Transformer Engine (fused cast-transposes, delayed scaling, the weight cast once a step); the others,
+torchao's (soap's executor)."""
+
+
 def as_run(plan: Any, record: RunRecord) -> Any:
     """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`, `TENSOR_GATHER_STACKS`,
-    `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`, `MEGATRON_SOFTMAX_STACKS`, `CROSS_ENTROPY_BY_STACK`), else the
-    plan itself."""
+    `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`, `MEGATRON_SOFTMAX_STACKS`, `CROSS_ENTROPY_BY_STACK`,
+    `FP8_CASTS_BY_STACK`), else the plan itself."""
     train: dict[str, Any] = {}
     if record.stack in CROSS_ENTROPY_BY_STACK:
         train["cross_entropy"] = CROSS_ENTROPY_BY_STACK[record.stack]
+    if record.stack in FP8_CASTS_BY_STACK:
+        train["fp8_casts"] = FP8_CASTS_BY_STACK[record.stack]
     if record.stack in MEGATRON_SOFTMAX_STACKS:
         train["megatron_softmax"] = True
     if record.stack in LOCAL_ACCUMULATION_STACKS:
