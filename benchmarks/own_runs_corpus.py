@@ -349,27 +349,33 @@ def main() -> None:
         update_section("own-runs-corpus", "The corpus with soap's own H100 runs: does torch-native generalize?", body)
 
 
-READING = """Reading it: what keeps torchtitan's rows apart from soap's own runs is mostly the attention kernel. In (b)
-one attention multiplier serves both: fits on the own 8B-layer runs alone want it at x0.66, the torchtitan rows
-x1.89, and the fit bends the shared terms around the quarrel (NeMo's leave-one-model-out 35%). (c) states the
-kernel torchtitan's torch ran (FlashAttention-2, `TORCHTITAN_SDPA`; the own runs ran cuDNN's Hopper kernels): one
-multiplier more, `attention/flash_attention` x2.26 over the own runs' attention (x0.807, on its datasheet-peak
-ceiling), every other term shared with the own runs and NeMo's rows. In sample: torchtitan 6.7%, own 4.0%, NeMo
-2.3% (8.6%, 6.0%, 7.8% in (b)). Leaving out a GPU count, torchtitan's rows are predicted at 7.6% (-26% to +10%
-a row; 50.3% on the corpus alone, 35.4% in (b)): the long-sequence rows, all at 8 GPUs, no longer need an
-attention multiplier only they can set, since the 128-GPU rows and the own runs fix every other term. Leaving out
-the model stays at 31.7%: with the 8B's rows out no row states FlashAttention-2, and the torchtitan rows are
-predicted at the cuDNN kernels' rate, +13% to +79% fast. What closes it is the two kernels timed on one GPU
-(`benchmarks/sdpa_backends.py`, ready for a lent H100): the prior that leave-one-model-out lacks, and the check
-of the x2.26, which carries the 500 W part's attention clocks as well (its other terms come from the
-grand-teton profile: the midpoint peak, HBM2e at 2.4 TB/s). NeMo's leave-one-model-out is 19.4% in (c), 12.3% on
-the corpus alone: with the own runs' eager memory-bound kernels (x1.95) in the shared term, NeMo's fused
-memory-bound factor is x0.08, and leaving out either of its two models leaves that factor to the other's rows
-alone (the 8B left out: x0.93, its NeMo rows predicted 22-30% slow). The shipped `dgx-h100` stays the corpus
-fit (a): (c) written over the datasheet H100 predicts `soap plan llama-3-8b` at 59.9% MFU on 8 GPUs and 60.8%
-on 64 (51.6% / 52.3% eager), above the 36-48% the issue sets and above every published torch-native run of the
-class (torchtitan's 40.5%, on 500 W parts); a 700 W DGX H100 running the 8B through soap's executor
-(`benchmarks/dgx_8b_check.sh`) is what says which is right."""
+READING = """Reading it (2026-11-27, after NeMo's rows came to be priced as Megatron-Core runs them: a bf16 model without
+autocast's casts, Transformer Engine's fp8 casts; `executor.validation.grid.as_run`). What keeps torchtitan's rows
+apart from soap's own runs is mostly the attention kernel. In (b) one attention multiplier serves both, and the fit
+bends the shared terms around the quarrel. (c) states the kernel torchtitan's torch ran (FlashAttention-2,
+`TORCHTITAN_SDPA`; the own runs ran cuDNN's Hopper kernels): one multiplier more, `attention/flash_attention` (x2.26
+over the own runs' attention, which sits on its datasheet-peak ceiling at x0.807), every other term shared with the
+own runs and NeMo's rows. In sample: torchtitan 6.8%, own 3.9%, NeMo 1.9%. Leaving out a GPU count, torchtitan's
+rows are predicted at 7.2% (-25% to +10% a row; 43.2% on the corpus alone): the long-sequence rows, all at 8 GPUs,
+no longer need an attention multiplier only they can set. Leaving out the model stays at 29.6%: with the 8B's rows
+out no row states FlashAttention-2, and the torchtitan rows are priced at the cuDNN kernels' rate (+11% to +78%
+fast). What closes it is the two kernels timed on one GPU (`benchmarks/sdpa_backends.py`, ready for a lent H100).
+
+NeMo's leave-one-model-out in (c) is 57.3% (19.4% while NeMo's rows were priced with autocast's casts; 9.6% on the
+corpus alone). With Nemotron-4 15B left out, the activation-collective multiplier goes to x25.8 (x0.52 in the full
+fit): only context-parallel rows set it then (NeMo's 8B at cp2, torchtitan's long sequences), and NeMo's 8B rows,
+about 12% slower than soap prices them once autocast's casts no longer stand in for the gap, put their excess
+there; the 15B rows, whose TP collectives are 6-19% of their priced step, then come out 53-84% slow. With the 8B
+left out, NeMo's 8B rows are predicted 16-19% fast. Neither soap's terms nor the corpus say where NeMo's 8B spends
+that 12% (context parallelism's ring exchange and its attention under Transformer Engine, the fused RMSNorm and
+rotary kernels soap prices as HF's op chains are candidates); a physical upper bound on the activation multiplier
+would stop the x25.8 but move the gap, not explain it.
+
+The shipped `dgx-h100` stays the corpus fit (a). (c) written over the datasheet H100 predicts `soap plan
+llama-3-8b` at 60.0% MFU on 8 GPUs and 59.9% on 64 (51.5% / 51.6% eager); with the FlashAttention-2 multiplier
+folded into its attention, 54.5% / 54.2% (47.0% / 47.3% eager): above the 36-48% the issue sets and above every
+published torch-native run of the class (torchtitan's 40.5%, on 500 W parts). A 700 W DGX H100 running the 8B
+through soap's executor (`benchmarks/dgx_8b_check.sh`) is what says which is right."""
 
 
 if __name__ == "__main__":
