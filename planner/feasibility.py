@@ -14,6 +14,10 @@ minimum over meshes is N's floor (`memory_floor`). The error reports:
   setting already in force, the one whose fastest fitting configuration has the least estimated step
   time, i.e. the fix that keeps the most throughput; none when no single change fits.
 
+Pins that leave no configuration at all (each allowed alone) are named together, with the rule that refuses
+every mesh where one does (`_pin_reason`: a pinned schedule's stages against the layers or micro-batches, a pinned
+optimizer the meshes cannot step) and the pin whose removal frees a configuration (`_unblocking`).
+
 When plans fit by estimate but none fits in simulation (`simulated_infeasible_error`), the term is the
 simulated one of the most frugal plan simulated, and a fix counts only when its fastest candidate,
 found under the limit scaled by that plan's estimated-to-simulated memory ratio, fits in simulation too.
@@ -25,13 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from costmodel.memory import MEMORY_TERMS, MemoryBreakdown
-from costmodel.plan_rules import PLAIN_TENSOR_OPTIMIZERS
+from costmodel.plan_rules import PLAIN_TENSOR_OPTIMIZERS, optimizer_violation
 from costmodel.strategy import RECOMPUTE
 from planner.estimate import Estimator
 from planner.search import Candidate, Priced, enumerate_candidates
 from planner.space import (
-    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, offload_choices, recompute_choices,
-    training_heads, validate_pins,
+    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, micro_batching, offload_choices,
+    recompute_choices, schedule_refusal, training_heads, validate_pins,
 )
 from tracer.errors import SoapError
 
@@ -174,6 +178,31 @@ def _any_configuration(req: SpaceRequest) -> bool:
     return any(training_heads(req, mesh) for mesh in mesh_choices(req))
 
 
+def _pin_reason(req: SpaceRequest) -> str | None:
+    """Why the pins leave no configuration, where one rule refuses every mesh: the pinned schedule on every
+    micro-batching (`planner.space.schedule_refusal`), or the pinned optimizer on every mesh
+    (`costmodel.plan_rules.optimizer_violation`); the reason on the plainest mesh (the fewest unpinned ranks in tp,
+    cp and ep), which the pins alone decide most. None where no one rule does."""
+    schedule, optimizer = [], []
+    p = req.pins
+
+    def added(mesh) -> int:
+        d = mesh.dims
+        return (1 if p.tp else d.tp) * (1 if p.cp else d.cp) * (1 if p.ep else d.ep)
+
+    for mesh in sorted(mesh_choices(req), key=added):
+        d = mesh.dims
+        schedule += [schedule_refusal(req, pp=d.pp, num_microbatches=count, grad_accum=accum, zero=mesh.zero)
+                     for _, count, accum in micro_batching(req, dp=d.dp, pp=d.pp)]
+        if req.pins.optimizer != "auto":
+            optimizer.append(optimizer_violation(req.pins.optimizer, tp=d.tp, dp=d.dp, cp=d.cp, pp=d.pp,
+                                                 zero=mesh.zero))
+    for reasons in (schedule, optimizer):
+        if reasons and all(reasons):
+            return reasons[0]
+    return None
+
+
 def _unblocking(req: SpaceRequest) -> str:
     """Which single pin, dropped, leaves configurations: what to unpin."""
     freeing = [n for n in PIN_FLAGS if getattr(req.pins, n) is not None
@@ -192,8 +221,9 @@ def infeasible_error(model: str, req: SpaceRequest, estimator: Estimator, limit:
     where = f"{req.gpus} x {limit / GIB:g} GiB"
     floor = memory_floor(req, estimator)
     if floor is None:
+        reason = _pin_reason(req)
         return SoapError(f"no configuration of {model} on {req.gpus} GPUs satisfies the pins "
-                         f"{_pin_text(req)} together; {_unblocking(req)}")
+                         f"{_pin_text(req)} together{f' ({reason})' if reason else ''}; {_unblocking(req)}")
     term = dominant_term(floor)
     need = f"{floor.total / GIB:.1f} GiB per GPU"
     more = minimum_gpus(req, estimator, limit)

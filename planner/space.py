@@ -405,6 +405,26 @@ def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int,
     return out
 
 
+def schedule_refusal(req: SpaceRequest, *, pp: int, num_microbatches: int, grad_accum: int = 1,
+                     zero: int = 0) -> str | None:
+    """Why the pinned schedule (or virtual stages) runs in none of `schedule_choices`'s pairs for this micro-batching,
+    or None: the first pair's reason (more stages than layers, micro-batches that pp does not divide, or
+    `costmodel.plan_rules.executed_pipeline_violation`'s)."""
+    if pp == 1 or not (req.pins.schedule or req.pins.virtual_stages) or schedule_choices(
+            req, pp=pp, num_microbatches=num_microbatches, grad_accum=grad_accum, zero=zero):
+        return None
+    pinned_v = req.pins.virtual_stages
+    name = req.pins.schedule or ("Interleaved1F1B" if pinned_v > 1 else "1F1B")
+    v = pinned_v or next((v for n, v in req.schedules if n == name), 2 if name in MULTI_STAGE_SCHEDULES else 1)
+    layers = req.dims.num_layers
+    if v > 1 and pp * v > layers:
+        return f"{name} with {v} stages per rank needs {pp * v} stages at pp={pp}, more than the model's {layers} layers"
+    if v > 1 and num_microbatches % pp:
+        return f"{name} needs a multiple of pp={pp} micro-batches per rank, and the batch makes {num_microbatches}"
+    return executed_pipeline_violation(name, pp=pp, virtual_stages=v, num_microbatches=num_microbatches,
+                                       grad_accum=grad_accum, zero=zero)
+
+
 def micro_batching(req: SpaceRequest, *, dp: int, pp: int) -> list[tuple[int, int, int]]:
     """(micro_batch, num_microbatches, grad_accum) per data-parallel rank, honouring the pins.
 

@@ -106,3 +106,16 @@ def test_pins_no_configuration_meets_together_name_the_pin_to_drop(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "(--pp 2, --schedule Interleaved1F1B)" in err and "unpin --pp or --schedule" in err
+    assert "Interleaved1F1B with 2 stages per rank needs 4 stages at pp=2, more than the model's 2 layers" in err
+
+
+def test_pins_no_mesh_lets_the_pinned_optimizer_step_say_why(tmp_path, capsys):
+    """A pinned optimizer that no mesh of the pinned pipeline can step (bitsandbytes' 8-bit AdamW on a pipeline
+    with data parallelism, FSDP2's DTensors) is the reason given, from the mesh the pins decide most (no TP)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_MIXTRAL, "num_hidden_layers": 4, "num_local_experts": 4}))
+    code = main(["plan", str(config), "--gpus", "4", "--cluster", "local-cpu", "--global-batch", "16",
+                 "--pp", "2", "--optimizer", "adamw8bit", "--precision", "bf16"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "(optimizer adamw8bit under FSDP2" in err and "use adamw" in err
