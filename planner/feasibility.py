@@ -34,8 +34,8 @@ from costmodel.strategy import RECOMPUTE
 from planner.estimate import Estimator
 from planner.search import Candidate, Priced, enumerate_candidates
 from planner.space import (
-    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, micro_batching, offload_choices,
-    recompute_choices, schedule_refusal, training_heads, validate_pins,
+    MeshChoice, Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, micro_batching,
+    offload_choices, recompute_choices, schedule_refusal, training_heads, validate_pins,
 )
 from tracer.errors import SoapError
 
@@ -186,7 +186,7 @@ def _pin_reason(req: SpaceRequest) -> str | None:
     schedule, optimizer = [], []
     p = req.pins
 
-    def added(mesh) -> int:
+    def added(mesh: MeshChoice) -> int:
         d = mesh.dims
         return (1 if p.tp else d.tp) * (1 if p.cp else d.cp) * (1 if p.ep else d.ep)
 

@@ -408,8 +408,8 @@ def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int,
 def schedule_refusal(req: SpaceRequest, *, pp: int, num_microbatches: int, grad_accum: int = 1,
                      zero: int = 0) -> str | None:
     """Why the pinned schedule (or virtual stages) runs in none of `schedule_choices`'s pairs for this micro-batching,
-    or None: the first pair's reason (more stages than layers, micro-batches that pp does not divide, or
-    `costmodel.plan_rules.executed_pipeline_violation`'s)."""
+    or None: more stages than layers, micro-batches that pp does not divide, or
+    `costmodel.plan_rules.executed_pipeline_violation`'s reason, for the pinned schedule at its stages per rank."""
     if pp == 1 or not (req.pins.schedule or req.pins.virtual_stages) or schedule_choices(
             req, pp=pp, num_microbatches=num_microbatches, grad_accum=grad_accum, zero=zero):
         return None
