@@ -382,40 +382,21 @@ def optimizer_choices(req: SpaceRequest) -> tuple[str, ...]:
     return AUTO_OPTIMIZERS if req.pins.optimizer == "auto" else (req.pins.optimizer,)
 
 
-def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int,
-                     grad_accum: int = 1, zero: int = 0) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs for one micro-batching: those the simulator prices (or the pinned
-    schedule) that `costmodel.plan_rules.executed_pipeline_violation` allows, with v·pp <= layers."""
-    if pp == 1:
-        return [(req.pins.schedule or "1F1B", 1)]
+def _schedule_candidates(req: SpaceRequest) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs the pins allow: those the simulator prices, or the pinned schedule."""
     pinned_v = req.pins.virtual_stages
     candidates = [(name, v) for name, v in req.schedules
                   if (not req.pins.schedule or name == req.pins.schedule) and (pinned_v is None or v == pinned_v)]
     if (req.pins.schedule or pinned_v) and not candidates:
         name = req.pins.schedule or ("Interleaved1F1B" if pinned_v > 1 else "1F1B")
         candidates = [(name, pinned_v or (2 if name in MULTI_STAGE_SCHEDULES else 1))]
-    out = []
-    for name, v in candidates:
-        if v > 1 and (pp * v > req.dims.num_layers or num_microbatches % pp):
-            continue
-        if executed_pipeline_violation(name, pp=pp, virtual_stages=v, num_microbatches=num_microbatches,
-                                       grad_accum=grad_accum, zero=zero):
-            continue
-        out.append((name, v))
-    return out
+    return candidates
 
 
-def schedule_refusal(req: SpaceRequest, *, pp: int, num_microbatches: int, grad_accum: int = 1,
-                     zero: int = 0) -> str | None:
-    """Why the pinned schedule (or virtual stages) runs in none of `schedule_choices`'s pairs for this micro-batching,
-    or None: more stages than layers, micro-batches that pp does not divide, or
-    `costmodel.plan_rules.executed_pipeline_violation`'s reason, for the pinned schedule at its stages per rank."""
-    if pp == 1 or not (req.pins.schedule or req.pins.virtual_stages) or schedule_choices(
-            req, pp=pp, num_microbatches=num_microbatches, grad_accum=grad_accum, zero=zero):
-        return None
-    pinned_v = req.pins.virtual_stages
-    name = req.pins.schedule or ("Interleaved1F1B" if pinned_v > 1 else "1F1B")
-    v = pinned_v or next((v for n, v in req.schedules if n == name), 2 if name in MULTI_STAGE_SCHEDULES else 1)
+def _pair_refusal(req: SpaceRequest, name: str, v: int, *, pp: int, num_microbatches: int, grad_accum: int,
+                  zero: int) -> str | None:
+    """Why `name` at `v` stages per rank cannot run this micro-batching, or None: more stages than layers,
+    micro-batches that pp does not divide, or `costmodel.plan_rules.executed_pipeline_violation`'s reason."""
     layers = req.dims.num_layers
     if v > 1 and pp * v > layers:
         return f"{name} with {v} stages per rank needs {pp * v} stages at pp={pp}, more than the model's {layers} layers"
@@ -423,6 +404,28 @@ def schedule_refusal(req: SpaceRequest, *, pp: int, num_microbatches: int, grad_
         return f"{name} needs a multiple of pp={pp} micro-batches per rank, and the batch makes {num_microbatches}"
     return executed_pipeline_violation(name, pp=pp, virtual_stages=v, num_microbatches=num_microbatches,
                                        grad_accum=grad_accum, zero=zero)
+
+
+def schedule_choices(req: SpaceRequest, *, pp: int, num_microbatches: int,
+                     grad_accum: int = 1, zero: int = 0) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs for one micro-batching: those the simulator prices (or the pinned
+    schedule) that `_pair_refusal` allows (v·pp <= layers; `costmodel.plan_rules.executed_pipeline_violation`)."""
+    if pp == 1:
+        return [(req.pins.schedule or "1F1B", 1)]
+    return [(name, v) for name, v in _schedule_candidates(req)
+            if _pair_refusal(req, name, v, pp=pp, num_microbatches=num_microbatches, grad_accum=grad_accum,
+                             zero=zero) is None]
+
+
+def schedule_refusal(req: SpaceRequest, *, pp: int, num_microbatches: int, grad_accum: int = 1,
+                     zero: int = 0) -> str | None:
+    """Why the pinned schedule (or virtual stages) runs in none of `schedule_choices`'s pairs for this micro-batching,
+    or None: the first pair's `_pair_refusal`."""
+    if pp == 1 or not (req.pins.schedule or req.pins.virtual_stages):
+        return None
+    reasons = [_pair_refusal(req, name, v, pp=pp, num_microbatches=num_microbatches, grad_accum=grad_accum, zero=zero)
+               for name, v in _schedule_candidates(req)]
+    return reasons[0] if reasons and all(reasons) else None
 
 
 def micro_batching(req: SpaceRequest, *, dp: int, pp: int) -> list[tuple[int, int, int]]:
