@@ -18,4 +18,7 @@ step sdpa 150 python3 -m benchmarks.sdpa_backends --out "$W/sdpa.json"
 cat "$W/sdpa.out"
 step dequant 90 python3 -m benchmarks.qlora_dequant --out "$W/dequant.json"
 cat "$W/dequant.out"
+step pytest-gpu 70 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header tests/test_autocast_gpu.py tests/test_validation.py \
+  tests/test_calibration.py tests/test_step_factor.py tests/test_peft_execute.py
+tail -5 "$W/pytest-gpu.out"
 cat "$W/steps.txt"
