@@ -96,12 +96,15 @@ READING = """Reading it:
   every H100 run (the tables above: a default fitted to published multi-GPU runs and held under them,
   `tests/test_believable_profiles.py`), the full step's extra work (weight-gradient GEMMs, fp32 gradient
   accumulation, AdamW) with them. In memory, 0.401 measured, 0.404 priced.
-- **QLoRA's dequantization is priced at about half its cost**: the NF4 base costs 6.0% over LoRA on the whole 8B
-  (0.94 ms per layer and micro-batch) and 1.7% on the four layers (0.69 ms), priced 2.9% and 1.0% (0.43 ms on
-  both): bitsandbytes' dequantize moves the packed weight and its bf16 copy (2.5 bytes an element, forward and
-  again in backward) at 1.2-1.6 TB/s, where it is priced as a copy at the profile's memory rate. Two runs on one
-  machine, 0.5% and 3% of their steps: left as priced; the next lent GPU should time `dequantize_4bit` alone by
-  size (`bitsandbytes.functional`) and give the kernel a rate of its own.
+- **QLoRA's dequantization is priced at its measured rate.** The NF4 base costs 6.0% over LoRA on the whole 8B
+  (0.94 ms per layer and micro-batch) and 1.7% on the four layers (0.69 ms). Priced as a copy at the profile's
+  memory rate it came to 0.43 ms on both. The next lent GPU (an H200, 2026-11-27, `benchmarks/qlora_dequant.py`)
+  timed `dequantize_4bit` alone: the GPU's own time of its three kernels moves the packed weight and its bf16 copy
+  at 0.52 of a copy's rate (1.2-2.1 TB/s on the H200 for 10-150 MB weights), and a forward and backward through the
+  4-bit weight cost twice that beyond a bf16 weight's. Priced at that rate (`costmodel.peft.NF4_DEQUANTIZE_RATE`),
+  the 8B's QLoRA step over its LoRA twin reads 1.053 (measured 1.060; 1.029 before), about 0.80 ms per layer and
+  micro-batch on `dgx-h100`. soap's host-bound timer read about 85 us a call at every size (bitsandbytes' Python
+  around three launches); in a step the host runs ahead of the GEMMs and that does not show.
 - **The 8B's seeded initialization took about 100 s on the CPU** before the first step (one core busy: the CPU
   generator draws serially, 8e9 values), 100 s the planned step does not include. Fine-tuning runs load
   `--weights`; the seeded draw is for runs from scratch and tests, so it was left as it is."""

@@ -30,6 +30,11 @@ weights are small, and the activations (the bulk at long sequences) are the same
 Time (`dequantize_time`): a memory-bound kernel that reads the packed weight and writes the
 compute-dtype copy, once in forward and once more in backward (counted on whichever op reads the weight
 first: a traced autocast cast or the matmul itself; every block but the first needs the input gradient).
+It moves those bytes at `NF4_DEQUANTIZE_RATE` of a plain copy's streaming rate (the device's memory bandwidth
+times its efficiency at that size):
+
+    t = (nf4_bytes(n) + n x compute itemsize) / (bandwidth x memory_efficiency(bytes) x NF4_DEQUANTIZE_RATE)
+        + kernel_overhead
 """
 
 from __future__ import annotations
@@ -46,6 +51,16 @@ NESTED_BLOCK = 256
 """Blocks per second-level block of the double quantization."""
 NF4_TENSOR_CONSTANT_BYTES = 16 * 4 + 256 * 4 + 4
 """Per tensor: the 16 NF4 levels and the 256 levels of the nested 8-bit code, in fp32, and the offset."""
+
+
+NF4_DEQUANTIZE_RATE = 0.52
+"""bitsandbytes' `dequantize_4bit` (nf4, double quantization) against a copy of the same bytes. Measured on a lent
+H200, 2026-11-27 (`benchmarks/qlora_dequant.py`, `benchmarks/data/h100-2026-11-27-kernels/dequant-h200*.json`): the
+GPU's own time of its three kernels (torch.profiler) for Llama-3-8B's seven projections sums to 284 us a layer,
+priced 136 us of copies on `dgx-h200` plus one kernel overhead each: 0.52 (0.54 on `h200-x1-measured`). A weight of
+10-150 MB moves at 1.2-2.1 TB/s. In a step it costs that twice: a forward and backward through the 4-bit weight
+took 2.0x the kernel's time beyond the same through a bf16 weight. On H100 the steps of 2026-11-27 read 1.2-1.6 TB/s
+for it (QLoRA over LoRA, `benchmarks/peft_h100.py`); at 1.0 (the copy's rate) it was priced at half that cost."""
 
 
 def nf4_bytes(numel: int) -> int:
@@ -79,4 +94,5 @@ def dequantize_seconds(numel: int, *, device: DeviceProfile, precision: str) -> 
     from costmodel.opcost import activation_itemsize
 
     nbytes = nf4_bytes(numel) + numel * activation_itemsize(precision)
-    return nbytes / (device.memory_bandwidth * device.memory_efficiency.at(nbytes)) + device.kernel_overhead_s
+    rate = device.memory_bandwidth * device.memory_efficiency.at(nbytes) * NF4_DEQUANTIZE_RATE
+    return nbytes / rate + device.kernel_overhead_s

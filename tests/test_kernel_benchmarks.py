@@ -5,6 +5,7 @@ SDPA backend gets a row, the ones this torch cannot run say why, torch's own cho
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -38,4 +39,27 @@ def test_the_dequantization_is_timed_and_priced_weight_by_weight(tmp_path, capsy
     assert row["bytes"] == nf4_bytes(numel) + 2 * numel
     assert row["seconds"] > 0 and row["priced_s"] > 0
     assert row["tb_per_s"] * 1e12 * row["seconds"] == pytest.approx(row["bytes"])
+    assert row["kernel_s"] is None and row["in_step_s"] is None  # no GPU: no device time to read
     assert "| smoke | 256 x 512 |" in capsys.readouterr().out
+
+
+DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "h100-2026-11-27-kernels"
+
+
+def test_the_dequantization_rate_is_the_one_measured():
+    """`NF4_DEQUANTIZE_RATE` prices the H200's measured kernel time of a Llama-3-8B layer's seven projections
+    (GPU time, torch.profiler) within 5% on the datasheet H200, and the 4-bit forward and backward in a step cost
+    about two such dequantizations (their GEMMs' time subtracted)."""
+    from costmodel.peft import dequantize_seconds
+    from costmodel.profiles import load_cluster
+
+    device = load_cluster("dgx-h200").device
+    per_layer = {"q_proj, o_proj": 2, "k_proj, v_proj": 2, "gate_proj, up_proj": 2, "down_proj": 1}
+    for name in ("dequant-h200.json", "dequant-h200-repeat.json"):
+        rows = json.loads((DATA / name).read_text())["rows"]
+        measured = sum(per_layer[r["weight"]] * r["kernel_s"] for r in rows)
+        priced = sum(per_layer[r["weight"]] * dequantize_seconds(r["shape"][0] * r["shape"][1], device=device,
+                                                                  precision="bf16") for r in rows)
+        assert priced == pytest.approx(measured, rel=0.05)
+        in_step = sum(per_layer[r["weight"]] * r["in_step_s"] for r in rows)
+        assert in_step == pytest.approx(2 * measured, rel=0.15)

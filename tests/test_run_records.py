@@ -5,6 +5,7 @@ bounds and naming their runs, and `soap calibrate --from-runs` on a file of outs
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 from dataclasses import replace
@@ -234,7 +235,7 @@ def test_a_stated_sdpa_kernel_is_fitted_over_the_unstated_runs_attention(tmp_pat
         measured = sum(parts[p] * math.prod(truth[k] for k in ks) for p, ks in part_parameters(probe).items()
                        if p in parts)
         runs.append(replace(probe, record=probe.record.model_copy(update={"step_time_s": measured})))
-    result = fit(runs, prior_weight=1e-5)
+    result = fit(runs, prior_weight=1e-5, priors={})  # planted apart from the measured value: no pull toward it
     for name, value in truth.items():
         assert result.multipliers[name] == pytest.approx(value, rel=0.03), name
     assert set(result.runs["attention/flash_attention"]) == {f"r{i}" for i in range(0, 30, 3)}
@@ -246,6 +247,50 @@ def test_a_stated_sdpa_kernel_is_fitted_over_the_unstated_runs_attention(tmp_pat
     assert "reported, not written" in written["device"]["kernel_factors"]["source"]
     folded = cluster_from_dict(apply_fit(base, result, source="test", sdpa_backend="flash_attention"))
     assert folded.device.kernel_factors["attention/bf16"].at(1e9) == pytest.approx(0.8 * 2.2, rel=0.05)
+
+
+def test_a_kernel_measured_apart_from_the_runs_predicts_held_out_runs_that_ran_it():
+    """FlashAttention-2 over cuDNN's kernels, timed on one GPU (`MEASURED_PRIORS`): a fit on runs none of which
+    states the kernel keeps it as measured and predicts a held-out run that does with it (leave-one-model-out on
+    the corpus, where only the 8B's rows ran FlashAttention-2); runs that state it pull it toward what they need,
+    and against the measured value as one run would."""
+    import math
+
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+    from executor.validation.external import FLASH_OVER_CUDNN, MEASURED_PRIORS
+
+    assert MEASURED_PRIORS["attention/flash_attention"][0] == FLASH_OVER_CUDNN
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "h100-2026-11-27-kernels"
+                       / "sdpa-backends.json").read_text())["rows"]
+    seconds = {(r["seq"], r["backend"]): r["seconds"] for r in data}
+    ratios = [seconds[seq, "FLASH_ATTENTION"] / seconds[seq, "CUDNN_ATTENTION"] for seq, _ in seconds]
+    assert math.exp(sum(map(math.log, ratios)) / len(ratios)) == pytest.approx(FLASH_OVER_CUDNN, abs=0.005)
+
+    parts = {"matmul": 1.0, "attention": 0.5, "memory-bound": 0.3}
+    unstated = [_fake(f"u{i}", {k: v * (1 + i / 10) for k, v in parts.items()}, 0.9 * 1.8 * (1 + i / 10))
+                for i in range(4)]
+    result = fit(unstated)
+    assert "attention/flash_attention" not in result.multipliers and not result.runs.get("attention/flash_attention")
+    assert result.multiplier("attention/flash_attention") == FLASH_OVER_CUDNN
+    held_out = _fake("h", parts, 1.0, sdpa_backend="flash_attention")
+    attention = result.multiplier("attention")
+    assert result.predict_linear(held_out) - result.predict_linear(_fake("n", parts, 1.0)) == pytest.approx(
+        0.5 * attention * (FLASH_OVER_CUDNN - 1), rel=1e-6)
+    folded = apply_fit(cluster_to_dict(load_cluster("dgx-h100-datasheet")), result, source="test",
+                       sdpa_backend="flash_attention")
+    assert "measured apart from the runs" in folded["device"]["kernel_factors"]["source"]
+    assert cluster_from_dict(folded).device.kernel_factors["attention/bf16"].at(1e9) == pytest.approx(
+        attention * FLASH_OVER_CUDNN, rel=1e-3)
+
+    def stated(need: float, n: int) -> list:
+        return [replace(p, record=p.record.model_copy(update={"sdpa_backend": "flash_attention",
+                                                               "step_time_s": 1.3 + 0.5 * need}))
+                for p in (_fake(f"s{i}", parts, 1.0) for i in range(n))]
+
+    exact = [_fake(f"e{i}", parts, 1.8) for i in range(4)]  # pin matmul, attention, memory-bound at 1
+    one = fit(exact + stated(2.5, 1), free={"attention/flash_attention"}).multipliers["attention/flash_attention"]
+    many = fit(exact + stated(2.5, 10), free={"attention/flash_attention"}).multipliers["attention/flash_attention"]
+    assert FLASH_OVER_CUDNN < one < math.sqrt(FLASH_OVER_CUDNN * 2.5) < many < 2.5  # one run weighs as the prior
 
 
 def test_fitted_profiles_stay_inside_the_loaders_bounds_and_name_their_runs():

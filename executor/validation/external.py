@@ -33,7 +33,9 @@ predicts runs it was not fitted on.
    unstated runs' (what soap's executor runs), so runs of a torch release whose SDPA dispatched to another
    kernel share every other term with soap's own (torchtitan's runs of December 2024 ran FlashAttention-2 on
    H100, soap's own of 2026 cuDNN's Hopper kernels: `benchmarks/own_runs_corpus.py`). theta minimizes the
-   squared log ratios plus a weak pull toward 0 (a term no run exercises stays as the profile had it), by damped
+   squared log ratios plus a weak pull toward 0 (a term no run exercises stays as the profile had it), or, for a
+   term measured apart from any run (`MEASURED_PRIORS`: an SDPA kernel's time over another's, timed on one GPU), a
+   pull toward the measured value as strong as one run's (its log spread against `RUN_LOG_SD`), by damped
    Gauss-Newton, each multiplier kept inside the profile loader's bounds, and no kernel class made faster than its
    datasheet peak (`_peak_ceilings`): the product of the parameters scaling a run's matmul or attention part (the
    class's multiplier times its stack's factor) stays at or above the value at which that part's fastest kernels run
@@ -80,6 +82,18 @@ PRIOR_WEIGHT = 1e-3
 """The pull of every log-multiplier toward 0. Weaker (1e-4) recovers planted terms more exactly on noise-free data
 but lets terms the corpus barely exercises drift (launch x0.09, compile x0.12) and doubles the leave-one-model-out
 error on the published corpus."""
+RUN_LOG_SD = 0.1
+"""The log error one run is taken to carry (the corpus fits' in-sample errors are 2-7%, held out 10% and more): a
+measured prior of log spread sd weighs (RUN_LOG_SD / sd)^2 runs."""
+FLASH_OVER_CUDNN = 1.76
+"""torch's FlashAttention-2 kernel's time over cuDNN's (the Hopper flash kernels torch 2.11 dispatches to) for causal
+attention of Llama-3-8B's heads, forward and backward: the geometric mean over sequences of 2k-32k (1.65-1.82), on
+a lent H100 of 2026-11-27 (`benchmarks/sdpa_backends.py`, `benchmarks/data/h100-2026-11-27-kernels/sdpa-backends
+.json`)."""
+MEASURED_PRIORS: dict[str, tuple[float, float]] = {"attention/flash_attention": (FLASH_OVER_CUDNN, 0.1)}
+"""Per fitted multiplier measured apart from any run: (value, log spread). FlashAttention-2 over cuDNN's kernels:
+log spread 0.04 over the sequence lengths, taken as 0.1 for its carrying from torch 2.11 to the release a run used
+and from a 700 W part to a 500 W one."""
 MULTIPLIER_RANGE = (1e-2, 1e2)
 COMPILE_RANGE = (0.02, 10.0)
 """`costmodel.profiles_json`'s MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR."""
@@ -284,25 +298,34 @@ class Fit:
     at_peak: tuple[tuple[str, ...], ...] = ()
     """The products of parameters the fit left on their datasheet-peak ceiling (`_peak_ceilings`, within 0.5%):
     the runs asked for kernels faster than the device has, so the model misses something there."""
+    measured: dict[str, float] = field(default_factory=dict)
+    """The terms measured apart from any run (`MEASURED_PRIORS`) that no fitted run exercised, at their measured
+    value: what a held-out run that does exercise one is predicted with."""
+
+    def multiplier(self, name: str) -> float:
+        """The fitted multiplier, else the measured one, else 1 (the profile as it was)."""
+        return self.multipliers.get(name, self.measured.get(name, 1.0))
 
     def stack_factor(self, stack: str) -> float:
-        return self.multipliers.get(f"stack:{stack}", 1.0)
+        return self.multiplier(f"stack:{stack}")
 
     def predict_linear(self, prepared: Prepared, *, stack: bool = True) -> float:
         total = 0.0
         for part, params in part_parameters(prepared).items():
-            scale = np.prod([self.multipliers.get(p, 1.0) for p in params if stack or not p.startswith("stack:")])
+            scale = np.prod([self.multiplier(p) for p in params if stack or not p.startswith("stack:")])
             total += prepared.parts.get(part, 0.0) * float(scale)
         return total
 
 
 def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, prior_weight: float = PRIOR_WEIGHT,
         iterations: int = 200, robust: float | None = None,
-        bounds: Mapping[str, tuple[float, float]] | None = None, peak_ceiling: bool = True) -> Fit:
+        bounds: Mapping[str, tuple[float, float]] | None = None, peak_ceiling: bool = True,
+        priors: Mapping[str, tuple[float, float]] | None = None) -> Fit:
     """Least squares on log ratios with a weak prior (module docstring). `free`: fit only these parameters
     (the rest stay 1). `robust`: Cauchy's loss at that log ratio (module docstring); None: squares. `bounds`:
     narrower ranges for some parameters (e.g. a kernel class no faster than the datasheet peak), inside the
-    default ones."""
+    default ones. `priors`: (value, log spread) of the multipliers measured apart from the runs (default
+    `MEASURED_PRIORS`; {} pulls every one toward 1 with `prior_weight`)."""
     if not prepared:
         raise SoapError("no runs to fit")
     names: list[str] = []
@@ -337,13 +360,15 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
     bounds = bounds or {}
     low = np.log([max(_bounds(nm)[0], floors.get(nm, 0.0), bounds.get(nm, (0.0,))[0]) for nm in names])
     high = np.log([min(_bounds(nm)[1], bounds.get(nm, (0.0, np.inf))[1]) for nm in names])
-    prior = np.sqrt(prior_weight)
+    priors = MEASURED_PRIORS if priors is None else priors
+    centre = np.array([np.log(priors[nm][0]) if nm in priors else 0.0 for nm in names])
+    prior = np.array([RUN_LOG_SD / priors[nm][1] if nm in priors else np.sqrt(prior_weight) for nm in names])
 
     def residuals(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         weights = F * np.exp(G @ theta)
         predicted = weights.sum(axis=1)
         over = [PEAK_WEIGHT * min(0.0, float(theta[idx].sum()) - floor) for floor, idx in ceiling_rows]
-        r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * theta, over])
+        r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * (theta - centre), over])
         return r, weights / np.maximum(predicted[:, None], 1e-300)
 
     def loss(r: np.ndarray) -> float:
@@ -359,7 +384,7 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
             w[:len(rows)] = 1.0 / np.sqrt(1.0 + (r[:len(rows)] / robust) ** 2)
         return w
 
-    theta = np.zeros(n)
+    theta = np.clip(centre, low, high)
     r, share = residuals(theta)
     cost, damping = loss(r), 1e-3
     for _ in range(iterations):
@@ -368,7 +393,7 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
         for row, (floor, idx) in enumerate(ceiling_rows):
             if theta[idx].sum() < floor:
                 hinge[row, idx] = PEAK_WEIGHT
-        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), prior * np.eye(n), hinge]) * w[:, None]
+        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), np.diag(prior), hinge]) * w[:, None]
         step = np.linalg.solve(jac.T @ jac + damping * np.eye(n), -jac.T @ (w * r))
         trial = np.clip(theta + step, low, high)
         trial_r, trial_share = residuals(trial)
@@ -384,7 +409,8 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
     at_peak = tuple(params for (params, _), (floor, idx) in zip(ceilings.items(), ceiling_rows)
                     if theta[idx].sum() < floor + AT_PEAK)
     return Fit(multipliers={nm: float(np.exp(t)) for nm, t in zip(names, theta)},
-               runs={nm: tuple(dict.fromkeys(r)) for nm, r in runs.items()}, at_peak=at_peak)
+               runs={nm: tuple(dict.fromkeys(r)) for nm, r in runs.items()}, at_peak=at_peak,
+               measured={nm: value for nm, (value, _) in priors.items() if nm not in names})
 
 
 # --- writing the fitted profile --------------------------------------------------------------------------
@@ -416,7 +442,7 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
     native = not stack or stack == TORCH_NATIVE
     core = 1.0 if native else m.get(f"stack:{stack}", 1.0)
     fused = 1.0 if native else m.get(f"stack:{stack}/memory-bound", 1.0)
-    backend = m.get(f"attention/{sdpa_backend}", 1.0) if sdpa_backend else 1.0
+    backend = result.multiplier(f"attention/{sdpa_backend}") if sdpa_backend else 1.0
     kernel = device.get("kernel_factors", {"source": "", "factors": {}})
     factors = kernel.setdefault("factors", {})
     notes = []
@@ -451,6 +477,10 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
             folded = "folded in here" if name == f"attention/{sdpa_backend}" else \
                 "reported, not written: soap prices the attention kernel its executor runs"
             notes.append(f"{name} {note(name)} over attention's ({folded})")
+    measured = f"attention/{sdpa_backend}"
+    if sdpa_backend and measured not in m and measured in result.measured:
+        notes.append(f"{measured} x{result.measured[measured]:.3g} over attention's, measured apart from the runs "
+                     "(MEASURED_PRIORS; folded in here)")
     if factors:
         kernel["source"] = "; ".join(notes) if notes else kernel.get("source", "")
         device["kernel_factors"] = kernel
