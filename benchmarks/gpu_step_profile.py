@@ -34,9 +34,17 @@ def main() -> None:
     parser.add_argument("seq", type=int)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block, as the executor does")
     parser.add_argument("--json", help="write every kernel of one profiled step and their groups here")
+    parser.add_argument("--fp8", action="store_true",
+                        help="swap the blocks' Linears for torchao's float8 ones first, as the executor's fp8 plans do")
     args = parser.parse_args()
     name, batch, seq = args.model, args.batch, args.seq
     model = build_model(resolve_spec(name), device="cuda")
+    if args.fp8:  # before compile, as `executor.api` converts before it compiles
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        from tracer.fp8 import fp8_linear
+
+        convert_to_float8_training(model, module_filter_fn=fp8_linear, config=Float8LinearConfig())
     if args.compile:
         from executor.tensor_parallel import all_blocks
 
@@ -71,7 +79,8 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    print(f"{name} batch {batch} x seq {seq}, bf16 autocast{', compiled blocks' if args.compile else ''}, "
+    print(f"{name} batch {batch} x seq {seq}, bf16 autocast{', float8 Linears' if args.fp8 else ''}"
+          f"{', compiled blocks' if args.compile else ''}, "
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"step {sorted(times)[2]:.4f} s (median of 5); peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     print("saved for backward: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(saved.items())))
@@ -89,7 +98,7 @@ def main() -> None:
             us[kernel] += seconds * 1e6
         groups = kernel_groups(kernels)
         with open(args.json, "w") as out:
-            json.dump({"model": name, "batch": batch, "seq": seq, "compile": args.compile,
+            json.dump({"model": name, "batch": batch, "seq": seq, "compile": args.compile, "fp8": args.fp8,
                        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                        "step_s": sorted(times)[2], "groups_s": groups, "kernel_total_us": sum(us.values()),
                        "kernels_us": [[n, round(t, 1), calls[n]] for n, t in us.most_common()]}, out, indent=1)

@@ -34,8 +34,8 @@ from costmodel.strategy import RECOMPUTE
 from planner.estimate import Estimator
 from planner.search import Candidate, Priced, enumerate_candidates
 from planner.space import (
-    MeshChoice, Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, micro_batching,
-    offload_choices, recompute_choices, schedule_refusal, training_heads, validate_pins,
+    MeshChoice, Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, mesh_refusal,
+    micro_batching, offload_choices, recompute_choices, schedule_refusal, training_heads, validate_pins,
 )
 from tracer.errors import SoapError
 
@@ -179,10 +179,14 @@ def _any_configuration(req: SpaceRequest) -> bool:
 
 
 def _pin_reason(req: SpaceRequest) -> str | None:
-    """Why the pins leave no configuration, where one rule refuses every mesh: the pinned schedule on every
+    """Why the pins leave no configuration, where one rule refuses every mesh: a model, cluster or PEFT rule every
+    mesh the pinned degrees allow breaks (`planner.space.mesh_refusal`), the pinned schedule on every
     micro-batching (`planner.space.schedule_refusal`), or the pinned optimizer on every mesh
     (`costmodel.plan_rules.optimizer_violation`); the reason on the plainest mesh (the fewest unpinned ranks in tp,
     cp and ep), which the pins alone decide most. None where no one rule does."""
+    refused = mesh_refusal(req)
+    if refused:
+        return refused
     schedule, optimizer = [], []
     p = req.pins
 

@@ -321,8 +321,29 @@ def _validate_virtual_stages_pin(req: SpaceRequest) -> None:
 
 def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
     """Every mesh (with its ZeRO stage) that satisfies the model, cluster and pins, in a fixed order."""
+    return sorted((mesh for mesh, reason in _meshes(req) if reason is None), key=lambda m: m.sort_key)
+
+
+def mesh_refusal(req: SpaceRequest) -> str | None:
+    """Why the pins leave no mesh where the pinned degrees do divide the GPUs but a model, cluster or PEFT rule
+    refuses every such mesh: the reason on the plainest one (the fewest unpinned ranks in tp, cp, pp and ep, which
+    the pins alone decide most). None where a mesh stands, or none divides."""
+    p = req.pins
+    refused = []
+    for mesh, reason in _meshes(req):
+        if reason is None:
+            return None
+        d = mesh.dims
+        refused.append(((1 if p.tp else d.tp) * (1 if p.cp else d.cp) * (1 if p.pp else d.pp) * (1 if p.ep else d.ep),
+                        reason))
+    return min(refused, key=lambda r: r[0])[1] if refused else None
+
+
+def _meshes(req: SpaceRequest) -> Iterator[tuple[MeshChoice, str | None]]:
+    """Every mesh the pinned degrees divide the GPUs into, with why a rule refuses it (None: it stands). A
+    (tp, cp, pp) that a model or cluster rule refuses comes once, as DDP without experts split, before its sharding
+    and expert degree are chosen."""
     p, n = req.pins, req.gpus
-    out: list[MeshChoice] = []
     for tp in (p.tp,) if p.tp else divisors(n):
         cps = [c for c in divisors(n // tp) if c == 1 or req.seq_len // c >= MIN_CP_SHARD_TOKENS]
         for cp in (p.cp,) if p.cp else cps:
@@ -332,17 +353,17 @@ def mesh_choices(req: SpaceRequest) -> list[MeshChoice]:
                 dp = n // (tp * cp * pp)
                 if (p.dp and dp != p.dp) or req.global_batch % dp:
                     continue
-                if _rule_violation(req, tp=tp, pp=pp, cp=cp):
+                rule = _rule_violation(req, tp=tp, pp=pp, cp=cp)
+                if rule:
+                    plain = ParallelDims(dp_replicate=dp, dp_shard=1, cp=cp, tp=tp, pp=pp, ep=1)
+                    yield MeshChoice(dims=plain, zero=p.zero or 0), rule
                     continue
                 for zero, shard in _sharding_choices(req, dp=dp, inner=tp * cp):
                     if p.zero is not None and zero != p.zero:
                         continue
                     for ep in _expert_choices(req, shard * cp):
-                        if peft_violation(req.peft, ep=ep, zero=zero):
-                            continue
                         dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=ep)
-                        out.append(MeshChoice(dims=dims, zero=zero))
-    return sorted(out, key=lambda m: m.sort_key)
+                        yield MeshChoice(dims=dims, zero=zero), peft_violation(req.peft, ep=ep, zero=zero)
 
 
 def _expert_choices(req: SpaceRequest, borrowable: int) -> list[int]:

@@ -119,3 +119,18 @@ def test_pins_no_mesh_lets_the_pinned_optimizer_step_say_why(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     assert "(optimizer adamw8bit under FSDP2" in err and "use adamw" in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--peft", "qlora", "--dp", "2"), "pp=2: soap's executor runs qlora with data parallelism"),
+    (("--peft", "lora", "--dp", "1", "--pp", "1"), "soap's executor runs lora with data parallelism"),
+])
+def test_pins_every_mesh_of_which_a_rule_refuses_say_which_rule(tiny, capsys, flags, words):
+    """Pins whose degrees divide the GPUs only into meshes a rule refuses (QLoRA runs DDP only, so --dp 2 on 4
+    GPUs leaves tp, cp or pp at 2; LoRA with --dp 1 --pp 1 leaves tp or cp at 4) give that rule as the reason, from
+    the mesh the pins decide most, beside the pin to drop."""
+    code = main(["plan", tiny, "--gpus", "4", "--cluster", "local-cpu", "--global-batch", "8", *flags])
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]  # transformers may warn first
+    assert code == 2 and "Traceback" not in err
+    assert "satisfies the pins" in line and words in line and "unpin" in line
