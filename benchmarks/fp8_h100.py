@@ -105,9 +105,10 @@ READING = """Reading it:
   every check (torchtitan leaving out a GPU count 43.2% -> 45.9%; with soap's own runs and the measured SDPA
   ratio, torch-native leaving out a model 6.3% -> 8.3%, a GPU count 11.0% -> 13.2%), and the refitted default put
   the 1B on 8 GPUs above the published runs' best MFU. Left as it was. The same lent H100 then profiled a compiled
-  fp8 step against its bf16 twin ("torchao's compiled fp8 casts on one H100"): the casts took 17.7 ms of four
-  layers' step, priced 19.3 ms without the factor and 4.2 ms with it on `h100-x1-measured`. The discount is
-  double; what keeps it is the fit, whose casts share the memory-bound multiplier (next: their own).
+  fp8 step against its bf16 twin ("torchao's compiled fp8 casts on one H100"): the casts took 17.7 ms of four 8B
+  layers' step (31.6 ms of the 1B's), priced 19.3 (61.0) without the factor and 4.2 (13.1) with it on
+  `h100-x1-measured`: neither model is right; Inductor fuses the activations' casts into their neighbours and not
+  the weights'.
 - **Memory: the float8 Linears keep no autocast copy.** Under bf16 autocast each block matmul's weight is cast to
   bf16 and cached for the backward; torchao casts the fp32 weight straight to fp8 and saves the fp32 weight
   itself. The eager fp8 step peaked at 42.29 GiB, 1.56 GiB under its bf16-regime price, the four blocks'

@@ -63,3 +63,16 @@ def test_the_dequantization_rate_is_the_one_measured():
         assert priced == pytest.approx(measured, rel=0.05)
         in_step = sum(per_layer[r["weight"]] * r["in_step_s"] for r in rows)
         assert in_step == pytest.approx(2 * measured, rel=0.15)
+
+
+def test_the_fp8_casts_measured_on_an_h100_lie_between_their_two_prices():
+    """`benchmarks/fp8_casts.py` from its files: both profiled steps' casts cost more than soap prices them (the
+    compile factor on top of the fused kernels) and, for the 8B's layers, about what they cost without it."""
+    from benchmarks import fp8_casts
+
+    extra = fp8_casts.extra_memory_bound("")
+    with_factor = fp8_casts.priced("h100-x1-measured", compile_factor=True)
+    without = fp8_casts.priced("h100-x1-measured", compile_factor=False)
+    assert with_factor < extra < without
+    assert without == pytest.approx(extra, rel=0.15)
+    assert fp8_casts.extra_memory_bound("-1b") > 0
