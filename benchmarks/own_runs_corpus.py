@@ -403,20 +403,20 @@ torch ran (FlashAttention-2, `TORCHTITAN_SDPA`; the own runs ran cuDNN's Hopper 
 FlashAttention-2 takes 1.65-1.82x cuDNN's time, 1.76x on the geometric mean; the fit takes that as a measurement
 weighing one run (`external.MEASURED_PRIORS`). In sample it ends at x1.82: the ten torchtitan rows alone had asked
 for x2.26 with the own runs' attention on its datasheet-peak ceiling (x0.807); with the measurement they agree with
-it within 3%, and the own runs' attention sits at x0.99, off the ceiling. In sample: torchtitan 7.2%, own 4.3%,
-NeMo 1.9%.
+it within 3%, and the own runs' attention sits at x0.99, off the ceiling. In sample: torchtitan 7.5%, own 4.3%,
+NeMo 2.0%.
 
-Leaving out the model, torchtitan's rows are predicted at 7.4% (-21% to +11% a row; 29.6% before the measurement,
-40.2% on the corpus alone): with the 8B's rows out no row states FlashAttention-2, and the measured x1.76 prices
-their attention. Leaving out a GPU count, 9.8% (7.2% before; the 8-GPU long-sequence rows at cp4 and cp8 come out
-+25% and +31%, their attention ratio the one the 128-GPU rows cannot set). Torch-native as a whole, torchtitan's and
-the own rows together: 6.3% leaving out a model, 11.0% a GPU count.
+Leaving out the model, torchtitan's rows are predicted at 7.9% (-22% to +11% a row; 29.6% before the measurement,
+40.1% on the corpus alone): with the 8B's rows out no row states FlashAttention-2, and the measured x1.76 prices
+their attention. Leaving out a GPU count, 10.1% (7.2% before; the 8-GPU long-sequence rows at cp4 and cp8 come out
++26% and +33%, their attention ratio the one the 128-GPU rows cannot set). Torch-native as a whole, torchtitan's and
+the own rows together: 6.6% leaving out a model, 11.1% a GPU count.
 
-NeMo's leave-one-model-out in (c) is 56.7% (9.6% on the corpus alone). With Nemotron-4 15B left out, the
-activation-collective multiplier runs off to x24.8 (x0.58 in the full fit): only
+NeMo's leave-one-model-out in (c) is 57.1% (9.5% on the corpus alone). With Nemotron-4 15B left out, the
+activation-collective multiplier runs off to x25.5 (x0.58 in the full fit): only
 context-parallel rows set it then (NeMo's 8B at cp2, torchtitan's long sequences), and NeMo's 8B rows, about 12%
 slower than soap prices them, put their excess there; the 15B rows, whose TP collectives are 6-19% of their priced
-step, then come out 52-84% slow. With the 8B left out, NeMo's 8B rows are predicted 16-19% slow. Neither soap's
+step, then come out 53-84% slow. With the 8B left out, NeMo's 8B rows are predicted 16-19% slow. Neither soap's
 terms nor the corpus say where NeMo's 8B spends that 12% (context parallelism's ring exchange and its attention
 under Transformer Engine, the fused RMSNorm and rotary kernels soap prices as HF's op chains are candidates); a
 physical upper bound on the activation multiplier would stop the runaway but move the gap, not explain it.

@@ -87,7 +87,7 @@ def markdown(table: list[dict]) -> str:
 
 READING = """Reading it:
 - **LoRA and QLoRA run as planned on a GPU**, the whole 8B that soap picks included, and the GPU-marked tests pass
-  there (22, QLoRA training through bitsandbytes' CUDA kernels among them). The PEFT steps are priced -6% to +4% on
+  there (22, QLoRA training through bitsandbytes' CUDA kernels among them). The PEFT steps are priced -4% to +5% on
   the default `dgx-h100` and 7-13% fast on `h100-x1-measured`; the allocated peaks within -0.1% to +1.4% (the
   plan's printed figure adds 1.5 GiB of cuBLAS and loss workspace; the reserved peak sat 0.8-4.5 GiB above the
   allocated one).

@@ -27,6 +27,7 @@ from executor.validation.external import (
 from tracer.errors import SoapError
 
 TINY = {"hidden": 256, "ffn": 512, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512}
+FP8_TINY = {**TINY, "hidden": 1024, "ffn": 2048, "heads": 8, "kv_heads": 4}
 
 
 def _row(**overrides):
@@ -92,6 +93,7 @@ def test_the_fit_recovers_the_multipliers_it_planted():
         parts = {k: rng.uniform(0.05, 2.0) for k in ("matmul", "attention", "memory-bound", "kernel-launch",
                                                      "host-floor", "intra-node", "inter-node", "activation")}
         parts["other"] = 0.01
+        parts["fp8-weight-casts"] = rng.uniform(0.05, 0.5) if i % 2 else 0.0
         probe = _fake(f"r{i}", parts, 1.0, compiled=i % 3 == 0, precision="fp8" if i % 2 else "bf16",
                       stack="nemo-te" if i % 4 == 1 else "torch-native")
         measured = sum(parts[p] * float(__import__("math").prod(truth[k] for k in ks))
@@ -325,6 +327,45 @@ def test_step_terms_add_up_to_the_simulated_step():
             assert parts["host-floor"] > 0 and parts["matmul"] == 0
         else:
             assert parts["matmul"] > 0 and parts["kernel-launch"] > 0 and parts["host-floor"] == 0
+
+
+def test_the_weights_fp8_casts_are_a_part_that_compile_does_not_scale(tmp_path):
+    """torchao's compiled casts of the weights run whole (the activations' fuse into their neighbours): the device's
+    compile factor scales the activations' casts and not the weights' (`costmodel.opcost._cast_time`), so in the fit
+    the weights' casts are a part of their own (`fp8-weight-casts`, the memory-bound multiplier's and not
+    `compile`'s), and the linear model agrees with a compiled fp8 step and its bf16 twin re-simulated on the written
+    profile (with every cast inside `memory-bound`, a fitted compile factor moved the linear model's weight casts and
+    not the simulator's)."""
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+    from executor.validation.refit import simulate_on
+
+    # no launch overhead: the compile factor scales a kernel's launch too, which the linear model keeps apart
+    profile = cluster_to_dict(load_cluster("dgx-h100-datasheet"))
+    profile["device"]["kernel_overhead_us"] = {"value": 0.0, "source": "test: no launches"}
+    cluster = tmp_path / "no-launch.json"
+    cluster.write_text(json.dumps(profile))
+    runs = {precision: prepare(RunRecord.model_validate(_row(
+        name=precision, model=FP8_TINY, cluster=str(cluster), gpus=1, dp=1, zero=0, precision=precision,
+        torch_compile=True))) for precision in ("fp8", "bf16")}
+    for p in runs.values():
+        parts, total = step_terms(p.plan, p.graph, p.cluster)
+        assert sum(parts.values()) == pytest.approx(total, rel=1e-6)
+        assert parts["kernel-launch"] == 0
+    assert runs["fp8"].parts["fp8-weight-casts"] > 0.01 * sum(runs["fp8"].parts.values())
+    assert runs["bf16"].parts["fp8-weight-casts"] == 0
+
+    def gap(planted: dict) -> tuple[float, float]:
+        """fp8's step over its bf16 twin's, (re-simulated on the written profile, the linear model's)."""
+        fitted = Fit(multipliers=planted, runs={k: ("x",) for k in planted})
+        simulated = [simulate_on(p.plan, p.graph, cluster_from_dict(apply_fit(cluster_to_dict(p.cluster), fitted,
+                                                                              source="planted"))).step_time_s
+                     for p in runs.values()]
+        linear = [fitted.predict_linear(p) for p in runs.values()]
+        return simulated[0] - simulated[1], linear[0] - linear[1]
+
+    for planted in ({"compile": 0.3}, {"memory-bound": 1.5, "compile": 0.3}):
+        simulated, linear = gap(planted)
+        assert simulated == pytest.approx(linear, rel=0.01), planted
 
 
 def test_a_fit_on_runs_simulated_with_known_terms_finds_them():

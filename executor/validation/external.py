@@ -11,7 +11,10 @@ predicts runs it was not fitted on.
      bf16 under fp8 too) and `memory-bound` (every other class: elementwise, norm, softmax, dropout), each
      the step time lost when that class costs nothing (its `kernel_factors` at 0), scaled so that together
      they are the step's compute C = T - K - M (what is left, the optimizer step and bubbles among it,
-     is `other` and is not fitted);
+     is `other` and is not fitted); torchao's casts of an fp8 run's weights, `fp8-weight-casts` (T - T(their
+     factor `costmodel.opcost.FP8_WEIGHT_CAST_CLASS` scaled), taken out of `memory-bound`, whose `arithmetic/bf16`
+     factor they read), scale with the memory-bound kernels but not with `compile`, which the opcost does not
+     apply to them;
    - `kernel-launch` K = T - T(kernel_overhead 0);
    - `host-floor`: the step's share set by the host-bound floor (`DeviceProfile.host_dispatch_s`: an eager
      chunk's kernels cannot run faster than the host dispatches them), 0 in a run whose kernels outlast it;
@@ -97,8 +100,8 @@ and from a 700 W part to a 500 W one."""
 MULTIPLIER_RANGE = (1e-2, 1e2)
 COMPILE_RANGE = (0.02, 10.0)
 """`costmodel.profiles_json`'s MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR."""
-PART_NAMES = ("matmul", "attention", "memory-bound", "kernel-launch", "host-floor", "intra-node", "inter-node",
-              "activation", "other")
+PART_NAMES = ("matmul", "attention", "memory-bound", "fp8-weight-casts", "kernel-launch", "host-floor", "intra-node",
+              "inter-node", "activation", "other")
 
 
 @dataclass
@@ -144,12 +147,25 @@ def _scale_link(cluster: ClusterSpec, which: str, factor: float) -> ClusterSpec:
     return out
 
 
+def _scale_weight_casts(cluster: ClusterSpec, factor: float) -> ClusterSpec:
+    """`cluster` with torchao's casts of the weights alone `factor` slower (`FP8_WEIGHT_CAST_CLASS` set to the
+    `arithmetic/bf16` factor they read, scaled)."""
+    from costmodel.opcost import FP8_WEIGHT_CAST_CLASS
+
+    factors = dict(cluster.device.kernel_factors)
+    shared = factors.get("arithmetic/bf16")
+    points = shared.points if shared is not None else ((1.0, 1.0),)
+    factors[f"{FP8_WEIGHT_CAST_CLASS}/bf16"] = FactorCurve(tuple((x, f * factor) for x, f in points))
+    return replace(cluster, device=replace(cluster.device, kernel_factors=factors))
+
+
 def _variants(cluster: ClusterSpec, factor: float) -> dict[str, ClusterSpec]:
     device = cluster.device
     return {
         "matmul": _scale_classes(cluster, ("matmul",), factor),
         "attention": _scale_classes(cluster, ("attention",), factor),
         "memory-bound": _scale_classes(cluster, MEMORY_BOUND_CLASSES, factor),
+        "fp8-weight-casts": _scale_weight_casts(cluster, factor),
         "kernel-launch": replace(cluster, device=replace(device, kernel_overhead_s=device.kernel_overhead_s * factor)),
         "host-floor": replace(cluster, device=replace(device, host_dispatch_s=device.host_dispatch_s * factor)),
         "intra-node": _scale_link(cluster, "intra_node", factor),
@@ -168,12 +184,14 @@ def step_terms(plan: Any, graph: Any, cluster: ClusterSpec) -> tuple[dict[str, f
     p = plan.parallelism
     parts = {}
     for name, variant in _variants(cluster, 1 + EPSILON).items():
-        if name == "activation" and p.tp * p.cp * p.ep == 1:
+        if (name == "activation" and p.tp * p.cp * p.ep == 1) or (name == "fp8-weight-casts" and p.precision != "fp8"):
             parts[name] = 0.0
             continue
         parts[name] = max(0.0, (simulate_on(plan, graph, variant).step_time_s - total) / EPSILON)
     # the intra-node links carry the activation collectives too: count them once, as activation
     parts["intra-node"] = max(0.0, parts["intra-node"] - parts["activation"])
+    # the weights' casts read the arithmetic factor too: count them once, as fp8-weight-casts
+    parts["memory-bound"] = max(0.0, parts["memory-bound"] - parts["fp8-weight-casts"])
     named = sum(parts.values())
     if named > total:
         parts = {k: v * total / named for k, v in parts.items()}
@@ -223,6 +241,7 @@ def part_parameters(prepared: Prepared) -> dict[str, tuple[str, ...]]:
         "matmul": (*matmul, *stack),
         "attention": ("attention", *kernel, *stack),
         "memory-bound": (*memory, *fused),
+        "fp8-weight-casts": ("memory-bound", *fused),  # no compile factor (module docstring, step 1)
         "kernel-launch": ("kernel-launch",),
         "host-floor": ("host-floor",),
         "intra-node": ("intra-node",),
