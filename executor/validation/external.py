@@ -184,7 +184,8 @@ def step_terms(plan: Any, graph: Any, cluster: ClusterSpec) -> tuple[dict[str, f
     p = plan.parallelism
     parts = {}
     for name, variant in _variants(cluster, 1 + EPSILON).items():
-        if (name == "activation" and p.tp * p.cp * p.ep == 1) or (name == "fp8-weight-casts" and p.precision != "fp8"):
+        if (name == "activation" and p.tp * p.cp * p.ep == 1) or (
+                name == "fp8-weight-casts" and p.precision != "fp8"):
             parts[name] = 0.0
             continue
         parts[name] = max(0.0, (simulate_on(plan, graph, variant).step_time_s - total) / EPSILON)
@@ -429,7 +430,8 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
                     if theta[idx].sum() < floor + AT_PEAK)
     return Fit(multipliers={nm: float(np.exp(t)) for nm, t in zip(names, theta)},
                runs={nm: tuple(dict.fromkeys(r)) for nm, r in runs.items()}, at_peak=at_peak,
-               measured={nm: value for nm, (value, _) in priors.items() if nm not in names})
+               measured={nm: value for nm, (value, _) in priors.items()
+                         if nm not in names and (free is None or nm in free)})
 
 
 # --- writing the fitted profile --------------------------------------------------------------------------
