@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One lent GPU call (H100 or H200), prepared 2026-11-27 and not yet run: the two kernel measurements issue 27's
-# notes left for a lent GPU.
+# One lent GPU call (H100 or H200), prepared and run 2026-11-27 on a lent H100 (`benchmarks/gpu_kernels_docs.py`
+# renders what it wrote): the two kernel measurements issue 27's notes left for a lent GPU, and the GPU-marked tests.
 # - `benchmarks/sdpa_backends.py`: torch's SDPA kernels (FlashAttention-2, memory-efficient, cuDNN, math) timed
 #   against each other at Llama-3-8B's head shape, seq 2k-32k, forward and backward. The fit over torchtitan's
-#   runs and soap's own (own_runs_corpus, variant (c)) reads FlashAttention-2 at x2.26 cuDNN's time on 500 W
-#   parts; this is its check and the prior leave-one-model-out lacks.
+#   runs and soap's own (own_runs_corpus, variant (c)) read FlashAttention-2 at x2.26 cuDNN's time on 500 W
+#   parts; measured 1.76x, now the fit's prior for that term (`executor.validation.external.MEASURED_PRIORS`).
 # - `benchmarks/qlora_dequant.py`: bitsandbytes' dequantize_4bit of each Llama-3-8B weight against its price
-#   (QLoRA's step measured ~2x the priced dequantization on 2026-11-27).
+#   (QLoRA's step measured ~2x the priced dequantization on 2026-11-27); its host-bound timer led to the GPU
+#   kernel times of the next call (H200), now `costmodel.peft.NF4_DEQUANTIZE_RATE`.
 # Needs nothing carried for the first; the second needs bitsandbytes (.sitepeft, as gpu_session_peft.sh) and
 # pydantic (.whl) for soap's profiles:
 #   run: python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&

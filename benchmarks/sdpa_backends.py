@@ -14,9 +14,10 @@ repeated as torchtitan and HF's eager path do, head dim 128, bf16), forward and 
 beside torch's own choice (`torch._fused_sdp_choice`). A backend that cannot run a shape (cuDNN on a GPU before
 Hopper, the math kernel's s^2 score matrix past `MATH_MAX_SEQ`) is reported as not run.
 
-Nothing here is priced or fitted. Run on a lent GPU, it is the check of the fitted x2.3 and the measured prior
-that leave-one-model-out lacks (with the 8B's rows left out, no run states FlashAttention-2, and the torchtitan rows
-are predicted at the cuDNN kernels' rate).
+Nothing here is priced or fitted. Run on a lent H100 (2026-11-27): FlashAttention-2 took 1.65-1.82x cuDNN's time,
+1.76x on the geometric mean, which the corpus fit now takes as the measured prior of `attention/flash_attention`
+(`executor.validation.external.FLASH_OVER_CUDNN`): with the 8B's rows left out no run states FlashAttention-2, and
+the torchtitan rows were predicted at the cuDNN kernels' rate until then.
 
 TFLOP/s count the causal half of the score matrix: forward 2 x 2 x b h s^2 d / 2, backward 2.5x the forward.
 """
