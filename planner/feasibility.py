@@ -34,8 +34,9 @@ from costmodel.strategy import RECOMPUTE
 from planner.estimate import Estimator
 from planner.search import Candidate, Priced, enumerate_candidates
 from planner.space import (
-    MeshChoice, Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, mesh_refusal,
-    micro_batching, offload_choices, recompute_choices, schedule_refusal, training_heads, validate_pins,
+    Pins, SpaceRequest, divisors, frugal_configs, half_precision, mesh_choices, mesh_refusal,
+    micro_batching, offload_choices, recompute_choices, schedule_refusal, training_heads, unpinned_ranks,
+    validate_pins,
 )
 from tracer.errors import SoapError
 
@@ -188,13 +189,7 @@ def _pin_reason(req: SpaceRequest) -> str | None:
     if refused:
         return refused
     schedule, optimizer = [], []
-    p = req.pins
-
-    def added(mesh: MeshChoice) -> int:
-        d = mesh.dims
-        return (1 if p.tp else d.tp) * (1 if p.cp else d.cp) * (1 if p.ep else d.ep)
-
-    for mesh in sorted(mesh_choices(req), key=added):
+    for mesh in sorted(mesh_choices(req), key=lambda m: unpinned_ranks(req.pins, m.dims, ("tp", "cp", "ep"))):
         d = mesh.dims
         schedule += [schedule_refusal(req, pp=d.pp, num_microbatches=count, grad_accum=accum, zero=mesh.zero)
                      for _, count, accum in micro_batching(req, dp=d.dp, pp=d.pp)]

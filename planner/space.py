@@ -48,6 +48,7 @@ CPUOffloadPolicy); compile (torch.compile per block, accelerate's and torchtitan
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -328,15 +329,18 @@ def mesh_refusal(req: SpaceRequest) -> str | None:
     """Why the pins leave no mesh where the pinned degrees do divide the GPUs but a model, cluster or PEFT rule
     refuses every such mesh: the reason on the plainest one (the fewest unpinned ranks in tp, cp, pp and ep, which
     the pins alone decide most). None where a mesh stands, or none divides."""
-    p = req.pins
     refused = []
     for mesh, reason in _meshes(req):
         if reason is None:
             return None
-        d = mesh.dims
-        refused.append(((1 if p.tp else d.tp) * (1 if p.cp else d.cp) * (1 if p.pp else d.pp) * (1 if p.ep else d.ep),
-                        reason))
+        refused.append((unpinned_ranks(req.pins, mesh.dims), reason))
     return min(refused, key=lambda r: r[0])[1] if refused else None
+
+
+def unpinned_ranks(pins: Pins, dims: ParallelDims, axes: tuple[str, ...] = ("tp", "cp", "pp", "ep")) -> int:
+    """The ranks the pins leave to the search along `axes`: the product of each unpinned axis's degree (a pinned
+    one counts 1). The fewer, the more the pins alone decide the mesh: refusals are reported on such a one."""
+    return math.prod(1 if getattr(pins, axis) else getattr(dims, axis) for axis in axes)
 
 
 def _meshes(req: SpaceRequest) -> Iterator[tuple[MeshChoice, str | None]]:
