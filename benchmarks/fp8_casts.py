@@ -17,6 +17,7 @@ is fitted.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -42,6 +43,15 @@ def extra_memory_bound(suffix: str = "") -> float:
     return runs["fp8"]["groups_s"]["memory-bound"] - runs["bf16"]["groups_s"]["memory-bound"]
 
 
+@functools.cache
+def _graph(suffix: str):
+    """The traced model of a run's fp8 step, once for every profile and way of pricing."""
+    import tracer
+
+    run = measured(suffix)["fp8"]
+    return tracer.trace(str(CONFIGS / RUNS[suffix]), batch=run["batch"], seq_len=run["seq"])
+
+
 MODES = {"priced": "as priced (the factor on the activations' casts)", "every": "the factor on every cast (before)",
          "none": "no factor"}
 """How the compile factor is applied to the casts in `priced`."""
@@ -51,13 +61,11 @@ def priced(cluster: str, mode: str = "priced", *, suffix: str = "") -> float:
     """Seconds of the compiled float8 casts of a run's step (every block's Linears, forward and backward) on
     `cluster`: as `costmodel.opcost` prices them ("priced"), or with the compile factor on every cast ("every",
     soap's price before 2026-11-27) or on none ("none")."""
-    import tracer
     from costmodel import opcost
     from costmodel.profiles import load_cluster
 
-    run = measured(suffix)["fp8"]
     device = load_cluster(cluster).device
-    graph = tracer.trace(str(CONFIGS / RUNS[suffix]), batch=run["batch"], seq_len=run["seq"])
+    graph = _graph(suffix)
     arithmetic = device.kernel_factors.get("arithmetic/bf16")
     fused = device.compile_factors.get("arithmetic/fwd")
     total = 0.0

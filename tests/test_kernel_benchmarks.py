@@ -50,18 +50,11 @@ def test_the_dequantization_rate_is_the_one_measured():
     """`NF4_DEQUANTIZE_RATE` prices the H200's measured kernel time of a Llama-3-8B layer's seven projections
     (GPU time, torch.profiler) within 5% on the datasheet H200, and the 4-bit forward and backward in a step cost
     about two such dequantizations (their GEMMs' time subtracted)."""
-    from costmodel.peft import dequantize_seconds
-    from costmodel.profiles import load_cluster
+    from benchmarks.gpu_kernels_docs import layer_dequantization
 
-    device = load_cluster("dgx-h200").device
-    per_layer = {"q_proj, o_proj": 2, "k_proj, v_proj": 2, "gate_proj, up_proj": 2, "down_proj": 1}
     for name in ("dequant-h200.json", "dequant-h200-repeat.json"):
-        rows = json.loads((DATA / name).read_text())["rows"]
-        measured = sum(per_layer[r["weight"]] * r["kernel_s"] for r in rows)
-        priced = sum(per_layer[r["weight"]] * dequantize_seconds(r["shape"][0] * r["shape"][1], device=device,
-                                                                  precision="bf16") for r in rows)
+        measured, priced, in_step = layer_dequantization(json.loads((DATA / name).read_text()), "dgx-h200")
         assert priced == pytest.approx(measured, rel=0.05)
-        in_step = sum(per_layer[r["weight"]] * r["in_step_s"] for r in rows)
         assert in_step == pytest.approx(2 * measured, rel=0.15)
 
 
