@@ -8,7 +8,8 @@ It runs the step the executor runs for a single-rank bf16 plan: fp32 parameters,
 bf16)` around forward and loss, cross-entropy on `logits.float()`, fused AdamW. It prints the median step
 time, the peak allocated memory, the bytes saved for backward by dtype (a `saved_tensors_hooks` count)
 and torch.profiler's top kernels by CUDA time. `--compile` compiles each block in place as the executor does
-(`executor.api.compile_blocks`); `--json` also writes every CUDA kernel of one profiled step (name, microseconds,
+(`executor.api.compile_blocks`); `--micro-batches N` accumulates N forward and backward passes into each optimizer step. `--json` also writes every
+CUDA kernel of one profiled step (name, microseconds,
 calls) with their sum per group (`costmodel.calibration.step_factor.kernel_groups`), the form
 `benchmarks.h100_measured` reads (benchmarks/data/h100-2026-11-26/step-profile-8b4l.json is one, eager).
 """
@@ -36,8 +37,10 @@ def main() -> None:
     parser.add_argument("--json", help="write every kernel of one profiled step and their groups here")
     parser.add_argument("--fp8", action="store_true",
                         help="swap the blocks' Linears for torchao's float8 ones first, as the executor's fp8 plans do")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="forward and backward passes per optimizer step (gradient accumulation)")
     args = parser.parse_args()
-    name, batch, seq = args.model, args.batch, args.seq
+    name, batch, seq, micro = args.model, args.batch, args.seq, args.micro_batches
     model = build_model(resolve_spec(name), device="cuda")
     if args.fp8:  # before compile, as `executor.api` converts before it compiles
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -60,10 +63,12 @@ def main() -> None:
 
     def step(hooks: bool = False) -> None:
         pack = count if hooks else (lambda t: t)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=ids, use_cache=False).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
-        loss.backward()
+        for _ in range(micro):
+            with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                  torch.autocast("cuda", dtype=torch.bfloat16)):
+                logits = model(input_ids=ids, use_cache=False).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -79,7 +84,7 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    print(f"{name} batch {batch} x seq {seq}, bf16 autocast{', float8 Linears' if args.fp8 else ''}"
+    print(f"{name} batch {batch} x seq {seq} x {micro} micro-batches, bf16 autocast{', float8 Linears' if args.fp8 else ''}"
           f"{', compiled blocks' if args.compile else ''}, "
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"step {sorted(times)[2]:.4f} s (median of 5); peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
@@ -98,7 +103,8 @@ def main() -> None:
             us[kernel] += seconds * 1e6
         groups = kernel_groups(kernels)
         with open(args.json, "w") as out:
-            json.dump({"model": name, "batch": batch, "seq": seq, "compile": args.compile, "fp8": args.fp8,
+            json.dump({"model": name, "batch": batch, "seq": seq, "micro_batches": micro, "compile": args.compile,
+                       "fp8": args.fp8,
                        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                        "step_s": sorted(times)[2], "groups_s": groups, "kernel_total_us": sum(us.values()),
                        "kernels_us": [[n, round(t, 1), calls[n]] for n, t in us.most_common()]}, out, indent=1)

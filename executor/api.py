@@ -32,6 +32,7 @@ from costmodel.strategy import shards_vocabulary
 from executor import peft
 from executor import precision as precision_mod
 from executor.context_parallel import apply_cp
+from executor.data import cp_position_ids
 from executor.data_parallel import apply_ddp, apply_expert_ddp, apply_fsdp, uses_ddp, uses_fsdp
 from executor.expert_parallel import (apply_ep, check_expert_parallel, gather_sequence_around_moe, tag_expert_parameters,
                                       tp_plan_outside_moe)
@@ -313,12 +314,11 @@ def _pipeline(parallel: ParallelModel, device: torch.device, loss_fn: Callable) 
 
     plan, mesh = parallel.plan, parallel.mesh
     p = plan.parallelism
-    local = plan.seq_len // p.cp
-    offset = mesh.cp_rank * local
+    positions = cp_position_ids(plan.seq_len, p.cp, mesh.cp_rank, device)
     stages = []
     for part, index in zip(parallel.parts, parallel.stage_indices):
         inner = part.module if hasattr(part, "module") and isinstance(part.module, nn.Module) else part
-        set_position_ids(inner, lambda x, d=device: (torch.arange(local, device=d) + offset).unsqueeze(0))
+        set_position_ids(inner, lambda x: positions)
         parallel.precision.autocast_each_forward(part)
         stages.append(PipelineStage(part, index, p.pp * p.virtual_stages, device, group=mesh.pp.get_group()))
     scaled = parallel.precision.scaled_loss

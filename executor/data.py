@@ -9,8 +9,10 @@ right, `executor.model.forward_inputs`). masked-lm: 15% of positions (from the s
 replaced by the mask id and are the only labelled ones.
 
 Slicing. Data-parallel rank d takes sequences [d*B, (d+1)*B) with B = micro_batch * num_microbatches,
-then micro-batch k takes [k*m, (k+1)*m); context-parallel rank c takes tokens [c*S/cp, (c+1)*S/cp)
-with position ids offset by c*S/cp.
+then micro-batch k takes [k*m, (k+1)*m). Context-parallel rank c of cp takes two of the sequence's 2*cp chunks of
+S/(2*cp) tokens, chunk c and chunk 2*cp-1-c (`cp_chunks`, the load-balanced layout of Megatron's and torch's ring
+attention: under a causal mask every rank then attends to the same number of query-key pairs), with their position
+ids.
 
 Loss. With N labelled tokens in the global batch and R = dp*cp ranks averaging gradients, each
 micro-batch's loss is `sum_CE(local tokens) * R / N`. Gradients are summed over micro-batches (and
@@ -114,12 +116,28 @@ class Slicer:
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         rows = t[self.dp_rank * self.per_rank:(self.dp_rank + 1) * self.per_rank]
-        s = t.shape[1] // self.cp
-        return rows[:, self.cp_rank * s:(self.cp_rank + 1) * s]
+        if self.cp == 1:
+            return rows
+        return torch.cat([rows[:, start:start + size] for start, size in cp_chunks(t.shape[1], self.cp, self.cp_rank)],
+                         dim=1)
 
     def position_ids(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        s = seq_len // self.cp
-        return (torch.arange(s, device=device) + self.cp_rank * s).unsqueeze(0)
+        return cp_position_ids(seq_len, self.cp, self.cp_rank, device)
+
+
+def cp_chunks(seq_len: int, cp: int, rank: int) -> list[tuple[int, int]]:
+    """(start, length) of the sequence's pieces context-parallel rank `rank` of `cp` holds, in order: chunks rank
+    and 2*cp-1-rank of 2*cp (the whole sequence when cp is 1)."""
+    if cp == 1:
+        return [(0, seq_len)]
+    chunk = seq_len // (2 * cp)
+    return [(rank * chunk, chunk), ((2 * cp - 1 - rank) * chunk, chunk)]
+
+
+def cp_position_ids(seq_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """The position ids of the tokens context-parallel rank `rank` holds (`cp_chunks`), [1, S/cp]."""
+    return torch.cat([torch.arange(start, start + size, device=device)
+                      for start, size in cp_chunks(seq_len, cp, rank)]).unsqueeze(0)
 
 
 class ScaledTokenLoss:

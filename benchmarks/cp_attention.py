@@ -1,0 +1,227 @@
+"""Context parallelism's attention on one GPU: what one cp rank's attention kernel costs, as soap's executor runs it
+and as the layouts around it would.
+
+    python -m benchmarks.cp_attention [--out FILE] [--cases 8192:2,8192:4,32768:2,32768:4]
+    python -m benchmarks.cp_attention --smoke        # a small shape on any machine
+
+soap prices an attention op under cp as the whole sequence's causal attention divided by cp (`costmodel.opcost`:
+the [b, h, s, s] score tensor shrinks by cp), at the rate its profile measured on whole-sequence causal kernels
+(`costmodel.calibration.microbench`). soap's executor (`executor.context_parallel`) all-gathers K and V; until
+2026-11-27 it ran the rank's S/cp queries against all S keys with a boolean mask, now the zigzag layout below. Per (sequence S, cp degree), at Llama-3-8B's heads
+(32 query heads, 8 KV heads, head dim 128, bf16, one sequence), forward + backward of one rank's attention with the
+keys and values already gathered (the all-gather is the collectives' to price):
+
+- `whole`: the whole sequence, causal, on one GPU (torch's kernel choice): what the attention rate is calibrated on;
+  a cp rank's price is this time / cp.
+- `whole-full`: the whole sequence without a mask (an encoder's attention; soap prices both at the full matrix).
+- `executor`: soap's executor until 2026-11-27: S/cp queries against S keys, `enable_gqa`, the boolean mask `k <= offset + q`
+  (every rank runs the same kernel on the same shapes; only the mask's values differ).
+- `lower-right-last`, `lower-right-first`: contiguous chunks, each rank's queries against only the keys at or
+  before its chunk, `torch.nn.attention.bias.causal_lower_right` (a kernel that skips the masked blocks); the last
+  rank does 2 cp - 1 times the first's work and sets the step.
+- `zigzag`: the load-balanced layout (rank r holds chunks r and 2 cp - 1 - r of 2 cp, as Megatron's and torch's
+  ring attention do): two lower-right calls against their key prefixes; every rank does the same work.
+- `soap`: `executor.context_parallel.cp_attention` itself, rank 0, as the executor calls it (since 2026-11-27: the
+  zigzag layout with the K/V heads not repeated, `enable_gqa`), with its largest difference from the whole causal
+  attention's output at its positions.
+- `ring`: the kernels of a load-balanced ring (Transformer Engine's, torch's `context_parallel`): the rank's S/cp
+  queries against its own keys, causal, then cp - 1 unmasked blocks of S/cp queries by S/(2 cp) keys, each with the
+  library's kernels (the log-sum-exp merge of their outputs, a memory-bound pass, is left out).
+
+Each row names the CUDA kernels that took most of its time (torch.profiler), so the table says which kernel torch
+dispatched each layout to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+LAYOUTS = ("whole", "whole-full", "executor", "lower-right-last", "lower-right-first", "zigzag", "ring", "soap")
+CASES = ((8192, 2), (8192, 4), (32768, 2), (32768, 4))
+SMOKE = dict(cases=((256, 2),), heads=4, kv_heads=2, head_dim=32)
+
+
+def _attention(layout: str, seq: int, cp: int, q, k, v) -> Callable[[], object]:
+    """The forward of one rank's attention in `layout`; q, k, v are the whole sequence's (1, heads, S, d)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    local, heads = seq // cp, q.shape[1]
+
+    def expand(t):  # FlashAttention's lower-right path takes as many K/V heads as query heads
+        return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+    def lower_right(start: int, stop: int):  # queries [start, stop) against keys [0, stop)
+        kk, vv = expand(k[:, :, :stop]), expand(v[:, :, :stop])
+        return F.scaled_dot_product_attention(q[:, :, start:stop], kk, vv,
+                                              attn_mask=causal_lower_right(stop - start, stop))
+
+    gqa = k.shape[1] != heads
+    if layout == "whole":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if layout == "whole-full":
+        return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if layout == "executor":
+        offset = (cp - 1) * local
+        mask = torch.arange(seq, device=q.device)[None, :] <= (torch.arange(local, device=q.device) + offset)[:, None]
+        return lambda: F.scaled_dot_product_attention(q[:, :, offset:], k, v, attn_mask=mask, enable_gqa=gqa)
+    if layout == "lower-right-last":
+        return lambda: lower_right(seq - local, seq)
+    if layout == "lower-right-first":
+        return lambda: lower_right(0, local)
+    if layout == "zigzag":
+        chunk = seq // (2 * cp)
+        return lambda: torch.cat([lower_right(0, chunk), lower_right(seq - chunk, seq)], dim=2)
+    if layout == "ring":  # the load-balanced ring's kernels: local causal, then cp - 1 unmasked L x L/2 blocks
+        chunk = seq // (2 * cp)
+
+        def ring():
+            outs = [F.scaled_dot_product_attention(q[:, :, :local], k[:, :, :local], v[:, :, :local], is_causal=True,
+                                                   enable_gqa=gqa)]
+            for step in range(1, cp):
+                outs.append(F.scaled_dot_product_attention(q[:, :, :local], k[:, :, step * local:step * local + chunk],
+                                                           v[:, :, step * local:step * local + chunk], enable_gqa=gqa))
+            return torch.cat(outs, dim=2)
+        return ring
+    if layout == "soap":  # the executor's function as it is now, rank 0's chunks (its K/V heads not repeated)
+        from executor.context_parallel import cp_attention
+        from executor.data import cp_chunks
+
+        mine = torch.cat([torch.arange(start, start + size, device=q.device) for start, size in cp_chunks(seq, cp, 0)])
+        return lambda: cp_attention(q[:, :, mine], k, v, rank=0, cp=cp, causal=True)
+    raise ValueError(layout)
+
+
+def soap_error(seq: int, cp: int, q, k, v) -> float:
+    """The largest difference between the executor's rank-0 output and the whole causal attention's at its positions."""
+    import torch
+    import torch.nn.functional as F
+
+    from executor.data import cp_chunks
+
+    mine = torch.cat([torch.arange(start, start + size, device=q.device) for start, size in cp_chunks(seq, cp, 0)])
+    with torch.no_grad():
+        whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return float((_attention("soap", seq, cp, q, k, v)() - whole[:, :, mine]).abs().max())
+
+
+def _top_kernels(call: Callable[[], None], device: str, keep: int = 2) -> list[str]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cuda":
+        return []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                    key=lambda e: e.device_time_total, reverse=True)
+    return [e.key[:90] for e in events[:keep]]
+
+
+def measure(cases: Sequence[tuple[int, int]] = CASES, *, layouts: Sequence[str] = LAYOUTS, heads: int = HEADS,
+            kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, samples: int = 5) -> dict:
+    """Forward + backward seconds of one cp rank's attention per layout and case (module docstring)."""
+    import torch
+
+    from costmodel.calibration.microbench import TimingConfig, time_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    timing = TimingConfig(samples=samples, max_case_s=3.0, warmup=2)
+    rows = []
+    for seq, cp in cases:
+        q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        for layout in layouts:
+            if layout.startswith("whole") and any(r["seq"] == seq and r["layout"] == layout for r in rows):
+                continue  # the whole sequence's kernels do not depend on cp
+            forward = _attention(layout, seq, cp, q, k, v)
+
+            def step(forward=forward):
+                out = forward()
+                out.backward(torch.ones_like(out))
+                q.grad = k.grad = v.grad = None
+
+            row = {"seq": seq, "cp": cp, "layout": layout}
+            try:
+                seconds = time_kernel(step, device, timing)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            except (RuntimeError, torch.OutOfMemoryError) as err:
+                rows.append({**row, "seconds": None, "why": str(err).splitlines()[0][:160]})
+                continue
+            rows.append({**row, "seconds": seconds, "kernels": _top_kernels(step, device)})
+            if layout == "soap":
+                rows[-1]["max_abs_error"] = soap_error(seq, cp, q, k, v)
+        del q, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "heads": heads,
+            "kv_heads": kv_heads, "head_dim": head_dim, "rows": rows}
+
+
+def table(result: dict) -> str:
+    """One line per case: each layout's ms and its ratio to soap's price (the whole causal sequence / cp)."""
+    lines = [f"{result['device']}, torch {result['torch']}, {result['dtype']}, {result['heads']} heads "
+             f"({result['kv_heads']} KV) x {result['head_dim']}, one sequence, forward + backward of one cp rank's "
+             "attention; ms (x the whole causal sequence's time / cp):", "",
+             "| seq | cp | " + " | ".join(LAYOUTS) + " |", "|---:|---:|" + "---:|" * len(LAYOUTS)]
+    whole = {r["seq"]: r for r in result["rows"] if r["layout"] == "whole"}
+    for seq, cp in dict.fromkeys((r["seq"], r["cp"]) for r in result["rows"]):
+        rows = {r["layout"]: r for r in result["rows"] if r["seq"] == seq and (r["cp"] == cp or
+                                                                             r["layout"].startswith("whole"))}
+        price = whole[seq]["seconds"] / cp if whole.get(seq, {}).get("seconds") else None
+        cells = []
+        for layout in LAYOUTS:
+            r = rows.get(layout)
+            if r is None or r["seconds"] is None:
+                cells.append("not run")
+                continue
+            ratio = f" (x{r['seconds'] / price:.2f})" if price and not layout.startswith("whole") else ""
+            cells.append(f"{r['seconds'] * 1e3:.2f}{ratio}")
+        lines.append(f"| {seq} | {cp} | " + " | ".join(cells) + " |")
+    kernels = {r["layout"]: r["kernels"][0] for r in result["rows"] if r.get("kernels")}
+    if kernels:
+        lines += ["", "Kernels (the largest of each layout): " + "; ".join(f"{k}: `{v}`" for k, v in kernels.items())]
+    return "\n".join(lines)
+
+
+def merge(results: Sequence[dict]) -> dict:
+    """One result from several runs of one machine (each layout in its own process: a kernel that faults takes
+    its process's CUDA context with it, not the other layouts' measurements)."""
+    return {**results[0], "rows": [row for result in results for row in result["rows"]]}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(f"{s}:{c}" for s, c in CASES), help="SEQ:CP, comma-separated")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of: " + ", ".join(LAYOUTS))
+    parser.add_argument("--out", help="write the measurements as JSON here")
+    parser.add_argument("--smoke", action="store_true", help="a small shape, any machine")
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these runs' files, merged")
+    args = parser.parse_args(argv)
+    from benchmarks.report import emit
+
+    if args.table:
+        result = merge([json.loads(Path(path).read_text()) for path in args.table])
+    elif args.smoke:
+        result = measure(**SMOKE)
+    else:
+        cases = [tuple(int(x) for x in case.split(":")) for case in args.cases.split(",")]
+        result = measure(cases, layouts=args.layouts.split(","))
+    return emit(result, table(result), args.out)
+
+
+if __name__ == "__main__":
+    main()
