@@ -127,8 +127,9 @@ def _whole_sequence(t: TensorMeta) -> TensorMeta:
 def context_parallel_saved(op: OpNode, saved: Sequence[TensorMeta]) -> tuple[TensorMeta, ...]:
     """What an attention core saves under context parallelism as `executor.context_parallel` runs it: the
     K and V it all-gathers over the sequence, whole (in place of any local K or V the trace attributed to
-    it: every saved tensor of K's size but the query), and for a causal model the [S/cp, S] boolean mask
-    it builds (in place of the traced s x s mask; an encoder attends without one)."""
+    it: every saved tensor of K's size but the query), and no mask: the traced s x s mask is dropped, the causal
+    mask being the lower-right kernels' own (two calls, each saving its chunk's query, output and logsumexp, which
+    together are the rank's; until 2026-11-27 the executor built and kept an [S/cp, S] boolean mask)."""
     q, k = op.inputs[:2]
     v = op.inputs[2] if len(op.inputs) > 2 else k
     seq_k = k.shape[-2]
@@ -142,8 +143,6 @@ def context_parallel_saved(op: OpNode, saved: Sequence[TensorMeta]) -> tuple[Ten
         query_seen = query_seen or t.numel == q.numel
         out.append(t)
     out.extend((_whole_sequence(k), _whole_sequence(v)))
-    if op.attrs.get("causal"):
-        out.append(TensorMeta((q.shape[-2], seq_k), "bool", (DimRole.ATTRIBUTE, DimRole.NONE)))
     return tuple(out)
 
 

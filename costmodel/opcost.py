@@ -82,6 +82,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from costmodel.context_attention import LOWER_RIGHT_CLASS, pieces
 from costmodel.profiles import UNALIGNED_MATMUL, DeviceProfile
 from costmodel.strategy import FP8_CASTS
 from tracer.errors import SoapError
@@ -525,6 +526,24 @@ def forward_time(op: OpNode, flops: float, nbytes: float, *, device: DeviceProfi
     return t, bound
 
 
+def _all_gather_attention(op: OpNode, fwd_flops: float, bwd_flops: float, nbytes: float, cp: int, *,
+                          device: DeviceProfile, precision: str, compile: bool) -> tuple[float, float, str]:
+    """(forward, backward, forward bound) of a causal attention core under soap's executor's context parallelism:
+    rank 0's two kernels, the lower-right one at the device's `attention-lower-right` factor
+    (`costmodel.context_attention.pieces`)."""
+    fwd_s = bwd_s = 0.0
+    bound = "none"
+    lower_right = device.kernel_factors.get(f"{LOWER_RIGHT_CLASS}/{kernel_precision(op, precision)}")
+    for flops, piece_bytes, rectangular in pieces(fwd_flops, nbytes, cp):
+        factor = lower_right.at(flops) if rectangular and lower_right is not None else 1.0
+        t, piece_bound = forward_time(op, flops, piece_bytes, device=device, precision=precision, compile=compile)
+        fwd_s += factor * t
+        bound = piece_bound if rectangular else bound
+        bwd_s += factor * backward_time(op, bwd_flops * flops / fwd_flops, piece_bytes, device=device,
+                                        precision=precision, compile=compile)
+    return fwd_s, bwd_s, bound
+
+
 def has_backward(op: OpNode) -> bool:
     return op.bwd_flops > 0 or bool(op.saved) or bool(op.params)
 
@@ -566,13 +585,16 @@ def op_time(
     cross_entropy: str = "upcast",
     fp8_casts: str = "torchao",
     microbatches: int = 1,
+    cp_attention: str = "all-gather",
 ) -> OpCost:
     """Time of `op` for a micro-batch of `micro_batch` samples (the graph was traced at `batch_traced`),
     under torch.compile when `compile` and `op` is in a block (the device's `compile_factors`, see the module
     docstring). A loss op under the run's `cross_entropy` takes a launch overhead more for each kernel that
     loss launches beyond the traced (upcast) one's (`extra_loss_kernels`): its passes over the logits are
     the same, but for the vocabulary-parallel path's (`VOCAB_PARALLEL_LOSS_EXTRA_BYTES`). An fp8 op takes
-    `fp8_casts`'s casts (`FP8_CASTS`); Transformer Engine's weight cast a step's `microbatches` share.
+    `fp8_casts`'s casts (`FP8_CASTS`); Transformer Engine's weight cast a step's `microbatches` share. A causal
+    attention core split over the sequence (context parallelism) runs as `cp_attention`'s kernels
+    (`costmodel.context_attention`).
 
     `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); each tensor
     of the op that has a dimension with that role is divided by the degree (once per role), so the
@@ -582,9 +604,15 @@ def op_time(
         op, precision=precision, micro_batch=micro_batch, batch_traced=batch_traced, split=split
     )
     compile = compile and op.block_id is not None  # the executor compiles the blocks only
-    fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile,
-                                casts=fp8_casts, weight_share=1 / microbatches)
-    bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile, casts=fp8_casts)
+    cp = int(dict(split or {}).get("attribute", 1)) if cp_attention == "all-gather" and op.attrs.get("causal") else 1
+    if op.kind is OpKind.ATTENTION and cp > 1:
+        fwd_s, bwd_s, bound = _all_gather_attention(op, fwd_flops, bwd_flops, nbytes, cp, device=device,
+                                                    precision=precision, compile=compile)
+    else:
+        fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile,
+                                    casts=fp8_casts, weight_share=1 / microbatches)
+        bwd_s = backward_time(op, bwd_flops, nbytes, device=device, precision=precision, compile=compile,
+                              casts=fp8_casts)
     fwd_s += loss_launches(op, cross_entropy, micro_batch=micro_batch, batch_traced=batch_traced,
                            split=split) * device.kernel_overhead_s
     if op.kind is OpKind.LOSS and cross_entropy == "chunked" and int(dict(split or {}).get("parameter", 1)) > 1:

@@ -36,13 +36,15 @@ from costmodel.profiles import (
     FactorCurve,
     LinkLevel,
 )
+from costmodel.context_attention import LOWER_RIGHT_CLASS
 from costmodel.strategy import OPTIMIZERS
 from tracer.errors import SoapError
 
-FACTOR_KERNEL_CLASSES = (*KERNEL_CLASSES, "tanh", UNALIGNED_MATMUL)
+FACTOR_KERNEL_CLASSES = (*KERNEL_CLASSES, "tanh", UNALIGNED_MATMUL, LOWER_RIGHT_CLASS)
 """Kernel classes a profile's `kernel_factors` may name: `profiles.KERNEL_CLASSES` plus `tanh`, which
-`costmodel.opcost.kernel_class` gives its own class (a CPU tanh costs several silus at the same bytes), and
-`matmul-unaligned` (`costmodel.opcost.unaligned_matmul`)."""
+`costmodel.opcost.kernel_class` gives its own class (a CPU tanh costs several silus at the same bytes),
+`matmul-unaligned` (`costmodel.opcost.unaligned_matmul`) and `attention-lower-right` (context parallelism's
+rectangular causal kernel, `costmodel.context_attention`)."""
 
 class _Reader:
     """Walks one JSON document, raising SoapError that names the file and the field path."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from costmodel.context_attention import CP_ATTENTION
 from tracer.errors import SoapError
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -195,6 +196,10 @@ class TrainingConfig:
     fp8_casts: str = "torchao"
     """Whose float8 casts an fp8 run's GEMMs take (`costmodel.opcost.FP8_CASTS`): "torchao", the executor's;
     "transformer-engine", Transformer Engine's fused cast-transposes. Set to price another stack's run as it ran."""
+    cp_attention: str = "all-gather"
+    """How a context-parallel attention core runs (`costmodel.context_attention`): "all-gather", the executor's
+    (gathered K and V, two lower-right causal kernels a rank); "ring", a load-balanced ring's. Set to price another
+    stack's run as it ran."""
     peft: str | None = None
     """PEFT method (lora, qlora) or None: the graph carries the adapters (tracer/peft.py); here it says the
     run has no autocast (executor/peft.py), which the model state reads (`costmodel.memory`)."""
@@ -220,6 +225,7 @@ class TrainingConfig:
             (self.param_gather, PARAM_GATHERS, "parameter gather granularity"),
             (self.cross_entropy, CROSS_ENTROPY_IMPLS, "cross-entropy"),
             (self.fp8_casts, FP8_CASTS, "fp8 casts"),
+            (self.cp_attention, CP_ATTENTION, "context-parallel attention"),
         ):
             if value not in allowed:
                 raise SoapError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")

@@ -50,3 +50,66 @@ def test_the_gathered_chunks_go_back_in_sequence_order():
     k = torch.randn(1, 2, seq, 3)
     gathered = torch.cat([k[:, :, _positions(seq, cp, rank)] for rank in range(cp)], dim=2)  # all_gather's order
     assert torch.equal(_in_sequence_order(gathered, cp), k)
+
+
+def test_the_executors_two_kernels_add_up_to_the_ranks_share():
+    from costmodel.context_attention import pieces
+
+    assert pieces(100.0, 10.0, 1) == ((100.0, 10.0, False),)
+    for cp in (2, 4, 8):
+        (f_sq, b_sq, lr_sq), (f_lr, b_lr, lr_lr) = pieces(100.0, 10.0, cp)
+        assert (lr_sq, lr_lr) == (False, True)
+        assert f_sq + f_lr == pytest.approx(100.0) and b_sq + b_lr == pytest.approx(10.0)
+        assert f_sq == pytest.approx(100.0 / (4 * cp))  # c x c causal of the whole's 4 cp^2 such squares / cp
+
+
+def _attention_price(cluster: str, cp: int, layout: str, seq: int = 32768) -> float:
+    import tracer
+    from costmodel.opcost import op_time
+    from costmodel.profiles import load_cluster
+    from tracer.ir import OpKind
+
+    graph = tracer.trace("benchmarks/configs/llama-3-8b-4l.json", batch=1, seq_len=seq)
+    op = next(o for o in graph.ops if o.kind is OpKind.ATTENTION)
+    cost = op_time(op, device=load_cluster(cluster).device, precision="bf16", micro_batch=1, batch_traced=1,
+                   split={"attribute": cp} if cp > 1 else {}, cp_attention=layout)
+    return cost.fwd_s + cost.bwd_s
+
+
+def test_context_parallel_attention_is_priced_as_the_layout_that_runs_it():
+    """A ring is priced as the whole causal attention over cp (one kernel); soap's executor as its two kernels, the
+    rectangular lower-right one on FlashAttention-2: 1.76x cuDNN's time on Hopper, the kernel torch runs whole causal
+    attention on there (`costmodel.context_attention`), no factor on an A100 (FlashAttention-2 already)."""
+    whole = _attention_price("h100-x1-measured", 1, "ring")
+    ring = _attention_price("h100-x1-measured", 2, "ring")
+    assert ring == pytest.approx(whole / 2, rel=0.02)
+    executor = _attention_price("h100-x1-measured", 2, "all-gather")
+    assert 1.5 * ring < executor < 1.76 * ring
+    a100_ring, a100_executor = (_attention_price("dgx-a100-80g", 2, layout) for layout in ("ring", "all-gather"))
+    assert a100_ring <= a100_executor < 1.1 * a100_ring
+
+
+def test_hopper_profiles_carry_the_measured_lower_right_factor():
+    import json
+    import math
+    from pathlib import Path
+
+    from costmodel.context_attention import H100_LOWER_RIGHT, HOPPER_PROFILES, LOWER_RIGHT_CLASS
+    from costmodel.profiles import load_device
+
+    data = json.loads(Path("benchmarks/data/h100-2026-11-27-kernels/sdpa-backends.json").read_text())
+    ratios = [flash["seconds"] / cudnn["seconds"] for flash in data["rows"] for cudnn in data["rows"]
+              if flash["backend"] == "FLASH_ATTENTION" and cudnn["backend"] == "CUDNN_ATTENTION"
+              and flash["seq"] == cudnn["seq"] and flash["seconds"] and cudnn["seconds"]]
+    assert H100_LOWER_RIGHT == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)), abs=0.005)
+    for name in HOPPER_PROFILES:
+        assert load_device(name).kernel_factors[f"{LOWER_RIGHT_CLASS}/bf16"].at(1e12) == H100_LOWER_RIGHT, name
+    assert f"{LOWER_RIGHT_CLASS}/bf16" not in load_device("a100-sxm-80g-native").kernel_factors
+
+
+def test_a_context_parallel_attention_layout_soap_does_not_know_is_refused():
+    from costmodel.strategy import TrainingConfig
+    from tracer.errors import SoapError
+
+    with pytest.raises(SoapError, match="context-parallel attention"):
+        TrainingConfig(global_batch=1, seq_len=8, cp_attention="ulysses")

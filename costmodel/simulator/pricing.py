@@ -166,7 +166,8 @@ def profile_pricer(cluster: ClusterSpec, strategy: Strategy) -> ProfilePricer:
     """The default pricer of `strategy` on `cluster`."""
     t = strategy.train
     return ProfilePricer(cluster, t.precision, node_ranks=node_ranks(strategy, cluster), compile=t.compile,
-                         cross_entropy=t.cross_entropy, fp8_casts=t.fp8_casts, microbatches=t.num_microbatches)
+                         cross_entropy=t.cross_entropy, fp8_casts=t.fp8_casts, microbatches=t.num_microbatches,
+                         cp_attention=t.cp_attention)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,8 @@ class ProfilePricer:
     microbatches: int = 1
     """Micro-batches of a step on one rank (`TrainingConfig.num_microbatches`): Transformer Engine casts a weight
     on the first only."""
+    cp_attention: str = "all-gather"
+    """How a context-parallel attention core runs (`TrainingConfig.cp_attention`, `costmodel.context_attention`)."""
 
     @property
     def slowdown(self) -> float:
@@ -196,7 +199,7 @@ class ProfilePricer:
     def op(self, op: OpNode, split: Mapping[str, int], micro_batch: int, batch_traced: int) -> tuple[float, float, float]:
         cost = op_time(op, device=self.cluster.device, precision=self.precision, micro_batch=micro_batch,
                        batch_traced=batch_traced, split=split, compile=self.compile, cross_entropy=self.cross_entropy,
-                       fp8_casts=self.fp8_casts, microbatches=self.microbatches)
+                       fp8_casts=self.fp8_casts, microbatches=self.microbatches, cp_attention=self.cp_attention)
         weight = cost.bwd_s / 2 if op.kind is OpKind.MATMUL and op.params else 0.0
         k = self.slowdown
         return k * cost.fwd_s, k * (cost.bwd_s - weight), k * weight

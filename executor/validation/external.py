@@ -77,6 +77,7 @@ import numpy as np
 
 from costmodel.calibration.runs import scale_entry
 from costmodel.profiles import PRECISION_KEYS, ClusterSpec, FactorCurve
+from costmodel.context_attention import H100_LOWER_RIGHT
 from executor.validation.run_records import TORCH_NATIVE, RunRecord
 from tracer.errors import SoapError
 
@@ -88,7 +89,7 @@ error on the published corpus."""
 RUN_LOG_SD = 0.1
 """The log error one run is taken to carry (the corpus fits' in-sample errors are 2-7%, held out 10% and more): a
 measured prior of log spread sd weighs (RUN_LOG_SD / sd)^2 runs."""
-FLASH_OVER_CUDNN = 1.76
+FLASH_OVER_CUDNN = H100_LOWER_RIGHT
 """torch's FlashAttention-2 kernel's time over cuDNN's (the Hopper flash kernels torch 2.11 dispatches to) for causal
 attention of Llama-3-8B's heads, forward and backward: the geometric mean over sequences of 2k-32k (1.65-1.82), on
 a lent H100 of 2026-11-27 (`benchmarks/sdpa_backends.py`, `benchmarks/data/h100-2026-11-27-kernels/sdpa-backends

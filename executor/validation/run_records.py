@@ -87,6 +87,10 @@ class RunRecord(BaseModel):
     memory_gib: float | None = Field(default=None, gt=0)
     memory_kind: Literal["reserved", "allocated"] = "reserved"
     stack: str = TORCH_NATIVE
+    cp_attention: Literal["ring", "all-gather"] = "ring"
+    """How its context-parallel attention ran (`costmodel.context_attention`, priced so): a load-balanced ring, as
+    every published stack runs it (Megatron-Core and Transformer Engine, torch's `context_parallel` under
+    torchtitan), or soap's executor's all-gather layout; no effect at cp 1."""
     sdpa_backend: Literal["flash_attention", "efficient_attention", "cudnn_attention", "math"] | None = None
     """The kernel the run's attention ran, in `torch.nn.attention.SDPBackend`'s names, where it is not the one soap's
     executor runs on that device today: the fit gives a stated backend a multiplier of its own over the unstated
