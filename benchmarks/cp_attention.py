@@ -8,14 +8,16 @@ and as the layouts around it would.
 soap prices an attention op under cp as the whole sequence's causal attention divided by cp (`costmodel.opcost`:
 the [b, h, s, s] score tensor shrinks by cp), at the rate its profile measured on whole-sequence causal kernels
 (`costmodel.calibration.microbench`). soap's executor (`executor.context_parallel`) all-gathers K and V; until
-2026-11-27 it ran the rank's S/cp queries against all S keys with a boolean mask, now the zigzag layout below. Per (sequence S, cp degree), at Llama-3-8B's heads
+2026-11-27 it ran the rank's S/cp queries against all S keys with a boolean mask, now the zigzag layout below.
+Per (sequence S, cp degree), at Llama-3-8B's heads
 (32 query heads, 8 KV heads, head dim 128, bf16, one sequence), forward + backward of one rank's attention with the
 keys and values already gathered (the all-gather is the collectives' to price):
 
 - `whole`: the whole sequence, causal, on one GPU (torch's kernel choice): what the attention rate is calibrated on;
   a cp rank's price is this time / cp.
 - `whole-full`: the whole sequence without a mask (an encoder's attention; soap prices both at the full matrix).
-- `executor`: soap's executor until 2026-11-27: S/cp queries against S keys, `enable_gqa`, the boolean mask `k <= offset + q`
+- `executor`: soap's executor until 2026-11-27: S/cp queries against S keys, `enable_gqa`, the boolean mask
+  `k <= offset + q`
   (every rank runs the same kernel on the same shapes; only the mask's values differ).
 - `lower-right-last`, `lower-right-first`: contiguous chunks, each rank's queries against only the keys at or
   before its chunk, `torch.nn.attention.bias.causal_lower_right` (a kernel that skips the masked blocks); the last
@@ -271,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="a small shape, any machine")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these runs' files, merged")
     parser.add_argument("--docs", action="store_true",
-                        help="price the measured layouts (benchmarks/data/h100-2026-11-27-cp) and update docs/benchmarks.md")
+                        help="price the measured layouts (benchmarks/data/h100-2026-11-27-cp), update the docs")
     args = parser.parse_args(argv)
     from benchmarks.report import emit, update_section
 

@@ -5,7 +5,8 @@
 A lent H100 (2026-11-27, `benchmarks/gpu_session_fp8_casts.sh`, two calls) profiled one step of four Llama-3-8B
 layers (1 x 8,192 tokens) and one of Llama 3.2 1B (4 x 4,096), bf16 autocast, every block compiled, with torchao's
 float8 Linears and without (`benchmarks/gpu_step_profile.py --fp8`;
-`benchmarks/data/h100-2026-11-27-kernels/step-profile-compile-*.json`).
+`benchmarks/data/h100-2026-11-27-kernels/step-profile-compile-*.json`); a third call the 8B's layers again with two
+micro-batches a step (`benchmarks/gpu_session_cp_attention.sh`, the `-mb2` files).
 The memory-bound kernels the fp8 step runs beyond its bf16 twin's are its casts as Inductor emits them (fused into
 their neighbours where it can: the RMSNorm's output cast to fp8 in one kernel). soap prices them
 (`costmodel.opcost.fp8_cast_kernels`) as two fused kernels a cast, an amax and a scaled cast, and then multiplies
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DATA = Path(__file__).resolve().parent / "data" / "h100-2026-11-27-kernels"
 CONFIGS = Path(__file__).resolve().parent / "configs"
-RUNS = {"": "llama-3-8b-4l.json", "-1b": "llama-3.2-1b.json"}
+RUNS = {"": "llama-3-8b-4l.json", "-1b": "llama-3.2-1b.json", "-mb2": "llama-3-8b-4l.json"}
 """File suffix -> the model config the step ran."""
 CLUSTERS = ("h100-x1-measured", "dgx-h100")
 
@@ -81,7 +82,12 @@ def priced(cluster: str, mode: str = "priced", *, suffix: str = "") -> float:
                 t, _ = opcost.kernel_time(0.0, nbytes, peak=device.effective_peak("fp32"), matmul=False,
                                           device=device, factor=arithmetic.at(nbytes) if arithmetic else 1.0)
                 total += repeat * t * (fused.at(nbytes) if mode == "every" and fused is not None else 1.0)
-    return total
+    return total * measured(suffix)["fp8"].get("micro_batches", 1)  # the casts run every micro-batch
+
+
+def tokens(run: dict) -> str:
+    micro = run.get("micro_batches", 1)
+    return f"{run['batch']} x {run['seq']}" + (f" x {micro} micro-batches" if micro > 1 else "")
 
 
 def body() -> str:
@@ -93,7 +99,7 @@ def body() -> str:
         runs = measured(suffix)
         for name, run in (("bf16", runs["bf16"]), ("fp8 (float8 Linears)", runs["fp8"])):
             g = run["groups_s"]
-            lines.append(f"| `{config}` | {run['batch']} x {run['seq']} | {name} | {run['step_s'] * 1e3:.1f} ms | "
+            lines.append(f"| `{config}` | {tokens(run)} | {name} | {run['step_s'] * 1e3:.1f} ms | "
                          f"{g['gemm'] * 1e3:.1f} | {g['attention'] * 1e3:.1f} | {g['memory-bound'] * 1e3:.1f} | "
                          f"{g['optimizer'] * 1e3:.1f} |")
     lines += ["", "The fp8 step's memory-bound kernels beyond the bf16 step's (its casts as Inductor emits them) "
@@ -105,7 +111,7 @@ def body() -> str:
         runs = measured(suffix)
         fp8, bf16 = runs["fp8"], runs["bf16"]
         cells = [f"{priced(c, mode, suffix=suffix) * 1e3:.1f}" for c in CLUSTERS for mode in MODES]
-        lines.append(f"| `{config}` | {fp8['step_s'] / bf16['step_s']:.3f} | "
+        lines.append(f"| `{config}`, {tokens(fp8)} | {fp8['step_s'] / bf16['step_s']:.3f} | "
                      f"{bf16['groups_s']['gemm'] / fp8['groups_s']['gemm']:.2f}x | "
                      f"{extra_memory_bound(suffix) * 1e3:.1f} | " + " | ".join(cells) + " |")
     lines += ["", READING]
@@ -119,7 +125,9 @@ into their neighbours (the RMSNorm and SiLU kernels write fp8 beside bf16; the t
 saves more where activations outweigh weights (the 1B at 16k tokens a step: hidden 2048) than where weights do (the
 8B's layers at 8k: 4096 x 14336 projections), while the weights' casts (fp32 to fp8, an amax each) run whole. soap
 now prices that split (`costmodel.opcost._cast_time`: the factor on the activations' casts only), short by 1.5-1.8x
-on both steps rather than 2.4-4.2x, a ratio the two models share. The corpus fit gives the weights' casts a part of
+on both steps rather than 2.4-4.2x, a ratio the two models share. With two micro-batches a step (the 8B's layers,
+a second call) the extra time doubled, 35.6 ms against 17.7: the weights' casts run every micro-batch, as soap
+prices torchao's (Transformer Engine's are priced once a step). The corpus fit gives the weights' casts a part of
 their own (`fp8-weight-casts`, scaled by the memory-bound multiplier and not by `compile`); its checks moved by less
 than a point, each a little better (torchtitan leaving out a GPU count 43.2% -> 43.1%, a model 40.2% -> 40.1%;
 "Published H100 runs"). Dropping the factor on every cast had made every check worse and the refitted default's 1B

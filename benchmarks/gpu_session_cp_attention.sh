@@ -4,7 +4,7 @@
 # sequence / cp) and the layouts that skip masked blocks (`benchmarks/cp_attention.py`); (2) whether torchao's
 # compiled float8 weight casts are paid once a micro-batch or once a step: the four Llama-3-8B layers at 1 x 8,192
 # with 2 micro-batches, fp8 and bf16 (`benchmarks/fp8_casts.py` reads them beside the 1-micro-batch pair of
-# benchmarks/data/h100-2026-11-27-kernels/).
+# benchmarks/data/h100-2026-11-27-kernels/, the -mb2 files).
 #   run: python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
 #        export PYTHONPATH=/tmp/site:$PWD; DEADLINE=400 bash THIS [cp|fp8|cp,fp8]  (carry .whl: torchao 0.18.0)
 set -u

@@ -8,8 +8,8 @@ It runs the step the executor runs for a single-rank bf16 plan: fp32 parameters,
 bf16)` around forward and loss, cross-entropy on `logits.float()`, fused AdamW. It prints the median step
 time, the peak allocated memory, the bytes saved for backward by dtype (a `saved_tensors_hooks` count)
 and torch.profiler's top kernels by CUDA time. `--compile` compiles each block in place as the executor does
-(`executor.api.compile_blocks`); `--micro-batches N` accumulates N forward and backward passes into each optimizer step. `--json` also writes every
-CUDA kernel of one profiled step (name, microseconds,
+(`executor.api.compile_blocks`); `--micro-batches N` accumulates N forward and backward passes into each optimizer
+step. `--json` also writes every CUDA kernel of one profiled step (name, microseconds,
 calls) with their sum per group (`costmodel.calibration.step_factor.kernel_groups`), the form
 `benchmarks.h100_measured` reads (benchmarks/data/h100-2026-11-26/step-profile-8b4l.json is one, eager).
 """
@@ -84,7 +84,8 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    print(f"{name} batch {batch} x seq {seq} x {micro} micro-batches, bf16 autocast{', float8 Linears' if args.fp8 else ''}"
+    print(f"{name} batch {batch} x seq {seq} x {micro} micro-batches, bf16 autocast"
+          f"{', float8 Linears' if args.fp8 else ''}"
           f"{', compiled blocks' if args.compile else ''}, "
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"step {sorted(times)[2]:.4f} s (median of 5); peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

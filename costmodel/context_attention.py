@@ -54,8 +54,8 @@ def pieces(flops: float, nbytes: float, cp: int) -> tuple[tuple[float, float, bo
     return (flops * square, nbytes / (2 * cp + 1), False), (flops * (1 - square), nbytes * 2 * cp / (2 * cp + 1), True)
 
 
-HOPPER_PROFILES = ("h100-sxm-fitted", "h100-x1-measured", "h100-nvl", "h100-pcie", "h200-sxm-fitted", "h200-x1-measured",
-                   "h200-nvl")
+HOPPER_PROFILES = ("h100-sxm-fitted", "h100-x1-measured", "h100-nvl", "h100-pcie", "h200-sxm-fitted",
+                   "h200-x1-measured", "h200-nvl")
 """The shipped device profiles of Hopper GPUs with measured or fitted kernel terms: torch 2.11 runs whole causal
 attention on cuDNN's kernels there, a rectangular lower-right one on FlashAttention-2 (`with_lower_right`)."""
 LOWER_RIGHT_SOURCE = (f"{LOWER_RIGHT_CLASS} x{H100_LOWER_RIGHT}: FlashAttention-2's time over cuDNN's for causal "

@@ -76,3 +76,22 @@ def test_the_fp8_casts_are_priced_nearer_what_an_h100_measured_than_either_old_w
     assert worst["priced"] < min(worst["every"], worst["none"])
     split = [r["priced"] for r in ratios.values()]
     assert max(split) / min(split) < 1.3  # one shortfall for both models, a rate rather than a shape error
+
+
+def test_every_context_parallel_layout_is_timed_and_the_executors_checked(tmp_path, capsys):
+    """`benchmarks/cp_attention.py` at its smoke shape: every layout of a cp rank's attention gets a time, the
+    executor's own (`soap`) with its difference from the whole causal attention (none beyond rounding); the H100's
+    record says the same of its bf16 kernels."""
+    from benchmarks import cp_attention
+
+    out = tmp_path / "cp.json"
+    result = cp_attention.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert {r["layout"] for r in result["rows"]} == set(cp_attention.LAYOUTS)
+    assert all(r["seconds"] > 0 for r in result["rows"])
+    soap = next(r for r in result["rows"] if r["layout"] == "soap")
+    assert soap["max_abs_error"] < 1e-5
+    assert "| 256 | 2 |" in capsys.readouterr().out
+    recorded = json.loads(cp_attention.DATA.read_text())
+    assert [r["max_abs_error"] for r in recorded["rows"] if r["layout"] == "soap"]
+    assert all(r["max_abs_error"] < 1e-3 for r in recorded["rows"] if r["layout"] == "soap")
