@@ -17,12 +17,13 @@ Every rank's pairs add up to the same; rank 0's two kernels are priced:
 each one kernel on the efficiency curve at its own FLOPs, the op's bytes shared in proportion to the keys each
 reads (1 : 2 cp). torch runs a square lower-right mask as its causal kernel (the calibrated one) and a
 rectangular one on FlashAttention-2 (or the memory-efficient kernel where that cannot run): the lower-right kernel
-takes the device's `kernel_factors["attention-lower-right/<precision>"]`, its time over the calibrated causal
-kernel's (`LOWER_RIGHT_CLASS`; 1 where absent: a device whose causal kernel is FlashAttention-2 already). On a lent
-H100 (torch 2.11, which runs whole causal attention on cuDNN's kernels) the executor's rank took 1.71-1.87x the
-whole causal attention's time over cp at 32k-131k tokens and 2.28-2.44x at 8k (`benchmarks/cp_attention.py`,
-`benchmarks/data/h100-2026-11-27-cp/`), FlashAttention-2 being 1.76x cuDNN's time on whole causal attention
-(`H100_LOWER_RIGHT`).
+takes the device's `kernel_factors["attention-lower-right/<precision>"]` at its FLOPs, its time over the calibrated
+causal kernel's (`LOWER_RIGHT_CLASS`; 1 where absent: a device whose causal kernel is FlashAttention-2 already). On a
+lent H100 (torch 2.11, which runs whole causal attention on cuDNN's kernels) the executor's rank took 1.71-1.87x the
+whole causal attention's time over cp at 32k-131k tokens and 2.3-4.0x at 4k-8k (`benchmarks/cp_attention.py`,
+`benchmarks/data/h100-2026-11-27-cp/`): FlashAttention-2 is 1.76x cuDNN's time on whole causal attention
+(`H100_LOWER_RIGHT`), and more on small kernels; the Hopper profiles carry the factor fitted by FLOPs
+(`H100_LOWER_RIGHT_CURVE`).
 
 Layout "ring" (`TrainingConfig.cp_attention`, set only to price another stack's run as it ran): a load-balanced
 ring (Megatron-Core and Transformer Engine's, torch's `context_parallel` under torchtitan) runs the library's
@@ -42,7 +43,17 @@ LOWER_RIGHT_CLASS = "attention-lower-right"
 H100_LOWER_RIGHT = 1.76
 """torch's FlashAttention-2 over cuDNN's kernels (which torch 2.11 picks for whole causal attention on Hopper),
 causal attention of Llama-3-8B's heads, forward and backward, geometric mean over 2k-32k tokens (1.65-1.82), on a
-lent H100 of 2026-11-27 (`benchmarks/sdpa_backends.py`); the Hopper profiles' `attention-lower-right` factor."""
+lent H100 of 2026-11-27 (`benchmarks/sdpa_backends.py`)."""
+H100_LOWER_RIGHT_CURVE = ((6.44e10, 6.368), (1e11, 4.7), (3.16e11, 2.72), (1e12, 2.136), (3.16e12, 1.963),
+                          (1e13, 1.912), (3.16e13, 1.897), (6.6e13, 1.894))
+"""The Hopper profiles' `attention-lower-right` factor against the kernel's forward FLOPs: fitted
+(`benchmarks/cp_attention.py`, `fit_curve`) to the executor's rank timed on a lent H100 at 4k-131k tokens and cp 2-8
+(15 cases, `benchmarks/data/h100-2026-11-27-cp/cp-attention.json`), against `h100-x1-measured`'s price of its
+square kernel and of its lower-right one without the factor. It falls to x1.89 on large kernels, beside the 1.76
+FlashAttention-2 took on whole causal attention, and rises on small ones (x2.7 at 3e11 FLOPs, a rank's rectangle at
+8k tokens cp 4), where FlashAttention-2's blocks fill the GPU worse than cuDNN's. Leaving out one cp degree at a time,
+the curve fitted on the others prices the held-out cases within -19% to +13% but one at 4k tokens cp 4 below the
+others' range (x1.77); the constant 1.76 was off by up to 3.6x at 4k and 1.5x at 8k."""
 
 
 def pieces(flops: float, nbytes: float, cp: int) -> tuple[tuple[float, float, bool], ...]:
@@ -58,9 +69,9 @@ HOPPER_PROFILES = ("h100-sxm-fitted", "h100-x1-measured", "h100-nvl", "h100-pcie
                    "h200-x1-measured", "h200-nvl")
 """The shipped device profiles of Hopper GPUs with measured or fitted kernel terms: torch 2.11 runs whole causal
 attention on cuDNN's kernels there, a rectangular lower-right one on FlashAttention-2 (`with_lower_right`)."""
-LOWER_RIGHT_SOURCE = (f"{LOWER_RIGHT_CLASS} x{H100_LOWER_RIGHT}: FlashAttention-2's time over cuDNN's for causal "
-                      "attention, measured on a lent H100 of 2026-11-27 (benchmarks/sdpa_backends.py; the context-"
-                      "parallel layouts in benchmarks/cp_attention.py)")
+LOWER_RIGHT_SOURCE = (f"{LOWER_RIGHT_CLASS} x{H100_LOWER_RIGHT_CURVE[-1][1]}-{H100_LOWER_RIGHT_CURVE[0][1]} (large to "
+                      "small kernels): soap's executor's context-parallel attention timed on a lent H100 of 2026-11-27, "
+                      "fitted by FLOPs (benchmarks/cp_attention.py; costmodel.context_attention.H100_LOWER_RIGHT_CURVE)")
 
 
 def with_lower_right(kernel_factors: dict | None) -> dict:
@@ -69,7 +80,7 @@ def with_lower_right(kernel_factors: dict | None) -> dict:
     table = {"source": "", "factors": {}} if not kernel_factors else dict(kernel_factors)
     factors = dict(table.get("factors", {}))
     for precision in ("bf16", "fp16"):
-        factors[f"{LOWER_RIGHT_CLASS}/{precision}"] = [[1e6, H100_LOWER_RIGHT], [1e16, H100_LOWER_RIGHT]]
+        factors[f"{LOWER_RIGHT_CLASS}/{precision}"] = [list(point) for point in H100_LOWER_RIGHT_CURVE]
     source = table.get("source", "")
     if LOWER_RIGHT_SOURCE not in source:
         source = f"{source}; {LOWER_RIGHT_SOURCE}" if source else LOWER_RIGHT_SOURCE
