@@ -328,7 +328,8 @@ def docs_body(result: dict, cluster: str = "h100-x1-measured") -> str:
               "H100_LOWER_RIGHT_CURVE`, which the Hopper profiles carry): per measured case, the factor that prices "
               f"the executor's rank exactly on `{cluster}`, and the case's measured time over its price with one cp "
               "degree left out of the fit, and with the constant 1.76:", "",
-              "| seq | cp | lower-right kernel, forward GFLOPs | factor that fits | held out: fitted curve | constant 1.76 |",
+              "| seq | cp | lower-right kernel, forward GFLOPs | factor that fits | held out: fitted curve "
+              "| constant 1.76 |",
               "|---:|---:|---:|---:|---:|---:|"]
     for seq, cp, flops, factor in needed:
         curve, constant = held[(seq, cp)]

@@ -70,8 +70,9 @@ HOPPER_PROFILES = ("h100-sxm-fitted", "h100-x1-measured", "h100-nvl", "h100-pcie
 """The shipped device profiles of Hopper GPUs with measured or fitted kernel terms: torch 2.11 runs whole causal
 attention on cuDNN's kernels there, a rectangular lower-right one on FlashAttention-2 (`with_lower_right`)."""
 LOWER_RIGHT_SOURCE = (f"{LOWER_RIGHT_CLASS} x{H100_LOWER_RIGHT_CURVE[-1][1]}-{H100_LOWER_RIGHT_CURVE[0][1]} (large to "
-                      "small kernels): soap's executor's context-parallel attention timed on a lent H100 of 2026-11-27, "
-                      "fitted by FLOPs (benchmarks/cp_attention.py; costmodel.context_attention.H100_LOWER_RIGHT_CURVE)")
+                      "small kernels): soap's executor's context-parallel attention timed on a lent H100 of "
+                      "2026-11-27, fitted by FLOPs (benchmarks/cp_attention.py; "
+                      "costmodel.context_attention.H100_LOWER_RIGHT_CURVE)")
 
 
 def with_lower_right(kernel_factors: dict | None) -> dict:
