@@ -20,7 +20,7 @@ rectangular one on FlashAttention-2 (or the memory-efficient kernel where that c
 takes the device's `kernel_factors["attention-lower-right/<precision>"]` at its FLOPs, its time over the calibrated
 causal kernel's (`LOWER_RIGHT_CLASS`; 1 where absent: a device whose causal kernel is FlashAttention-2 already). On a
 lent H100 (torch 2.11, which runs whole causal attention on cuDNN's kernels) the executor's rank took 1.71-1.87x the
-whole causal attention's time over cp at 32k-131k tokens and 2.3-4.0x at 4k-8k (`benchmarks/cp_attention.py`,
+whole causal attention's time over cp at 32k-131k tokens and 2.2-6.7x at 4k-16k (`benchmarks/cp_attention.py`,
 `benchmarks/data/h100-2026-11-27-cp/`): FlashAttention-2 is 1.76x cuDNN's time on whole causal attention
 (`H100_LOWER_RIGHT`), and more on small kernels; the Hopper profiles carry the factor fitted by FLOPs
 (`H100_LOWER_RIGHT_CURVE`).

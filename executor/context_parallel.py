@@ -16,8 +16,9 @@ experimental `context_parallel` (ring attention on CUDA SDPA) is not used.
 
 Until 2026-11-27 each rank held one contiguous chunk and attended to all S keys under a boolean mask: on a lent H100
 (`benchmarks/cp_attention.py`) that kernel took 3.5-4.3x the whole causal attention's time over cp (the masked
-blocks computed, the mask read), the last rank's lower-right kernel alone 2.7-3.5x, this layout 1.7-2.8x (its
-second chunk runs FlashAttention-2, 1.76x the time of the cuDNN kernel torch picks for whole causal attention).
+blocks computed, the mask read), the last rank's lower-right kernel alone 2.7-3.5x, this layout 1.7-2.0x at
+32k-131k tokens and 2.2-6.7x at 4k-16k (its second chunk runs FlashAttention-2, 1.76x the time of the cuDNN kernel
+torch picks for whole causal attention, and slower still on small kernels; priced so, `costmodel.context_attention`).
 """
 
 from __future__ import annotations
