@@ -365,9 +365,25 @@ def _meshes(req: SpaceRequest) -> Iterator[tuple[MeshChoice, str | None]]:
                 for zero, shard in _sharding_choices(req, dp=dp, inner=tp * cp):
                     if p.zero is not None and zero != p.zero:
                         continue
-                    for ep in _expert_choices(req, shard * cp):
+                    experts = _expert_choices(req, shard * cp)
+                    if not experts:  # the pinned ep borrows more ranks than this sharding has
+                        dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=1)
+                        yield MeshChoice(dims=dims, zero=zero), _expert_refusal(req, zero=zero, shard=shard, cp=cp)
+                    for ep in experts:
                         dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=ep)
                         yield MeshChoice(dims=dims, zero=zero), peft_violation(req.peft, ep=ep, zero=zero)
+
+
+def _expert_refusal(req: SpaceRequest, *, zero: int, shard: int, cp: int) -> str:
+    """Why the pinned expert degree has no place on a mesh: it must divide the experts and the ranks it borrows,
+    ZeRO's data-parallel shards times cp (`_expert_choices`)."""
+    ep, experts = req.pins.ep, req.dims.num_experts
+    if experts % ep:
+        return f"ep={ep} does not divide the model's {experts} experts"
+    if zero == 0:
+        return (f"ep={ep} spreads experts over ZeRO's data-parallel shards x cp; ZeRO 0 (DDP) shards nothing and cp is "
+                f"{cp}: use --zero 1, 2 or 3")
+    return f"ep={ep} needs ZeRO's data-parallel shards x cp ({shard} x {cp}) divisible by {ep}"
 
 
 def _expert_choices(req: SpaceRequest, borrowable: int) -> list[int]:

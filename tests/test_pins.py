@@ -134,3 +134,14 @@ def test_pins_every_mesh_of_which_a_rule_refuses_say_which_rule(tiny, capsys, fl
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]  # transformers may warn first
     assert code == 2 and "Traceback" not in err
     assert "satisfies the pins" in line and words in line and "unpin" in line
+
+
+def test_a_pinned_expert_degree_without_shards_to_borrow_says_so(moe, capsys):
+    """--ep 4 --zero 0 on 4 GPUs: DDP shards nothing for the experts to spread over, and at cp 1 no mesh holds
+    them; the refusal says that, not the layer count of a pp=4 mesh (plans_execute seed 26 printed that one)."""
+    code = main(["plan", moe, "--gpus", "4", "--cluster", "local-cpu", "--global-batch", "8", "--seq-len", "64",
+                 "--ep", "4", "--zero", "0"])
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err
+    assert "ZeRO 0 (DDP) shards nothing" in line and "--zero 1, 2 or 3" in line and "layers" not in line, line
