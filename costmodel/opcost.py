@@ -37,6 +37,10 @@ Model (a roofline per kernel, with the device profile's efficiency curves):
   likewise in backward, and needs no transposed copies there (they were written with the cast); the weight's
   cast (bf16 parameters) runs on a step's first micro-batch only (`is_first_microbatch`), priced as that
   share of each micro-batch (`te_cast_kernels`). Its kernels are TE's own: torch.compile does not touch them.
+- Context parallelism: a causal attention core split over the sequence runs as the layout's kernels
+  (`costmodel.context_attention`): soap's executor's two a rank, a square causal one and a lower-right one at the
+  device's `attention-lower-right` factor (FlashAttention-2 against the calibrated kernel, by FLOPs); another
+  stack's ring (`TrainingConfig.cp_attention`), one kernel of the op's FLOPs.
 - The loss: the trace records `F.cross_entropy(logits.float())` (the upcast, log-softmax and negative
   log-likelihood). The executor's chunked cross-entropy (`executor.cross_entropy`) makes the same passes over
   the logits a slice of tokens at a time (one per 512 MiB of fp32 logits, 1 to 8: `cross_entropy_slices`), in
@@ -539,8 +543,9 @@ def _all_gather_attention(op: OpNode, fwd_flops: float, bwd_flops: float, nbytes
         t, piece_bound = forward_time(op, flops, piece_bytes, device=device, precision=precision, compile=compile)
         fwd_s += factor * t
         bound = piece_bound if rectangular else bound
-        bwd_s += factor * backward_time(op, bwd_flops * flops / fwd_flops, piece_bytes, device=device,
-                                        precision=precision, compile=compile)
+        share = flops / fwd_flops if fwd_flops > 0 else 0.0
+        bwd_s += factor * backward_time(op, bwd_flops * share, piece_bytes, device=device, precision=precision,
+                                        compile=compile)
     return fwd_s, bwd_s, bound
 
 
