@@ -248,7 +248,7 @@ H100_DENSE_PEAK = 989e12
 """The datasheet dense bf16 peak MFU is counted against (`benchmarks/believable_mfu.py`)."""
 
 
-def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path) -> list[str]:
+def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path, fit: str = "(c)") -> list[str]:
     """`soap plan llama-3-8b` on a fit written over the datasheet H100 (`datasheet`, a cluster file): the MFU of the
     plan it picks on `EIGHT_B_GPUS` GPUs, compiled and eager, with soap's executor's attention (cuDNN's kernels) and
     with torchtitan's FlashAttention-2 multiplier folded in: table rows."""
@@ -259,7 +259,7 @@ def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path) -> list
     rows = []
     for kernel in (None, TORCHTITAN_SDPA):
         profile = apply_fit(base, evaluation.fit, source="own_runs_corpus", sdpa_backend=kernel)
-        profile["name"] = f"own-runs-fit-{kernel or 'executor'}"
+        profile["name"] = f"own-runs-fit-{len(fit)}-{kernel or 'executor'}"
         path = directory / f"{profile['name']}.json"
         path.write_text(json.dumps(profile))
         cells = []
@@ -269,7 +269,7 @@ def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path) -> list
                 cells.append(f"{chosen.predicted['model_tflops_per_gpu'] * 1e12 / H100_DENSE_PEAK:.1%}")
         title = (f"torchtitan's FlashAttention-2 (x{evaluation.fit.multiplier(f'attention/{kernel}'):.3g})" if kernel
                  else "soap's executor's (cuDNN's, torch 2.11)")
-        rows.append(f"| {title} | " + " | ".join(cells) + " |")
+        rows.append(f"| {fit} | {title} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -324,10 +324,11 @@ def report(results: dict[str, Evaluation], conversion: dict[str, list[str]], ela
     lines.append("| at peak | " + " | ".join(", ".join(" x ".join(p) for p in e.fit.at_peak) or "none"
                                             for e in results.values()) + " |")
     if mfu_rows:
-        lines += ["", "`soap plan llama-3-8b` on (c) written over the datasheet H100: predicted MFU of the plan it "
-                  "picks (model FLOPs over the 989 TFLOP/s dense peak), by the attention kernel priced:", "",
-                  "| attention | " + " | ".join(f"{g} GPUs, {c}" for c in ("compiled", "eager") for g in EIGHT_B_GPUS)
-                  + " |", "|---|" + "---:|" * 2 * len(EIGHT_B_GPUS), *mfu_rows]
+        lines += ["", "`soap plan llama-3-8b` on (a') and (c) written over the datasheet H100: predicted MFU of the "
+                  "plan it picks (model FLOPs over the 989 TFLOP/s dense peak), by the attention kernel priced:", "",
+                  "| fit | attention | " + " | ".join(f"{g} GPUs, {c}" for c in ("compiled", "eager")
+                                                   for g in EIGHT_B_GPUS)
+                  + " |", "|---|---|" + "---:|" * 2 * len(EIGHT_B_GPUS), *mfu_rows]
     lines += ["", "Own rows, leave one model out (each family predicted by the fit without it):", "",
               "| run | " + " | ".join(t for t in results if t.startswith(OWN_FITS)) + " |",
               "|---|" + "---:|" * sum(t.startswith(OWN_FITS) for t in results)]
@@ -357,6 +358,8 @@ def main() -> None:
     print(f"planned {len(base)} corpus records ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     results = {"(a) corpus": evaluate(base)}
     print(f"(a) evaluated ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    corpus_stated = results["(a') corpus, torchtitan's SDPA stated"] = evaluate(stated_sdpa(base))
+    print(f"(a') evaluated ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     logged = runs()
     variants = OWN_CLUSTERS if args.own_cluster == "both" else (args.own_cluster,)
     conversion: dict[str, list[str]] = {}
@@ -385,7 +388,8 @@ def main() -> None:
                 stated = evaluate(stated_sdpa([*base, *own]))
                 results[f"(c) + own on {variant}, torchtitan's SDPA stated"] = stated
                 print(f"(c) evaluated ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-                mfu_rows = eight_b_mfu(stated, cluster, Path(tmp))
+                mfu_rows = [*eight_b_mfu(corpus_stated, cluster, Path(tmp), "(a')"),
+                            *eight_b_mfu(stated, cluster, Path(tmp), "(c)")]
     body = "\n".join([report(results, conversion, time.perf_counter() - start, mfu_rows), "", READING])
     print(body)
     if args.own_cluster == "both":
@@ -420,6 +424,17 @@ step, then come out 53-84% slow. With the 8B left out, NeMo's 8B rows are predic
 terms nor the corpus say where NeMo's 8B spends that 12% (context parallelism's ring exchange and its attention
 under Transformer Engine, the fused RMSNorm and rotary kernels soap prices as HF's op chains are candidates); a
 physical upper bound on the activation multiplier would stop the runaway but move the gap, not explain it.
+
+(a') is the corpus alone with torchtitan's rows stating their kernel as (c) does, no own run (2026-11-27, after the
+context-parallel kernels were timed: `benchmarks/cp_attention.py`). Its attention multiplier falls from (a)'s x1.8
+to about x1.03, the kernel soap's executor runs (cuDNN's, its own runs' x0.99 in (c)), and FlashAttention-2 takes
+about the measured x1.76 on top: the x1.8 of (a) was torchtitan's kernel on 500 W parts, charged to every H100
+attention. It meets the leave-one-model-out bound for both stacks without any own run (torch-native 12.1% against
+(a)'s 40.1%, NeMo 9.0%), and leaving out a GPU count halves torch-native's error (24.4% against 43.1%) but not below
+15%. On the shipped `dgx-h100` today attention is priced 2.4-2.6x slower than the measured H100 runs it with cuDNN's
+kernels (`benchmarks/cp_attention.py`'s whole column against the fitted profile): under (a) every long-sequence plan
+soap prices carries torchtitan's kernel. (a') predicts the 8B at about 52% compiled (the table above), above the
+published torch-native bound as (c) is, and stays unshipped for the same reason.
 
 The shipped `dgx-h100` stays the corpus fit (a). (c) written over the datasheet H100 (the table above) predicts the
 8B above every published torch-native run of the class (torchtitan's 40.5% compiled, on 500 W parts with
