@@ -43,6 +43,17 @@ def _in_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     return chunks[:, :, slot].reshape(b, h, s, d)
 
 
+def _as_autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in the autocast dtype where autocast is on: what SDPA's autocast rule does to its inputs, which a
+    `CausalBias` mask skips (its `__torch_function__` dispatches before autocast and wants one dtype; under fp8 the
+    projections can reach it in fp32 and bf16 mixed)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, rank: int, cp: int, causal: bool,
                  dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
     """Rank `rank`'s (B, H, S/cp, D) queries (its chunks, `executor.data.cp_chunks`) against the whole sequence's
@@ -50,6 +61,7 @@ def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     gqa = key.shape[1] != query.shape[1]
     if not causal:
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    query, key, value = _as_autocast(query, key, value)
     chunk, outs = key.shape[2] // (2 * cp), []
     for index, start in enumerate((rank * chunk, (2 * cp - 1 - rank) * chunk)):
         stop = start + chunk

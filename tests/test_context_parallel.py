@@ -45,6 +45,22 @@ def test_each_rank_attends_as_the_whole_causal_sequence_does(cp, kv_heads):
                                encoder[:, :, mine])
 
 
+def test_under_autocast_mixed_input_dtypes_attend_as_sdpa_would():
+    """SDPA under autocast casts its inputs to the autocast dtype; the lower-right mask's dispatch comes before
+    autocast, so the executor casts them itself (an fp8 plan's projections reached it as fp32 queries and keys and
+    bf16 values: "Expected query, key, and value to have the same dtype")."""
+    torch.manual_seed(0)
+    cp, seq = 2, 32
+    q, k = torch.randn(1, 4, seq, 8), torch.randn(1, 2, seq, 8)
+    v = torch.randn(1, 2, seq, 8).bfloat16()
+    mine = _positions(seq, cp, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cp_attention(q[:, :, mine], k, v, rank=1, cp=cp, causal=True)
+        whole = F.scaled_dot_product_attention(q, k, v.float(), is_causal=True, enable_gqa=True)
+    assert out.dtype == whole.dtype == torch.bfloat16
+    torch.testing.assert_close(out, whole[:, :, mine])
+
+
 def test_the_gathered_chunks_go_back_in_sequence_order():
     cp, seq = 4, 32
     k = torch.randn(1, 2, seq, 3)
