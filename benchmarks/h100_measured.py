@@ -149,6 +149,9 @@ def build_compiled(base: dict | None = None) -> tuple[dict, dict[str, float], di
     check = {"measured": compiled, "k_c": k_c,
              "priced_before": priced(graph, device_from_json(stepped, PROFILE.stem), 1, compile=True),
              "priced_after": priced(graph, device_from_json(device, PROFILE.stem), 1, compile=True)}
+    from costmodel.context_attention import with_lower_right
+
+    device["kernel_factors"] = with_lower_right(device.get("kernel_factors"))  # measured apart: cp_attention.py
     return device, measured, priced_groups(base, graph), k, check
 
 
@@ -208,11 +211,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print, but write neither the profile nor docs")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from costmodel.context_attention import with_lower_right
-
     base = unstepped()
     device, measured, priced, k, compiled = build_compiled(base)
-    device["kernel_factors"] = with_lower_right(device.get("kernel_factors"))  # measured apart: sdpa_backends.py
     if not args.dry_run:
         PROFILE.write_text(json.dumps(device, indent=2) + "\n")
     held = leave_model_out(base, compiled["k_c"])

@@ -106,6 +106,7 @@ def build() -> tuple[dict, dict]:
     """The profile and what its two profiled steps say (measured groups, factors, prices before and after)."""
     from benchmarks.h100_measured import kernel_groups
     from costmodel.calibration.step_factor import apply_compile_factor, apply_step_factor, priced_groups
+    from costmodel.context_attention import with_lower_right
     from costmodel.profiles_json import device_from_json
 
     start = base()
@@ -121,6 +122,7 @@ def build() -> tuple[dict, dict]:
     def price(d: dict, compile: bool) -> dict[str, float]:
         return priced_groups(graph, device_from_json(d, PROFILE.stem), 1, compile=compile)
 
+    device["kernel_factors"] = with_lower_right(device.get("kernel_factors"))  # measured apart: cp_attention.py
     return device, {"eager": eager, "compiled": compiled, "k": k, "k_c": k_c,
                     "eager_before": price(start, False), "eager_after": price(device, False),
                     "compiled_before": price(stepped, True), "compiled_after": price(device, True)}
@@ -161,11 +163,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print, but write neither the profile nor docs")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from costmodel.context_attention import with_lower_right
-
     device, steps = build()
     rows = repredict(device)
-    device["kernel_factors"] = with_lower_right(device.get("kernel_factors"))  # measured apart: sdpa_backends.py
     if not args.dry_run:
         PROFILE.write_text(json.dumps(device, indent=2) + "\n")
     lines = ["`benchmarks/h200_measured.py` rebuilds `h200-x1-measured` (module docstring). The profiled step of four "
