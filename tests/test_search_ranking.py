@@ -84,5 +84,6 @@ def test_with_compile_pinned_the_estimate_prices_compile_and_stays_below_the_sim
     report = plan_report("llama-3-8b", gpus=8, cluster=cluster, compile="on")
     for priced in (report.chosen, *report.alternatives[:3]):
         assert priced.candidate.train.compile
-        # 1.5%: a pipeline's estimate already runs up to ~1% above its eager simulation (its gradient sync)
-        assert priced.candidate.estimate.step_time_s <= 1.015 * priced.result.step_time_s, priced.candidate.key
+        # 2%: a pipeline's estimate runs up to ~1.7% above its simulation (its gradient sync; pp2 ZeRO-2 on the fitted
+        # H100s, among the alternatives since context parallelism's attention is priced as the executor runs it)
+        assert priced.candidate.estimate.step_time_s <= 1.02 * priced.result.step_time_s, priced.candidate.key
