@@ -136,7 +136,7 @@ def as_run(plan: Any, record: RunRecord) -> Any:
     """`plan` as `record`'s stack runs it (`LOCAL_ACCUMULATION_STACKS`, `TENSOR_GATHER_STACKS`,
     `HALF_MODEL_STACKS`, `FIXED_TP_STACKS`, `MEGATRON_SOFTMAX_STACKS`, `CROSS_ENTROPY_BY_STACK`,
     `FP8_CASTS_BY_STACK`, and its context-parallel attention, `RunRecord.cp_attention`), else the plan itself."""
-    train: dict[str, Any] = {"cp_attention": record.cp_attention} if getattr(record, "cp", 1) != 1 else {}
+    train: dict[str, Any] = {"cp_attention": record.cp_attention} if (getattr(record, "cp", None) or 1) > 1 else {}
     if record.stack in CROSS_ENTROPY_BY_STACK:
         train["cross_entropy"] = CROSS_ENTROPY_BY_STACK[record.stack]
     if record.stack in FP8_CASTS_BY_STACK:
