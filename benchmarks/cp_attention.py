@@ -38,6 +38,7 @@ dispatched each layout to.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -96,9 +97,9 @@ def _attention(layout: str, seq: int, cp: int, q, k, v) -> Callable[[], object]:
         return ring
     if layout == "soap":  # the executor's function as it is now, rank 0's chunks (its K/V heads not repeated)
         from executor.context_parallel import cp_attention
-        from executor.data import cp_chunks
+        from executor.data import cp_position_ids
 
-        mine = torch.cat([torch.arange(start, start + size, device=q.device) for start, size in cp_chunks(seq, cp, 0)])
+        mine = cp_position_ids(seq, cp, 0, q.device)[0]
         return lambda: cp_attention(q[:, :, mine], k, v, rank=0, cp=cp, causal=True)
     raise ValueError(layout)
 
@@ -108,9 +109,9 @@ def soap_error(seq: int, cp: int, q, k, v) -> float:
     import torch
     import torch.nn.functional as F
 
-    from executor.data import cp_chunks
+    from executor.data import cp_position_ids
 
-    mine = torch.cat([torch.arange(start, start + size, device=q.device) for start, size in cp_chunks(seq, cp, 0)])
+    mine = cp_position_ids(seq, cp, 0, q.device)[0]
     with torch.no_grad():
         whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return float((_attention("soap", seq, cp, q, k, v)() - whole[:, :, mine]).abs().max())
@@ -206,18 +207,25 @@ PRICED = {"whole": (1, "ring"), "ring": (None, "ring"), "soap": (None, "all-gath
 """Measured layout -> (cp, soap's `TrainingConfig.cp_attention`) it is priced as (None: the case's cp)."""
 
 
+@functools.cache
+def _attention_op(seq: int):
+    """Llama-3-8B's layer's attention core traced at one sequence of `seq` tokens, once for every price of it."""
+    import tracer
+    from tracer.ir import OpKind
+
+    graph = tracer.trace(str(CONFIG), batch=1, seq_len=seq)
+    return next(o for o in graph.ops if o.kind is OpKind.ATTENTION)
+
+
 def priced(cluster: str, seq: int, cp: int, layout: str) -> float:
     """Seconds soap prices one rank's attention core at (`costmodel.opcost.op_time`, forward + backward) for a
     measured `layout` (`PRICED`), Llama-3-8B's layer at one sequence of `seq` tokens, bf16, on `cluster`."""
-    import tracer
     from costmodel.opcost import op_time
     from costmodel.profiles import load_cluster
-    from tracer.ir import OpKind
 
     degree, cp_attention = PRICED[layout]
     degree = degree or cp
-    graph = tracer.trace(str(CONFIG), batch=1, seq_len=seq)
-    op = next(o for o in graph.ops if o.kind is OpKind.ATTENTION)
+    op = _attention_op(seq)
     cost = op_time(op, device=load_cluster(cluster).device, precision="bf16", micro_batch=1, batch_traced=1,
                    split={"attribute": degree} if degree > 1 else {}, cp_attention=cp_attention)
     return cost.fwd_s + cost.bwd_s
@@ -229,21 +237,19 @@ CURVE_FLOPS = tuple(10.0 ** (e / 2) for e in range(20, 31))
 at both ends of them); `FactorCurve` holds the ends beyond."""
 
 
+@functools.cache
 def _priced_pieces(cluster: str, seq: int, cp: int) -> tuple[float, float, float]:
     """(the square kernel's seconds, the lower-right kernel's seconds without its factor, its forward FLOPs) of rank
     0's attention under the all-gather layout on `cluster`, forward + backward: the price is linear in the factor, so
     two prices (the factor at 1 and at 2) give both parts."""
     import dataclasses
 
-    import tracer
     from costmodel.context_attention import LOWER_RIGHT_CLASS, pieces
     from costmodel.opcost import op_time
     from costmodel.profiles import FactorCurve, load_cluster
-    from tracer.ir import OpKind
 
     device = load_cluster(cluster).device
-    graph = tracer.trace(str(CONFIG), batch=1, seq_len=seq)
-    op = next(o for o in graph.ops if o.kind is OpKind.ATTENTION)
+    op = _attention_op(seq)
 
     def price(factor: float) -> tuple[float, float]:
         flat = FactorCurve(((1e6, factor), (1e16, factor)))

@@ -259,7 +259,8 @@ def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path, fit: st
     rows = []
     for kernel in (None, TORCHTITAN_SDPA):
         profile = apply_fit(base, evaluation.fit, source="own_runs_corpus", sdpa_backend=kernel)
-        profile["name"] = f"own-runs-fit-{len(fit)}-{kernel or 'executor'}"
+        slug = fit.strip("()").replace("'", "-prime")  # "(a')" -> a-prime: one file per fit and kernel
+        profile["name"] = f"own-runs-fit-{slug}-{kernel or 'executor'}"
         path = directory / f"{profile['name']}.json"
         path.write_text(json.dumps(profile))
         cells = []

@@ -80,16 +80,11 @@ def test_the_executors_two_kernels_add_up_to_the_ranks_share():
 
 
 def _attention_price(cluster: str, cp: int, layout: str, seq: int = 32768) -> float:
-    import tracer
-    from costmodel.opcost import op_time
-    from costmodel.profiles import load_cluster
-    from tracer.ir import OpKind
+    """soap's price of one rank's attention core of Llama-3-8B's layer (`benchmarks.cp_attention.priced`): "ring"
+    at `cp`, "all-gather" as soap's executor runs it."""
+    from benchmarks import cp_attention
 
-    graph = tracer.trace("benchmarks/configs/llama-3-8b-4l.json", batch=1, seq_len=seq)
-    op = next(o for o in graph.ops if o.kind is OpKind.ATTENTION)
-    cost = op_time(op, device=load_cluster(cluster).device, precision="bf16", micro_batch=1, batch_traced=1,
-                   split={"attribute": cp} if cp > 1 else {}, cp_attention=layout)
-    return cost.fwd_s + cost.bwd_s
+    return cp_attention.priced(cluster, seq, cp, "soap" if layout == "all-gather" else "ring")
 
 
 def test_context_parallel_attention_is_priced_as_the_layout_that_runs_it():
