@@ -433,7 +433,7 @@ about the measured x1.76 on top: the x1.8 of (a) was torchtitan's kernel on 500 
 attention. It meets the leave-one-model-out bound for both stacks without any own run (torch-native 12.1% against
 (a)'s 40.1%, NeMo 9.0%), and leaving out a GPU count halves torch-native's error (24.4% against 43.1%) but not below
 15%. On the shipped `dgx-h100` today attention is priced 2.4-2.6x slower than the measured H100 runs it with cuDNN's
-kernels (`benchmarks/cp_attention.py`'s whole column against the fitted profile): under (a) every long-sequence plan
+kernels at 8k-131k tokens (`benchmarks/cp_attention.py`, its last column): under (a) every long-sequence plan
 soap prices carries torchtitan's kernel. (a') predicts the 8B at about 52% compiled (the table above), above the
 published torch-native bound as (c) is, and stays unshipped for the same reason.
 
