@@ -1,5 +1,6 @@
 """ZeRO-3/FSDP parameter gathers (issue 28 item 4): what soap's executor gathers, and at what width."""
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -156,6 +157,9 @@ def test_megatron_and_deepspeed_fp16_are_priced_on_a_half_model_without_autocast
                                                 "cross_entropy": "megatron"})):
         priced = as_run("plan", RunRecord(**row, stack=stack))
         assert isinstance(priced, StackPlan) and priced.train == expected
+        # a priced run crosses processes (a fit's prepared runs, pickled): it unpickles, its plan's fields readable
+        again = pickle.loads(pickle.dumps(priced))
+        assert again.train == expected and again.upper() == "PLAN"
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,8 @@ class StackPlan:
         self.plan, self.megatron_tp, self.train = plan, megatron_tp, train
 
     def __getattr__(self, name: str) -> Any:
+        if name == "plan":  # not set yet (unpickling builds the object before its __dict__): no recursion
+            raise AttributeError(name)
         return getattr(self.plan, name)
 
     def strategy(self) -> Any:
