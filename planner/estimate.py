@@ -6,7 +6,7 @@ gets simulated, never what is reported: reported numbers come from `costmodel.si
 
 Time of one micro-batch on pipeline rank r (`_rank_times`), summed over the unit instances c_u of its
 stages:
-    t_r = sum_u c_u [fwd_u + bwd_u + recompute_u + tp_u + cp_u] + 2 p2p
+    t_r = max(sum_u c_u [fwd_u + bwd_u + recompute_u + tp_u + cp_u], 2 v p2p)
     fwd_u, bwd_u   `costmodel.opcost.op_time` over the unit's ops at local shapes
                    (split: parameter=tp, attribute=cp) for micro-batch mb, under torch.compile's factors when
                    the candidate compiles (as the simulator prices it; the search's compile variants of
@@ -21,12 +21,15 @@ stages:
     ep_u           per MoE layer, four all-to-alls (dispatch and combine, each way) of the routed
                    tokens in the ep group and the forward all-gather of the per-expert token counts;
                    expert ops run at split parameter=ep instead of tp;
-    p2p            one activation send and one gradient receive per stage boundary.
+    p2p            one send of a micro-batch's activations (or their gradients) to the next stage. A rank sends
+                   on a stream of its own (`costmodel.simulator.step`: SEND_F/B), so its v activation and v
+                   gradient sends a micro-batch overlap its compute and bound it only where they take longer;
+                   a receiver waits for them only while the pipeline fills and drains (the bubble).
 Step time:
     pp = 1:  T = m * t_0 + dp_exposed + zero3_exposed + optimizer
     pp > 1:  T = A * ((m/A) * max_r t_r + bubble) + dp_exposed + zero3_exposed + optimizer,
-             bubble = (pp - 1) * max_r t_r / v      (GPipe/1F1B v = 1; Interleaved1F1B v chunks;
-                                                    ZBVZeroBubble halves it again: W fills it)
+             bubble = (pp - 1) * (max_r t_r / v + 2 p2p)   (GPipe/1F1B v = 1; Interleaved1F1B v chunks;
+                                                    ZBVZeroBubble halves the compute term: W fills it)
     dp_exposed     fp32 gradient all-reduce (ZeRO 0/1; ZeRO 1 adds the updated shards' all-gather), or
                    per unit a reduce-scatter over dp_shard (+ HSDP's replicate all-reduce) (ZeRO 2/3),
                    minus one micro-batch's backward it overlaps with, once per step;
@@ -74,7 +77,7 @@ class _RankTables:
     """One micro-batch's unit costs summed per pipeline rank (`Estimator._rank_tables`)."""
 
     bottleneck: float
-    """The busiest rank's time with TP/CP/EP communication and pipeline transfers."""
+    """The busiest rank's time with TP/CP/EP communication, or its pipeline sends where they take longer."""
     compute_max: float
     params_local: float
     """The local parameters of the rank holding the most."""
@@ -83,6 +86,8 @@ class _RankTables:
     params_unit: np.ndarray
     worst_bwd: float
     worst_compute: float
+    p2p: float = 0.0
+    """One stage-to-stage send of a micro-batch's activations (0 without a pipeline)."""
 
 
 @dataclass(frozen=True)
@@ -209,15 +214,12 @@ class Estimator:
                                     group_ranks_per_node(ep, tp, gpn)))
         return compute, compute + tp_comm + cp_exposed + ep_comm, bwd
 
-    def _p2p(self, mesh: MeshChoice, mb: int, precision: str, v: int) -> float:
-        d = mesh.dims
-        return self._p2p_dims(d.pp, d.cp, d.tp, mb, precision, v)
-
-    def _p2p_dims(self, pp: int, cp: int, tp: int, mb: int, precision: str, v: int) -> float:
+    def _p2p_dims(self, pp: int, cp: int, tp: int, mb: int, precision: str) -> float:
+        """One stage-to-stage send of a micro-batch's activations (module docstring: p2p)."""
         if pp == 1:
             return 0.0
         nbytes = mb * self.graph.seq_len / cp * self.hidden * ACTIVATION_BYTES[precision] / tp
-        return 2 * v * self._comm("send_recv", nbytes, 2, 1)
+        return self._comm("send_recv", nbytes, 2, 1)
 
     def time_floor(self, mesh: MeshChoice, mb: int, num_microbatches: int, grad_accum: int, precision: str,
                    bubble_factor: float, compile: bool = False) -> float:
@@ -226,7 +228,7 @@ class Estimator:
         rank no busier than the average, and the smallest bubble factor ((pp-1)/v, halved for ZBV)
         of the schedules allowed."""
         d = mesh.dims
-        average = self._per_instance(d.tp, d.cp, d.ep, mb, precision, compile) / d.pp + self._p2p(mesh, mb, precision, 1)
+        average = self._per_instance(d.tp, d.cp, d.ep, mb, precision, compile) / d.pp
         return num_microbatches * average + grad_accum * bubble_factor * (d.pp - 1) * average
 
     def _per_instance_uncached(self, tp: int, cp: int, ep: int, mb: int, precision: str, compile: bool = False) -> float:
@@ -250,8 +252,8 @@ class Estimator:
         # local parameters per unit instance, as `costmodel.memory.stage_params` shards them (time only)
         alone = self.memory_tables.params(tp, ep, shards_vocabulary(tp=tp, pp=pp))
         params_unit = np.array([p.trainable for p in alone], dtype=float)
-        p2p = self._p2p_dims(pp, cp, tp, mb, precision, v)
-        rank_time = counts @ per_unit + p2p
+        p2p = self._p2p_dims(pp, cp, tp, mb, precision)
+        rank_time = np.maximum(counts @ per_unit, 2 * v * p2p)  # the sends overlap the compute (module docstring)
         rank_compute = counts @ compute_unit
         rank_bwd = counts @ bwd_unit
         rank_params = counts @ params_unit
@@ -259,7 +261,7 @@ class Estimator:
         return _RankTables(
             bottleneck=float(rank_time.max()), compute_max=float(rank_compute.max()),
             params_local=float(rank_params[worst]), worst_counts=counts[worst], params_unit=params_unit,
-            worst_bwd=float(rank_bwd[worst]), worst_compute=float(rank_compute[worst]),
+            worst_bwd=float(rank_bwd[worst]), worst_compute=float(rank_compute[worst]), p2p=p2p,
         )
 
     def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
@@ -273,10 +275,10 @@ class Estimator:
         m, runs = t.num_microbatches, t.grad_accum
         bubble = 0.0
         if d.pp > 1:
-            bubble = (d.pp - 1) * bottleneck / t.virtual_stages
+            bubble = bottleneck / t.virtual_stages
             if t.schedule == "ZBVZeroBubble":
                 bubble /= 2
-            bubble *= runs
+            bubble = runs * (d.pp - 1) * (bubble + 2 * tables.p2p)
         pipeline = m * bottleneck + bubble
 
         params_local = tables.params_local

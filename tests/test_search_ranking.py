@@ -84,8 +84,18 @@ def test_with_compile_pinned_the_estimate_prices_compile_and_stays_below_the_sim
     report = plan_report("llama-3-8b", gpus=8, cluster=cluster, compile="on")
     for priced in (report.chosen, *report.alternatives[:3]):
         assert priced.candidate.train.compile
-        # A pipeline's estimate runs above its simulation (its gradient sync): the pp2 ZeRO-2 alternatives ranked since
-        # context parallelism's attention is priced as the executor runs it (a cp2 pp2 plan was third before) come
-        # out 1.7-3.3% above, those ranked before 0.4-0.8%. A gap in the search's lower bound, noted on issue 27.
-        bound = 1.04 if priced.candidate.mesh.dims.pp > 1 else 1.015
-        assert priced.candidate.estimate.step_time_s <= bound * priced.result.step_time_s, priced.candidate.key
+        assert priced.candidate.estimate.step_time_s <= 1.015 * priced.result.step_time_s, priced.candidate.key
+
+
+def test_a_pipeline_estimate_counts_its_sends_as_the_simulator_overlaps_them():
+    """The estimator once put every stage-to-stage send on the rank's critical path, each micro-batch, v times
+    under interleaving: pipelined candidates were estimated 1.7-15% above their simulation (llama-3-8b on 16 fitted
+    H100s at pp4: 10-13% under ZBV and interleaving), so the search simulated fewer of them than it should. The
+    simulator sends on a stream of its own; the estimate now waits for the sends only in the bubble."""
+    from planner.api import plan_report
+
+    report = plan_report("llama-3-8b", gpus=16, cluster="dgx-h100", pp=4, compile="off")
+    pipelined = [p for p in (report.chosen, *report.alternatives) if p.candidate.mesh.dims.pp == 4]
+    assert len(pipelined) >= 3 and {p.candidate.train.virtual_stages for p in pipelined} - {1}
+    for priced in pipelined:
+        assert abs(priced.candidate.estimate.step_time_s / priced.result.step_time_s - 1) < 0.015, priced.candidate.key
