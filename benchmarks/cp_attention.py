@@ -208,13 +208,18 @@ PRICED = {"whole": (1, "ring"), "ring": (None, "ring"), "soap": (None, "all-gath
 
 
 @functools.cache
-def _attention_op(seq: int):
-    """Llama-3-8B's layer's attention core traced at one sequence of `seq` tokens, once for every price of it."""
+def _layer_graph(seq: int):
+    """Llama-3-8B's layers traced at one sequence of `seq` tokens, once for every price of them."""
     import tracer
+
+    return tracer.trace(str(CONFIG), batch=1, seq_len=seq)
+
+
+def _attention_op(seq: int):
+    """Llama-3-8B's layer's attention core traced at one sequence of `seq` tokens."""
     from tracer.ir import OpKind
 
-    graph = tracer.trace(str(CONFIG), batch=1, seq_len=seq)
-    return next(o for o in graph.ops if o.kind is OpKind.ATTENTION)
+    return next(o for o in _layer_graph(seq).ops if o.kind is OpKind.ATTENTION)
 
 
 def priced(cluster: str, seq: int, cp: int, layout: str) -> float:
@@ -262,6 +267,36 @@ def _priced_pieces(cluster: str, seq: int, cp: int) -> tuple[float, float, float
 
     (one, flops), (two, _) = price(1.0), price(2.0)
     return one - (two - one), two - one, pieces(flops, 1.0, cp)[1][0]
+
+
+DATASHEET = "dgx-h100-datasheet"
+
+
+def attention_over_matmul(result: dict) -> list[tuple[int, float, float]]:
+    """(seq, attention, GEMMs) per measured whole causal attention: its time over `DATASHEET`'s price of it, and
+    `FIT_CLUSTER`'s price of the layer's GEMMs (Llama-3-8B's, one sequence of `seq` tokens, bf16, forward and
+    backward) over `DATASHEET`'s: how much faster than the datasheet profile each kernel class ran on the lent H100,
+    the GEMMs through the profile its microbenchmarks fitted (`h100-x1-measured`, held-out kernels within 7.3%).
+    Their ratio is `executor.validation.external.H100_ATTENTION_OVER_MATMUL`."""
+    from costmodel.opcost import op_time
+    from costmodel.profiles import load_cluster
+    from tracer.ir import OpKind
+
+    devices = {name: load_cluster(name).device for name in (DATASHEET, FIT_CLUSTER)}
+    out = []
+    for r in result["rows"]:
+        if r["layout"] != "whole" or not r.get("seconds") or any(o[0] == r["seq"] for o in out):
+            continue
+        gemms = [op for op in _layer_graph(r["seq"]).ops if op.kind is OpKind.MATMUL and op.block_id is not None]
+
+        def price(name: str) -> float:
+            costs = [op_time(op, device=devices[name], precision="bf16", micro_batch=1, batch_traced=1)
+                     for op in gemms]
+            return sum(c.fwd_s + c.bwd_s for c in costs)
+
+        out.append((r["seq"], r["seconds"] / priced(DATASHEET, r["seq"], 1, "whole"),
+                    price(FIT_CLUSTER) / price(DATASHEET)))
+    return out
 
 
 def needed_factors(result: dict, cluster: str = FIT_CLUSTER) -> list[tuple[int, int, float, float]]:

@@ -38,8 +38,12 @@ predicts runs it was not fitted on.
    H100, soap's own of 2026 cuDNN's Hopper kernels: `benchmarks/own_runs_corpus.py`). theta minimizes the
    squared log ratios plus a weak pull toward 0 (a term no run exercises stays as the profile had it), or, for a
    term measured apart from any run (`MEASURED_PRIORS`: an SDPA kernel's time over another's, timed on one GPU), a
-   pull toward the measured value as strong as one run's (its log spread against `RUN_LOG_SD`), by damped
-   Gauss-Newton, each multiplier kept inside the profile loader's bounds, and no kernel class made faster than its
+   pull toward the measured value as strong as one run's (its log spread against `RUN_LOG_SD`); optionally the same
+   pull on the ratio of two multipliers measured apart (`fit(ratios=...)`: `ATTENTION_OVER_MATMUL`, cuDNN's
+   attention over the GEMMs on an H100, for runs that state any other kernel they ran: without it, a fit whose
+   runs all share one sequence length cannot tell attention's time from the GEMMs'), by damped
+   Gauss-Newton, each multiplier kept inside the profile loader's bounds (the activation collectives' at most
+   `ACTIVATION_MAX`: slower is no collective), and no kernel class made faster than its
    datasheet peak (`_peak_ceilings`): the product of the parameters scaling a run's matmul or attention part (the
    class's multiplier times its stack's factor) stays at or above the value at which that part's fastest kernels run
    at the peak on the run's device, a hinge penalty (`PEAK_WEIGHT`) that binds only past it; a product left on its
@@ -98,7 +102,23 @@ MEASURED_PRIORS: dict[str, tuple[float, float]] = {"attention/flash_attention": 
 """Per fitted multiplier measured apart from any run: (value, log spread). FlashAttention-2 over cuDNN's kernels:
 log spread 0.04 over the sequence lengths, taken as 0.1 for its carrying from torch 2.11 to the release a run used
 and from a 700 W part to a 500 W one."""
+H100_ATTENTION_OVER_MATMUL = 0.746
+"""How much faster than the datasheet H100 profile prices them cuDNN's causal attention kernels ran on a lent H100,
+over how much faster its GEMMs ran: whole causal attention of Llama-3-8B's heads timed at 4k-131k tokens (0.68-0.93
+of `dgx-h100-datasheet`'s price) over the layer's GEMMs as `h100-x1-measured` prices them from its microbenchmarks
+(0.97-0.99), geometric mean of the ratio over the six sequence lengths (0.69-0.95, log spread 0.12;
+`benchmarks.cp_attention.attention_over_matmul`, `benchmarks/data/h100-2026-11-27-cp/`)."""
+ATTENTION_OVER_MATMUL: dict[tuple[str, str], tuple[float, float]] = {
+    ("attention", "matmul/bf16"): (H100_ATTENTION_OVER_MATMUL, 0.12)}
+"""`fit(ratios=...)` on H100 runs that state any SDPA kernel they ran other than soap's executor's (module
+docstring, step 2): the unstated attention multiplier is then cuDNN's kernels' on Hopper, the kernels timed."""
 MULTIPLIER_RANGE = (1e-2, 1e2)
+ACTIVATION_MAX = 3.0
+"""The slowest the activation collectives (TP, CP, EP) may be fitted against soap's collective model (itself fitted to
+nccl-tests logs): every fit on runs that exercise them has found x0.49-1.5 (the published H100 corpus x0.49-0.58,
+vTrain's A100 grid x0.97, soap's CPU runs x1.5). Without a bound a fit whose only collective-bound rows are one
+model's took the rest of that model's gap there: the NeMo 8B rows alone (context parallel) put it at x25-29, and
+Nemotron-4 15B's TP rows came out 53-86% slow."""
 COMPILE_RANGE = (0.02, 10.0)
 """`costmodel.profiles_json`'s MIN_COMPILE_FACTOR, MAX_COMPILE_FACTOR."""
 PART_NAMES = ("matmul", "attention", "memory-bound", "fp8-weight-casts", "kernel-launch", "host-floor", "intra-node",
@@ -294,6 +314,8 @@ def _peak_ceilings(prepared: Sequence[Prepared], names: Sequence[str],
 
 
 def _bounds(name: str) -> tuple[float, float]:
+    if name == "activation":
+        return MULTIPLIER_RANGE[0], ACTIVATION_MAX
     return COMPILE_RANGE if name == "compile" else MULTIPLIER_RANGE
 
 
@@ -341,12 +363,15 @@ class Fit:
 def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, prior_weight: float = PRIOR_WEIGHT,
         iterations: int = 200, robust: float | None = None,
         bounds: Mapping[str, tuple[float, float]] | None = None, peak_ceiling: bool = True,
-        priors: Mapping[str, tuple[float, float]] | None = None) -> Fit:
+        priors: Mapping[str, tuple[float, float]] | None = None,
+        ratios: Mapping[tuple[str, str], tuple[float, float]] | None = None) -> Fit:
     """Least squares on log ratios with a weak prior (module docstring). `free`: fit only these parameters
     (the rest stay 1). `robust`: Cauchy's loss at that log ratio (module docstring); None: squares. `bounds`:
     narrower ranges for some parameters (e.g. a kernel class no faster than the datasheet peak), inside the
     default ones. `priors`: (value, log spread) of the multipliers measured apart from the runs (default
-    `MEASURED_PRIORS`; {} pulls every one toward 1 with `prior_weight`)."""
+    `MEASURED_PRIORS`; {} pulls every one toward 1 with `prior_weight`). `ratios`: (value, log spread) of the ratio
+    of two multipliers measured apart from the runs (e.g. `ATTENTION_OVER_MATMUL`), each a pull as strong as one
+    run's; default none."""
     if not prepared:
         raise SoapError("no runs to fit")
     names: list[str] = []
@@ -384,12 +409,19 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
     priors = MEASURED_PRIORS if priors is None else priors
     centre = np.array([np.log(priors[nm][0]) if nm in priors else 0.0 for nm in names])
     prior = np.array([RUN_LOG_SD / priors[nm][1] if nm in priors else np.sqrt(prior_weight) for nm in names])
+    ratios = ratios or {}
+    ratio_rows = [(names.index(a), names.index(b), float(np.log(value)), RUN_LOG_SD / sd)
+                  for (a, b), (value, sd) in ratios.items() if a in names and b in names]
+    ratio_jac = np.zeros((len(ratio_rows), n))
+    for row, (a, b, _, weight) in enumerate(ratio_rows):
+        ratio_jac[row, a], ratio_jac[row, b] = weight, -weight
 
     def residuals(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         weights = F * np.exp(G @ theta)
         predicted = weights.sum(axis=1)
         over = [PEAK_WEIGHT * min(0.0, float(theta[idx].sum()) - floor) for floor, idx in ceiling_rows]
-        r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * (theta - centre), over])
+        related = [weight * (theta[a] - theta[b] - value) for a, b, value, weight in ratio_rows]
+        r = np.concatenate([np.log(np.maximum(predicted, 1e-300)) - target, prior * (theta - centre), related, over])
         return r, weights / np.maximum(predicted[:, None], 1e-300)
 
     def loss(r: np.ndarray) -> float:
@@ -414,7 +446,7 @@ def fit(prepared: Sequence[Prepared], *, free: Collection[str] | None = None, pr
         for row, (floor, idx) in enumerate(ceiling_rows):
             if theta[idx].sum() < floor:
                 hinge[row, idx] = PEAK_WEIGHT
-        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), np.diag(prior), hinge]) * w[:, None]
+        jac = np.vstack([np.einsum("ij,ijk->ik", share, G), np.diag(prior), ratio_jac, hinge]) * w[:, None]
         step = np.linalg.solve(jac.T @ jac + damping * np.eye(n), -jac.T @ (w * r))
         trial = np.clip(theta + step, low, high)
         trial_r, trial_share = residuals(trial)
@@ -581,10 +613,11 @@ GROUPINGS: dict[str, Callable[[RunRecord], str]] = {
 
 def leave_out(prepared: Sequence[Prepared], grouping: str, *,
               progress: Callable[[], None] | None = None, robust: float | None = None,
-              key: Callable[[RunRecord], str] | None = None) -> list[Prediction]:
+              key: Callable[[RunRecord], str] | None = None,
+              ratios: Mapping[tuple[str, str], tuple[float, float]] | None = None) -> list[Prediction]:
     """Every run predicted by a fit on the runs outside its group (`GROUPINGS[grouping]`, or `key` where a
-    caller groups its own way; `robust` as `fit`'s); runs in groups whose removal leaves nothing to fit are
-    skipped."""
+    caller groups its own way; `robust` and `ratios` as `fit`'s); runs in groups whose removal leaves nothing to
+    fit are skipped."""
     key = key or GROUPINGS[grouping]
     out = []
     for group in dict.fromkeys(key(p.record) for p in prepared):
@@ -592,7 +625,7 @@ def leave_out(prepared: Sequence[Prepared], grouping: str, *,
         rest = [p for p in prepared if key(p.record) != group]
         if not rest:
             continue
-        result = fit(rest, robust=robust)
+        result = fit(rest, robust=robust, ratios=ratios)
         for p in held:
             out.append(predict(p, result))
             if progress:
