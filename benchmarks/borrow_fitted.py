@@ -37,9 +37,18 @@ def _write(kind: str, name: str, data: dict) -> None:
     (PROFILES / kind / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _lent(field: dict) -> dict:
+def _lent(field: dict, borrower: str, key: str) -> dict:
+    """`field` of the lender as `borrower` takes it. A Hopper-only kernel class (`costmodel.context_attention`'s
+    lower-right causal kernel: FlashAttention-2 over the cuDNN kernels torch picks on Hopper) stays with the Hopper
+    profiles; another GPU's causal kernels were not timed against each other."""
+    from costmodel.context_attention import HOPPER_PROFILES, LOWER_RIGHT_CLASS, LOWER_RIGHT_SOURCE
+
     out = copy.deepcopy(field)
-    out["source"] = f"{PREFIX} ({field.get('source', '')})"
+    source = str(field.get("source", ""))
+    if key == "kernel_factors" and borrower not in HOPPER_PROFILES:
+        out["factors"] = {k: v for k, v in out.get("factors", {}).items() if not k.startswith(f"{LOWER_RIGHT_CLASS}/")}
+        source = source.replace(f"; {LOWER_RIGHT_SOURCE}", "").replace(LOWER_RIGHT_SOURCE, "")
+    out["source"] = f"{PREFIX} ({source})"
     return out
 
 
@@ -53,7 +62,7 @@ def refresh() -> list[str]:
         borrowed = [k for k, v in data.items() if isinstance(v, dict) and str(v.get("source", "")).startswith(PREFIX)
                     and k in lender]
         for key in borrowed:
-            data[key] = _lent(lender[key])
+            data[key] = _lent(lender[key], path.stem, key)
         if borrowed:
             path.write_text(json.dumps(data, indent=2) + "\n")
             changed.append(path.stem)
@@ -68,7 +77,7 @@ def h200() -> None:
                              f"efficiency terms of the H100 fitted to published runs ({LENDER})")
     for key in BORROWED_BY_H200:
         if key in lender:
-            device[key] = _lent(lender[key])
+            device[key] = _lent(lender[key], device["name"], key)
     _write("devices", "h200-sxm-fitted", device)
     datasheet = _read("clusters", "dgx-h200-datasheet")
     fitted_links = _read("clusters", "dgx-h100")["links"]

@@ -83,3 +83,32 @@ def test_every_new_cluster_plans_every_shipped_preset(preset):
             break
         else:
             pytest.fail(f"{preset} plans on no count of {name}: {errors}")
+
+
+def test_a_borrowed_term_is_the_lenders_current_one():
+    """Devices without runs of their own borrow the fitted H100's terms (`benchmarks/borrow_fitted.py`, run after
+    each refit of `dgx-h100`): a borrowed number that differs from the lender's is a stale copy of an older fit (the
+    H200 default once kept the 2026-11-26 fit's launch overhead and collective factor a day after the refit). The
+    Hopper-only lower-right attention class stays with the Hopper profiles."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.borrow_fitted import LENDER, PREFIX
+    from costmodel.context_attention import HOPPER_PROFILES, LOWER_RIGHT_CLASS
+
+    devices = Path(__file__).resolve().parents[1] / "profiles" / "devices"
+    lender = json.loads((devices / f"{LENDER}.json").read_text())
+    borrowers = 0
+    for path in sorted(devices.glob("*.json")):
+        data = json.loads(path.read_text())
+        for key, field in data.items():
+            if not (isinstance(field, dict) and str(field.get("source", "")).startswith(PREFIX)):
+                continue
+            borrowers += 1
+            theirs = {k: v for k, v in field.items() if k != "source"}
+            mine = {k: v for k, v in lender[key].items() if k != "source"}
+            if key == "kernel_factors" and path.stem not in HOPPER_PROFILES:
+                mine["factors"] = {k: v for k, v in mine["factors"].items() if not k.startswith(LOWER_RIGHT_CLASS)}
+                assert not any(k.startswith(LOWER_RIGHT_CLASS) for k in theirs["factors"]), path.stem
+            assert theirs == mine, (path.stem, key)
+    assert borrowers >= 20
