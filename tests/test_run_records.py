@@ -484,3 +484,31 @@ def test_calibrate_from_a_bad_record_is_one_error_line(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().startswith("error:") and "gpus" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_calibrate_from_runs_takes_the_measured_ratio_of_attention_to_the_gemms(tmp_path, capsys):
+    """`--attention-over-matmul` (`external.ATTENTION_OVER_MATMUL`): runs at one sequence length cannot tell attention's
+    time from the GEMMs'; the flag pulls their multipliers' ratio toward the measured one (or a given one), and says
+    so in --json. Without outside records it is one error line."""
+    from soap.cli import main
+
+    path = tmp_path / "mine.jsonl"
+    model = {"hidden": 1024, "ffn": 4096, "layers": 4, "heads": 8, "kv_heads": 8, "vocab": 512}
+    rows = [_row(name=f"mb{mb}", model=model, seq=2048, micro_batch=mb, global_batch=8 * mb, tokens_per_s_per_gpu=t)
+            for mb, t in ((2, 60000.0), (4, 70000.0), (8, 75000.0))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ratios = {}
+    for flag in ([], ["--attention-over-matmul"], ["--attention-over-matmul", "0.3"]):
+        out = tmp_path / f"fitted{len(flag)}.json"
+        assert main(["calibrate", "--from-runs", str(path), "--cluster", "dgx-h100-datasheet", "-o", str(out),
+                     "--json", *flag]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        m = summary["multipliers"]
+        ratios[len(flag)] = (summary["attention_over_matmul"], m["attention"] / m["matmul/bf16"])
+    from executor.validation.external import H100_ATTENTION_OVER_MATMUL
+
+    assert ratios[0][0] is None and ratios[1][0] == H100_ATTENTION_OVER_MATMUL and ratios[2][0] == 0.3
+    assert ratios[1][1] == pytest.approx(H100_ATTENTION_OVER_MATMUL, rel=0.15)
+    assert ratios[2][1] == pytest.approx(0.3, rel=0.15) and abs(ratios[0][1] / 0.3 - 1) > 0.3
+    assert main(["calibrate", "--attention-over-matmul"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --attention-over-matmul needs --from-runs")

@@ -721,9 +721,10 @@ def load_records(specs: Sequence[str], *, cluster: str | None) -> list[RunRecord
 
 
 def refit_external(records: Sequence[RunRecord], *, target: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> ExternalRefit:
-    """Plan every record, fit, and measure before / in-sample / leave-one-out (module docstring); the fitted
-    profile is `target` (default: the cluster of the first torch-native record) refitted."""
+                   progress: Callable[[str], None] | None = None,
+                   ratios: Mapping[tuple[str, str], tuple[float, float]] | None = None) -> ExternalRefit:
+    """Plan every record, fit (with `ratios`, `fit`'s), and measure before / in-sample / leave-one-out (module
+    docstring); the fitted profile is `target` (default: the cluster of the first torch-native record) refitted."""
     from costmodel.profiles import cluster_to_dict, load_cluster
 
     graphs: dict = {}
@@ -732,11 +733,11 @@ def refit_external(records: Sequence[RunRecord], *, target: str | None = None,
         prepared.append(prepare(record, graphs=graphs))
         if progress:
             progress(record.name)
-    result = fit(prepared)
+    result = fit(prepared, ratios=ratios)
     groupings = {}
     for grouping in GROUPINGS:
         if len({GROUPINGS[grouping](p.record) for p in prepared}) > 1:
-            groupings[grouping] = tuple(leave_out(prepared, grouping))
+            groupings[grouping] = tuple(leave_out(prepared, grouping, ratios=ratios))
     name = target or next((p.cluster.name for p in prepared if p.record.stack == TORCH_NATIVE), prepared[0].cluster.name)
     source = f"{len(records)} run records"
     profile = apply_fit(cluster_to_dict(load_cluster(name)), result, source=source)

@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from costmodel.calibration.calibrate import CalibrationConfig, calibrate, check_config, planned_points, write_profiles
 from costmodel.calibration.predict import summarize
+from executor.validation.external import H100_ATTENTION_OVER_MATMUL
 from tracer.errors import SoapError
 from tracer.files import check_writable
 
@@ -55,6 +56,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="refit the profile's compute/launch/communication terms from a runs log instead of "
                         "measuring (default log $SOAP_RUNS_LOG or ~/.cache/soap/runs.jsonl), or from files of "
                         "outside run records (FILE or FILE:CLUSTER)")
+    p.add_argument("--attention-over-matmul", type=float, nargs="?", default=None, metavar="RATIO",
+                   const=H100_ATTENTION_OVER_MATMUL,
+                   help="with outside run records: pull the attention kernels' multiplier over the GEMMs' toward "
+                        f"RATIO, as strongly as one run (default {H100_ATTENTION_OVER_MATMUL}: cuDNN's attention "
+                        "over the GEMMs on an H100, measured); for runs that cannot tell the two apart (one "
+                        "sequence length), whose attention is the kernel soap's executor runs or is stated "
+                        "(a record's sdpa_backend)")
     p.add_argument("--cluster", default=None,
                    help="with outside run records or nccl-tests logs: the cluster profile to refit (and for records "
                         "that name none)")
@@ -83,6 +91,8 @@ def _config(args: argparse.Namespace) -> CalibrationConfig:
 def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         check_writable(args.output, what="-o")
+    if args.attention_over_matmul is not None and args.from_runs is None:
+        raise SoapError("--attention-over-matmul needs --from-runs with outside run records")
     if args.from_nccl_tests is not None:
         return _from_nccl_tests(args)
     if args.from_runs is not None:
@@ -134,6 +144,18 @@ def _outside_records(specs: list[str]) -> bool:
         return True
 
 
+def _ratios(args: argparse.Namespace) -> dict | None:
+    """`--attention-over-matmul` as `external.fit`'s ratios (the measured value's log spread kept)."""
+    from executor.validation.external import ATTENTION_OVER_MATMUL
+
+    if args.attention_over_matmul is None:
+        return None
+    if not 0 < args.attention_over_matmul < 100:
+        raise SoapError(f"--attention-over-matmul {args.attention_over_matmul}: a ratio of two multipliers, above 0")
+    (key, (_, spread)), = ATTENTION_OVER_MATMUL.items()
+    return {key: (args.attention_over_matmul, spread)}
+
+
 def _from_outside(args: argparse.Namespace) -> int:
     from executor.validation.external import group_ranks, load_records, mape, refit_external, write_fitted
 
@@ -143,7 +165,8 @@ def _from_outside(args: argparse.Namespace) -> int:
                   TextColumn("{task.description}"), console=console, transient=True) as bar:
         task = bar.add_task("planning the runs as published", total=len(records))
         refit = refit_external(records, target=args.cluster,
-                               progress=lambda name: bar.update(task, advance=1, description=name[:50]))
+                               progress=lambda name: bar.update(task, advance=1, description=name[:50]),
+                               ratios=_ratios(args))
     name = args.name or f"{refit.profile['name']}-fitted"
     written = write_fitted(refit.profile, name=name, output=args.output)
     stacks = sorted({r.stack for r in records})
@@ -156,7 +179,8 @@ def _from_outside(args: argparse.Namespace) -> int:
                "multipliers": {k: round(v, 4) for k, v in refit.fit.multipliers.items()},
                "mape_before_pct": by_stack(refit.before), "mape_in_sample_pct": by_stack(refit.in_sample),
                "mape_leave_one_out_pct": {g: by_stack(p) for g, p in refit.leave_out.items()},
-               "at_datasheet_peak": [" x ".join(params) for params in refit.fit.at_peak]}
+               "at_datasheet_peak": [" x ".join(params) for params in refit.fit.at_peak],
+               "attention_over_matmul": args.attention_over_matmul}
     ranked = group_ranks(refit.prepared, refit.leave_out.get("run", refit.in_sample))
     summary["groups"] = [{"group": g.group, "runs": g.runs, "spearman": g.spearman, "pick_over_best": g.pick_over_best}
                          for g in ranked]
@@ -187,6 +211,9 @@ def _from_runs(args: argparse.Namespace) -> int:
 
     if _outside_records(args.from_runs):
         return _from_outside(args)
+    if args.attention_over_matmul is not None:
+        raise SoapError("--attention-over-matmul applies to outside run records (FILE or FILE:CLUSTER), not to a runs "
+                        "log: soap's own runs fit one compute factor")
     refit = refit_profile(args.from_runs[0] if args.from_runs else None, args.name or f"local-{args.device}", args.output)
     summary = {"written": [str(p) for p in refit.written], "runs": refit.runs,
                "multipliers": refit.multipliers.as_dict(), "at_physical_bound": list(refit.multipliers.at_bound),
