@@ -261,10 +261,9 @@ def believable(evaluation: Evaluation, datasheet: str, directory: Path) -> list[
     fit written over the datasheet H100 (`datasheet`), with soap's executor's attention and with the
     FlashAttention-2 the class's runs ran (torchtitan's torch; nanotron's flash-attn), and with that kernel over
     torchtitan's 500 W H100s, against the best published eager-stack run of the class: table rows."""
+    from costmodel.profiles import cluster_to_dict, load_cluster
     from executor.validation.external import apply_fit
     from planner.api import plan
-
-    from costmodel.profiles import cluster_to_dict, load_cluster
 
     paths = []
     for kernel, over in ((None, datasheet), (TORCHTITAN_SDPA, datasheet), (TORCHTITAN_SDPA, TORCHTITAN_CLUSTER)):
@@ -374,15 +373,13 @@ def report(results: dict[str, Evaluation], conversion: dict[str, list[str]], ela
                                             for e in results.values()) + " |")
     if mfu_rows:
         lines += ["", "`soap plan llama-3-8b` on (a'), (a'') and (c) written over the datasheet H100: predicted MFU of "
-                  "the "
-                  "plan it picks (model FLOPs over the 989 TFLOP/s dense peak), by the attention kernel priced:", "",
+                  "the plan it picks (model FLOPs over the 989 TFLOP/s dense peak), by the attention kernel priced:", "",
                   "| fit | attention | " + " | ".join(f"{g} GPUs, {c}" for c in ("compiled", "eager")
                                                    for g in EIGHT_B_GPUS)
                   + " |", "|---|---|" + "---:|" * 2 * len(EIGHT_B_GPUS), *mfu_rows]
     if bound_rows:
         lines += ["", "The believable-profile check (`tests/test_believable_profiles.py`: the plan soap picks, seq "
-                  "4096, "
-                  "under the recompute the class's runs used) on the shipped `dgx-h100` and on (a'') written over "
+                  "4096, under the recompute the class's runs used) on the shipped `dgx-h100` and on (a'') written over "
                   "the datasheet H100, against the best published run of the class (`profiles/published-mfu.json`):",
                   "", "| reference plan | best published run of the class | dgx-h100 (a) | (a'') | (a''), "
                   "FlashAttention-2's attention | (a''), FlashAttention-2, on the 500 W H100 (`grand-teton-h100`) |",
