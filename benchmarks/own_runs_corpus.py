@@ -372,14 +372,16 @@ def report(results: dict[str, Evaluation], conversion: dict[str, list[str]], ela
     lines.append("| at peak | " + " | ".join(", ".join(" x ".join(p) for p in e.fit.at_peak) or "none"
                                             for e in results.values()) + " |")
     if mfu_rows:
-        lines += ["", "`soap plan llama-3-8b` on (a'), (a'') and (c) written over the datasheet H100: predicted MFU of "
-                  "the plan it picks (model FLOPs over the 989 TFLOP/s dense peak), by the attention kernel priced:", "",
+        lines += ["", "`soap plan llama-3-8b` on (a'), (a'') and (c) written over the datasheet H100: predicted "
+                  "MFU of the plan it picks (model FLOPs over the 989 TFLOP/s dense peak), by the attention kernel "
+                  "priced:", "",
                   "| fit | attention | " + " | ".join(f"{g} GPUs, {c}" for c in ("compiled", "eager")
                                                    for g in EIGHT_B_GPUS)
                   + " |", "|---|---|" + "---:|" * 2 * len(EIGHT_B_GPUS), *mfu_rows]
     if bound_rows:
-        lines += ["", "The believable-profile check (`tests/test_believable_profiles.py`: the plan soap picks, seq "
-                  "4096, under the recompute the class's runs used) on the shipped `dgx-h100` and on (a'') written over "
+        lines += ["", "The believable-profile check (`tests/test_believable_profiles.py`: the plan soap picks, "
+                  "seq 4096, under the recompute the class's runs used) on the shipped `dgx-h100` and on (a'') "
+                  "written over "
                   "the datasheet H100, against the best published run of the class (`profiles/published-mfu.json`):",
                   "", "| reference plan | best published run of the class | dgx-h100 (a) | (a'') | (a''), "
                   "FlashAttention-2's attention | (a''), FlashAttention-2, on the 500 W H100 (`grand-teton-h100`) |",
