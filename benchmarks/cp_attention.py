@@ -283,20 +283,18 @@ def attention_over_matmul(result: dict) -> list[tuple[int, float, float]]:
     from tracer.ir import OpKind
 
     devices = {name: load_cluster(name).device for name in (DATASHEET, FIT_CLUSTER)}
-    out = []
+
+    def gemms(seq: int, name: str) -> float:
+        costs = [op_time(op, device=devices[name], precision="bf16", micro_batch=1, batch_traced=1)
+                 for op in _layer_graph(seq).ops if op.kind is OpKind.MATMUL and op.block_id is not None]
+        return sum(c.fwd_s + c.bwd_s for c in costs)
+
+    whole: dict[int, float] = {}  # the first measurement of each sequence (every case of it times the same kernel)
     for r in result["rows"]:
-        if r["layout"] != "whole" or not r.get("seconds") or any(o[0] == r["seq"] for o in out):
-            continue
-        gemms = [op for op in _layer_graph(r["seq"]).ops if op.kind is OpKind.MATMUL and op.block_id is not None]
-
-        def price(name: str) -> float:
-            costs = [op_time(op, device=devices[name], precision="bf16", micro_batch=1, batch_traced=1)
-                     for op in gemms]
-            return sum(c.fwd_s + c.bwd_s for c in costs)
-
-        out.append((r["seq"], r["seconds"] / priced(DATASHEET, r["seq"], 1, "whole"),
-                    price(FIT_CLUSTER) / price(DATASHEET)))
-    return out
+        if r["layout"] == "whole" and r.get("seconds"):
+            whole.setdefault(r["seq"], r["seconds"])
+    return [(seq, seconds / priced(DATASHEET, seq, 1, "whole"), gemms(seq, FIT_CLUSTER) / gemms(seq, DATASHEET))
+            for seq, seconds in whole.items()]
 
 
 def needed_factors(result: dict, cluster: str = FIT_CLUSTER) -> list[tuple[int, int, float, float]]:

@@ -249,6 +249,18 @@ def stated_sdpa(prepared: Sequence[Any]) -> list[Any]:
             if p.record.cluster == TORCHTITAN_CLUSTER else p for p in prepared]
 
 
+H100_DENSE_PEAK = 989e12
+"""The datasheet dense bf16 peak MFU is counted against (`benchmarks/believable_mfu.py`)."""
+
+
+def picked_mfu(model: str, **request: Any) -> float:
+    """The predicted MFU of the plan `soap plan` picks for `model` under `request` (model FLOPs over the H100's dense
+    peak, `H100_DENSE_PEAK`)."""
+    from planner.api import plan
+
+    return plan(model, **request).predicted["model_tflops_per_gpu"] * 1e12 / H100_DENSE_PEAK
+
+
 RATIO_FIT = "(a'') corpus, torchtitan's SDPA stated, attention over matmul measured"
 BELIEVABLE = (("1b", str(Path(__file__).resolve().parent / "configs" / "llama-3.2-1b.json"), 8, "one node", False),
               ("8b", "llama-3-8b", 8, "one node", False), ("8b", "llama-3-8b", 8, "one node", True),
@@ -263,12 +275,11 @@ def believable(evaluation: Evaluation, datasheet: str, directory: Path) -> list[
     torchtitan's 500 W H100s, against the best published eager-stack run of the class: table rows."""
     from costmodel.profiles import cluster_to_dict, load_cluster
     from executor.validation.external import apply_fit
-    from planner.api import plan
 
     paths = []
     for kernel, over in ((None, datasheet), (TORCHTITAN_SDPA, datasheet), (TORCHTITAN_SDPA, TORCHTITAN_CLUSTER)):
-        cluster = json.loads(Path(over).read_text()) if over.endswith(".json") else cluster_to_dict(load_cluster(over))
-        profile = apply_fit(cluster, evaluation.fit, source="own_runs_corpus", sdpa_backend=kernel)
+        profile = apply_fit(cluster_to_dict(load_cluster(over)), evaluation.fit, source="own_runs_corpus",
+                            sdpa_backend=kernel)
         profile["name"] = f"own-runs-fit-a-ratio-{kernel or 'executor'}-{len(paths)}"
         paths.append(directory / f"{profile['name']}.json")
         paths[-1].write_text(json.dumps(profile))
@@ -280,9 +291,8 @@ def believable(evaluation: Evaluation, datasheet: str, directory: Path) -> list[
         pins = {"recompute": bound["recompute"]} if bound.get("recompute") else {}
         cells = []
         for cluster in ("dgx-h100", *map(str, paths)):
-            chosen = plan(model, gpus=gpus, cluster=cluster, precision="bf16", seq_len=4096,
-                          compile="on" if compiled else "off", **pins)
-            mfu = chosen.predicted["model_tflops_per_gpu"] * 1e12 / H100_DENSE_PEAK
+            mfu = picked_mfu(model, gpus=gpus, cluster=cluster, precision="bf16", seq_len=4096,
+                             compile="on" if compiled else "off", **pins)
             cells.append(f"{mfu:.1%}{' (over)' if mfu > bound['mfu_max'] else ''}")
         rows.append(f"| {model_class.upper()}, {gpus} GPUs, {'compiled' if compiled else 'eager'}, "
                     f"{bound.get('recompute') or 'no'} recompute | {bound['mfu_max']:.1%} ({bound['best_run']}) | "
@@ -291,8 +301,6 @@ def believable(evaluation: Evaluation, datasheet: str, directory: Path) -> list[
 
 
 EIGHT_B_GPUS = (8, 64)
-H100_DENSE_PEAK = 989e12
-"""The datasheet dense bf16 peak MFU is counted against (`benchmarks/believable_mfu.py`)."""
 
 
 def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path, fit: str = "(c)") -> list[str]:
@@ -300,7 +308,6 @@ def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path, fit: st
     plan it picks on `EIGHT_B_GPUS` GPUs, compiled and eager, with soap's executor's attention (cuDNN's kernels) and
     with torchtitan's FlashAttention-2 multiplier folded in: table rows."""
     from executor.validation.external import apply_fit
-    from planner.api import plan
 
     base = json.loads(Path(datasheet).read_text())
     rows = []
@@ -313,8 +320,8 @@ def eight_b_mfu(evaluation: Evaluation, datasheet: str, directory: Path, fit: st
         cells = []
         for compiled in (True, False):
             for gpus in EIGHT_B_GPUS:
-                chosen = plan("llama-3-8b", gpus=gpus, cluster=str(path), compile="on" if compiled else "off")
-                cells.append(f"{chosen.predicted['model_tflops_per_gpu'] * 1e12 / H100_DENSE_PEAK:.1%}")
+                mfu = picked_mfu("llama-3-8b", gpus=gpus, cluster=str(path), compile="on" if compiled else "off")
+                cells.append(f"{mfu:.1%}")
         title = (f"torchtitan's FlashAttention-2 (x{evaluation.fit.multiplier(f'attention/{kernel}'):.3g})" if kernel
                  else "soap's executor's (cuDNN's, torch 2.11)")
         rows.append(f"| {fit} | {title} | " + " | ".join(cells) + " |")
