@@ -146,12 +146,13 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     parts = [split_stage(model, plan, s) for s in stage_indices] if p.pp > 1 else [model]
     for part in parts:
         _apply_intra_stage(part, plan, mesh)
-    if on_meta:
-        for part in parts:
-            materialize(part, template, device, seed=seed, weights_dir=weights)
-    elif device.type != "cpu":
-        for part in parts:
-            part.to(device)
+    held = parameter_device(plan, device)
+    for part in parts:
+        if on_meta:
+            materialize(part, template, held, seed=seed, weights_dir=weights)
+        elif held.type != "cpu":
+            part.to(held)
+        _buffers_to(part, device)
     for part in parts:
         peft.quantize_base(part, plan)
     if p.ep > 1:
@@ -168,6 +169,22 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: MeshView | None = None, s
     if p.pp > 1:
         result.schedule = _pipeline(result, device, loss_fn or _mean_loss(p.cross_entropy))
     return result
+
+
+def parameter_device(plan: Plan, device: torch.device) -> torch.device:
+    """Where materialization puts the parameters: the host when FSDP offloads them (its CPUOffloadPolicy keeps
+    parameters, gradients and optimizer state in host memory and refuses parameters allocated on the device), else
+    the device the rank computes on."""
+    return torch.device("cpu") if plan.parallelism.offload_optimizer and uses_fsdp(plan) else device
+
+
+def _buffers_to(part: nn.Module, device: torch.device) -> None:
+    """Buffers (rotary tables, position ids) are no FSDP state: they stay on the device the forward runs on,
+    also when the parameters were materialized on the host."""
+    for module in part.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def _apply_intra_stage(part: nn.Module, plan: Plan, mesh: MeshView) -> None:

@@ -88,6 +88,26 @@ def test_execute_launches_the_plans_ranks_and_prints_one_json_object(plan_file, 
     assert "predicted 0.5 s" in proc.stderr
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # rotary buffers; tied embeddings
+def test_on_cuda_an_offloaded_optimizer_trains_like_one_on_the_device(family, tmp_path):
+    """FSDP2's CPUOffloadPolicy refuses parameters allocated on the GPU: an offload plan's parameters are
+    materialized in host memory, its buffers on the GPU (the first lent GPU to run an offload plan, an H200 on
+    2026-11-28, failed before its first step). Same seeded weights and data: the same losses."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    losses = {}
+    for offload in (False, True):
+        plan_path, report = tmp_path / f"plan-{offload}.json", tmp_path / f"run-{offload}.json"
+        make_plan(family, micro_batch=2, precision="bf16", offload_optimizer=offload).save(plan_path)
+        proc = subprocess.run([sys.executable, "-m", "soap", "execute", str(plan_path), "--steps", "3", "--report",
+                               str(report), "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                              env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[offload] = json.loads(report.read_text())["losses"]
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)
+
+
 def test_weights_load_from_a_local_hf_checkpoint(tmp_path, single_process_group):
     """A tied GPT-2 saved with save_pretrained (Conv1D, fused c_attn) gives the HF model's own loss."""
     from transformers import AutoConfig, AutoModelForCausalLM
