@@ -209,6 +209,30 @@ def test_fp8_gemms_are_fitted_over_bf16s():
     assert bf16_only.device.kernel_factors["matmul/fp8"].at(1e9) == pytest.approx(1.5)
 
 
+def test_a_16_bit_gemm_fit_stands_for_its_twin_at_the_same_peak():
+    """bf16 and fp16 GEMMs run on the same tensor cores at one datasheet peak (H100): a fit on bf16 runs writes
+    fp16's multiplier too, so an fp16 plan is priced as its bf16 twin (within fp16's loss scaling), not at the
+    datasheet's efficiency. Not on a device with fp16 alone (the V100), and not over a multiplier of fp16's own."""
+    from costmodel.profiles import cluster_from_dict, cluster_to_dict, load_cluster
+    from planner.api import plan as make
+
+    bf16_fit = Fit(multipliers={"matmul/bf16": 1.5}, runs={"matmul/bf16": ("a",)})
+    base = cluster_to_dict(load_cluster("dgx-h100-datasheet"))
+    written = apply_fit(base, bf16_fit, source="test")
+    fitted = cluster_from_dict(written)
+    assert fitted.device.kernel_factors["matmul/fp16"].at(1e9) == pytest.approx(1.5)
+    assert "matmul/fp16 as matmul/bf16" in written["device"]["kernel_factors"]["source"]
+    both = Fit(multipliers={"matmul/bf16": 1.5, "matmul/fp16": 1.2}, runs={"matmul/bf16": ("a",), "matmul/fp16": ("b",)})
+    own = cluster_from_dict(apply_fit(base, both, source="test"))
+    assert own.device.kernel_factors["matmul/fp16"].at(1e9) == pytest.approx(1.2)
+    v100 = cluster_to_dict(load_cluster("dgx1-v100-16g"))
+    fp16_fit = Fit(multipliers={"matmul/fp16": 1.5}, runs={"matmul/fp16": ("a",)})
+    assert "matmul/bf16" not in apply_fit(v100, fp16_fit, source="test")["device"]["kernel_factors"]["factors"]
+    times = {p: make("gpt2", gpus=1, cluster=fitted, precision=p, global_batch=8, seq_len=512, micro_batch=8,
+                     recompute="none", compile="off", offload="off").predicted["step_time_s"] for p in ("bf16", "fp16")}
+    assert times["fp16"] == pytest.approx(times["bf16"], rel=0.05)
+
+
 def test_a_stated_sdpa_kernel_is_fitted_over_the_unstated_runs_attention(tmp_path):
     """Runs of a torch whose SDPA ran another kernel (FlashAttention-2 where soap's executor runs cuDNN's) share
     every term with the unstated runs but their attention's own multiplier: planted, the fit finds both; the

@@ -477,6 +477,24 @@ def _runs_text(runs: Sequence[str]) -> str:
     return f"{len(runs)} runs ({shown}{f'; and {len(runs) - NAMED_RUNS} more' if len(runs) > NAMED_RUNS else ''})"
 
 
+HALF_PRECISIONS = ("bf16", "fp16")
+
+
+def half_twin(multipliers: Mapping[str, float], device: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(fitted, twin): the GEMM multiplier fitted on one 16-bit type's runs, and the other's, which no run
+    fitted, where the device's datasheet gives both the same peak (A100, H100, H200, B200: bf16 and fp16 run on the
+    same tensor cores at one rate). The twin takes the fitted one's multiplier: left at 1, an fp16 plan on a profile
+    fitted on bf16 runs was priced at the datasheet's efficiency, 0.52 s against 0.74 s measured on a lent H200
+    (bf16's, 0.71 s priced, 0.72 s measured; benchmarks/techniques_h200.py). None otherwise (both or neither fitted,
+    a device with one 16-bit type, as the V100's fp16)."""
+    fitted = [p for p in HALF_PRECISIONS if f"matmul/{p}" in multipliers]
+    peaks = {k: v.get("value") if isinstance(v, dict) else v for k, v in device.get("peak_tflops", {}).items()}
+    if len(fitted) != 1 or not all(peaks.get(p) for p in HALF_PRECISIONS) or peaks["bf16"] != peaks["fp16"]:
+        return None
+    other = next(p for p in HALF_PRECISIONS if p != fitted[0])
+    return f"matmul/{fitted[0]}", f"matmul/{other}"
+
+
 def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | None = None,
               sdpa_backend: str | None = None) -> dict:
     """A copy of an inline cluster profile with the fitted terms written in, each changed number's source
@@ -506,9 +524,17 @@ def apply_fit(cluster_inline: dict, result: Fit, *, source: str, stack: str | No
         points = factors.get(key) or [[1.0, 1.0]]
         factors[key] = [[x, float(f"{min(max(f * value, 1e-3), 1e3):.4g}")] for x, f in points]
 
+    twin = half_twin(m, device)
+    if twin:
+        m = {**m, twin[1]: m[twin[0]]}
     for precision in PRECISION_KEYS:
         name = f"matmul/{precision}"
         tied = m.get("matmul/bf16", 1.0) if precision == "fp8" else 1.0  # fp8's multiplier is over bf16's
+        if twin and name == twin[1]:
+            set_class("matmul", precision, m[name] * tied * core)
+            notes.append(f"{name} as {twin[0]} (x{m[name]:.3g}: the same tensor cores at the same datasheet peak; "
+                         "no run of its own)")
+            continue
         if name in m or core != 1.0 or tied != 1.0:
             set_class("matmul", precision, m.get(name, 1.0) * tied * core)
         if name in m:
