@@ -222,7 +222,8 @@ def test_a_16_bit_gemm_fit_stands_for_its_twin_at_the_same_peak():
     fitted = cluster_from_dict(written)
     assert fitted.device.kernel_factors["matmul/fp16"].at(1e9) == pytest.approx(1.5)
     assert "matmul/fp16 as matmul/bf16" in written["device"]["kernel_factors"]["source"]
-    both = Fit(multipliers={"matmul/bf16": 1.5, "matmul/fp16": 1.2}, runs={"matmul/bf16": ("a",), "matmul/fp16": ("b",)})
+    both = Fit(multipliers={"matmul/bf16": 1.5, "matmul/fp16": 1.2},
+               runs={"matmul/bf16": ("a",), "matmul/fp16": ("b",)})
     own = cluster_from_dict(apply_fit(base, both, source="test"))
     assert own.device.kernel_factors["matmul/fp16"].at(1e9) == pytest.approx(1.2)
     v100 = cluster_to_dict(load_cluster("dgx1-v100-16g"))
