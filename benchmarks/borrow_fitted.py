@@ -26,7 +26,7 @@ LENDER = "h100-sxm-fitted"
 PREFIX = f"borrowed from {LENDER}"
 BORROWED_BY_H200 = ("matmul_efficiency", "memory_efficiency", "dtype_efficiency", "kernel_overhead_us",
                     "collective_call_overhead_us", "context_overhead_gib", "kernel_factors", "compile_factors",
-                    "activation_collective_factor", "host_dispatch_us")
+                    "activation_collective_factor", "host_dispatch_us", "optimizer_factors")
 
 
 def _read(kind: str, name: str) -> dict:

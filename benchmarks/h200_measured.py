@@ -105,6 +105,7 @@ def profiled_graph(device_json: dict) -> object:
 def build() -> tuple[dict, dict]:
     """The profile and what its two profiled steps say (measured groups, factors, prices before and after)."""
     from benchmarks.h100_measured import kernel_groups
+    from benchmarks.techniques_h200 import with_optimizers
     from costmodel.calibration.step_factor import apply_compile_factor, apply_step_factor, priced_groups
     from costmodel.context_attention import with_lower_right
     from costmodel.profiles_json import device_from_json
@@ -123,6 +124,7 @@ def build() -> tuple[dict, dict]:
         return priced_groups(graph, device_from_json(d, PROFILE.stem), 1, compile=compile)
 
     device["kernel_factors"] = with_lower_right(device.get("kernel_factors"))  # measured apart: cp_attention.py
+    device = with_optimizers(device)  # measured apart: techniques_h200.py
     return device, {"eager": eager, "compiled": compiled, "k": k, "k_c": k_c,
                     "eager_before": price(start, False), "eager_after": price(device, False),
                     "compiled_before": price(stepped, True), "compiled_after": price(device, True)}

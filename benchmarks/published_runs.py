@@ -136,12 +136,13 @@ def main() -> None:
     from benchmarks.gpu_repredict import host_floor, with_host_floor
     from benchmarks.unaligned_gemm import with_unaligned
 
+    from benchmarks.techniques_h200 import with_optimizers
     from costmodel.context_attention import with_lower_right
 
     floor, _ = host_floor()
-    # measured on soap's own runs, not fitted here: no corpus row has an unaligned GEMM, a host-bound step or soap's
-    # context-parallel kernels (the published rings keep the one-kernel price)
-    device = with_host_floor(with_unaligned(refit.profile["device"]), floor)
+    # measured on soap's own runs, not fitted here: no corpus row has an unaligned GEMM, a host-bound step, an unfused
+    # optimizer or soap's context-parallel kernels (the published rings keep the one-kernel price)
+    device = with_optimizers(with_host_floor(with_unaligned(refit.profile["device"]), floor))
     device["kernel_factors"] = with_lower_right(device.get("kernel_factors"))
     profile = {**refit.profile, "device": device}
     written = () if args.dry_run or args.keep_profile else write_fitted(profile, name=FITTED, device_name=FITTED_DEVICE,

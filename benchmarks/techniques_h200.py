@@ -45,6 +45,52 @@ def rows() -> list[dict]:
     return out
 
 
+UNFUSED = ("adamw8bit", "adafactor", "sgd")
+"""The optimizers soap's executor steps with more than one pass (`executor.data_parallel._optimizer_class`)."""
+
+
+def optimizer_factors() -> dict[str, list[list[float]]]:
+    """The measured factor k of each unfused optimizer (`costmodel.optimizer_step`): its step's time, the fused
+    AdamW's priced on `h200-x1-measured` (measured there, 2026-11-26) plus what the run measured over the AdamW run
+    of the same plan, over its one-pass estimate on that profile, at its bytes. Everything else in the two steps is
+    the same (the GEMMs, attention, activations), as the repricing shows (0.995-0.997x)."""
+    from costmodel.optimizer_step import memory_pass_time, optimizer_step_bytes, optimizer_step_time
+    from costmodel.profiles import load_device
+    from executor.model import build_meta_model
+    from executor.train import steady_step_s
+    from planner.plan import plan_from_dict
+
+    device = load_device(CLUSTERS[1])
+    runs = {r["name"]: r for r in records()}
+    base = runs[BASELINE]
+    model = plan_from_dict(base["plan"]).model
+    n = sum(p.numel() for p in build_meta_model(model.config, model.task).parameters())  # tied embeddings once
+    adamw = optimizer_step_time(device, n, precision="bf16", optimizer="adamw")
+    out = {}
+    for name in UNFUSED:
+        run = runs[f"1b-{name}"]
+        extra = steady_step_s(run["step_times_s"]) - steady_step_s(base["step_times_s"])
+        nbytes = optimizer_step_bytes(n, precision="bf16", optimizer=name)
+        factor = (adamw + extra) / memory_pass_time(device, nbytes)
+        out[f"{name}/bf16"] = [[float(f"{nbytes:.4g}"), float(f"{factor:.3g}")]]
+    return out
+
+
+OPTIMIZER_SOURCE = ("adamw8bit, adafactor, sgd: measured on a lent H200, 2026-11-28, each step over the AdamW run of "
+                    "the same Llama 3.2 1B plan (benchmarks/techniques_h200.py), the fused AdamW's own time as "
+                    "h200-x1-measured prices it, over the one-pass estimate")
+
+
+def with_optimizers(device_json: dict) -> dict:
+    """`device_json` with the unfused optimizers' measured factors (`optimizer_factors`) added to its own."""
+    table = dict(device_json.get("optimizer_factors") or {"source": "", "factors": {}})
+    factors = {**table.get("factors", {}), **optimizer_factors()}
+    source = table.get("source", "")
+    if OPTIMIZER_SOURCE not in source:
+        source = f"{source}; {OPTIMIZER_SOURCE}" if source else OPTIMIZER_SOURCE
+    return {**device_json, "optimizer_factors": {**table, "source": source, "factors": factors}}
+
+
 def pct(p: float, m: float) -> str:
     return f"{100 * (p - m) / m:+.0f}%"
 
@@ -87,11 +133,15 @@ READING = """Reading it:
   (`costmodel.memory_activations`), for SDPA cores with grouped heads at 4-byte precision on a CUDA device (not on
   the CPU, whose SDPA keeps no probabilities), and the memory functions do not know the device yet. The planner
   picks tf32 or fp32 only where pinned.
-- **8-bit AdamW, Adafactor and SGD** ran 6%, 6% and 2% slower than AdamW, priced 0.995-0.997x: the fused AdamW is
-  one kernel over every parameter; bitsandbytes' 8-bit step, Adafactor's foreach factored step and SGD's foreach
-  momentum step are several passes each, 15-45 ms a step here that the memory-bound optimizer price does not carry.
-  Their allocated peaks are priced within 0.5% (34.7, 32.4 and 37.0 GiB against AdamW's 41.6), as bf16's and
-  fp16's are.
+- **8-bit AdamW, Adafactor and SGD** ran 5.9%, 6.3% and 2.1% slower than AdamW, priced 0.995-0.997x when planned:
+  the fused AdamW is one kernel over every parameter; bitsandbytes' 8-bit step, Adafactor's foreach factored step
+  and SGD's foreach momentum step are several passes each, 15-45 ms a step here that one memory-bound pass does
+  not carry. So `soap plan --optimizer auto` picked 8-bit AdamW for this 1B on one H200 where AdamW fits and runs
+  faster. Their steps, as measured here (`optimizer_factors`: x9.3, x8.1 and x3.7 over one pass), are now the
+  `optimizer_factors` of `h200-x1-measured`, of the default H100 (`benchmarks.published_runs` writes them beside
+  the fit, which has no such run) and of `dgx-h200`; the ratios above are in sample (one run each, one size:
+  1.24e9 parameters), and the same 1B now picks AdamW on `dgx-h100` and `dgx-h200`. Their allocated peaks are
+  priced within 0.5% (34.7, 32.4 and 37.0 GiB against AdamW's 41.6), as bf16's and fp16's are.
 - **Offload failed on the GPU** (the first call): FSDP2's CPUOffloadPolicy refuses parameters allocated on the
   device, and soap's executor materialized them there. Fixed (`executor.api.parameter_device`: the host for the
   parameters, the GPU for the buffers), with a GPU-marked test; the second call's offload run outran its 90 s
