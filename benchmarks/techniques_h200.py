@@ -123,16 +123,19 @@ READING = """Reading it:
   on the same tensor cores at one peak, so a fit on one now writes the other's too
   (`executor.validation.external.half_twin`); fp16 is priced within 5% of its run, and 1.003x its bf16 twin against
   1.022x measured (the loss scaler's unscale and inf check).
-- **tf32 (fp32 weights and activations) is priced 2x fast and its memory 39% low** (51.4 GiB against 85.0
-  allocated; the plan printed 52.9 with its workspace). The 32 GiB missing are, to the byte, one fp32 score matrix
-  per layer, 16 x [4, 32, 2,048, 2,048] x 4 B. Our reading (not checked kernel by kernel on the GPU): with fp32
-  queries torch's SDPA has neither FlashAttention nor cuDNN, and its memory-efficient kernel does not take grouped
-  K/V heads (Llama's 8 for 32; HF passes `enable_gqa`), so it runs the math path, which keeps the softmax
-  probabilities as eager attention does and runs unfused GEMMs and softmax. The memory model counts an SDPA core as
-  the fused kernels save it at every precision. Not fixed this session: the rule that would apply is the eager one
-  (`costmodel.memory_activations`), for SDPA cores with grouped heads at 4-byte precision on a CUDA device (not on
-  the CPU, whose SDPA keeps no probabilities), and the memory functions do not know the device yet. The planner
-  picks tf32 or fp32 only where pinned.
+- **tf32 (fp32 weights and activations): its memory was priced 39% low, its step is priced 2x fast.** The
+  plan printed 52.9 GiB with its workspace; the step allocated 85.0. The 32 GiB missing were, to the byte, one fp32
+  [4, 32, 2,048, 2,048] matrix for each of the 16 layers: with fp32 queries torch's SDPA has neither FlashAttention
+  nor cuDNN, HF's Llama passes a boolean mask (K/V repeated to the query heads) in this regime, and either the math
+  path (its softmax probabilities) or the memory-efficient kernel (its bias expanded to every head) keeps such a
+  matrix for backward; which of the two ran was not traced. The memory model now counts eager's saves for SDPA at
+  4-byte precision on a GPU (`costmodel.memory_activations.sdpa_attention`; the CPU's flash kernel keeps none), and
+  prices the step's allocated peak 2% low (83.4 GiB; 1.6 short, about one more such matrix, a transient not
+  modelled); such a plan no longer fits an 80 GB card at this
+  micro-batch without recompute (tests/test_memory.py). Its time is left: the attention core is still priced as the
+  fused kernel (1.28x bf16's step where 2.56x was measured), and without knowing which kernel ran, the price of the
+  math path (unfused GEMMs over the whole square, softmax passes over it) would be a guess. The planner picks tf32 or
+  fp32 only where pinned.
 - **8-bit AdamW, Adafactor and SGD** ran 5.9%, 6.3% and 2.1% slower than AdamW, priced 0.995-0.997x when planned:
   the fused AdamW is one kernel over every parameter; bitsandbytes' 8-bit step, Adafactor's foreach factored step
   and SGD's foreach momentum step are several passes each, 15-45 ms a step here that one memory-bound pass does

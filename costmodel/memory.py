@@ -112,7 +112,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts
+from costmodel.memory_activations import ActivationParts, activation_bytes, activation_parts, sdpa_attention
 from costmodel.opcost import FLOAT_DTYPES
 from costmodel.peft import dequantize_buffer_bytes, is_quantized, nf4_bytes
 from costmodel.placement import (is_expert, linear_style, moe_blocks, replicated_in_moe, replicated_kv_projections,
@@ -521,7 +521,7 @@ def estimate_memory(
         micro_batch=train.micro_batch,
         batch_traced=graph.batch,
         recompute=train.recompute,
-        attention=train.attention,
+        attention=sdpa_attention(train.attention, train.precision, device.kind),
         split={"parameter": tp} if split is None else split,
         precision=train.precision,
         block_counts=counts,

@@ -16,6 +16,14 @@ Attention implementation (`attention_saved`), for ops of kind ATTENTION (the fus
 - eager: the unfused math keeps the same tensors but no logsumexp, plus the softmax probabilities
   [b, h, s_q, s_k] (one s x s matrix per head); with attention dropout (`attrs["dropout"] > 0`) also
   the 1-byte dropout mask and the dropped probabilities the second matmul saves.
+- sdpa-fp32 (`SDPA_FP32`, what `sdpa_attention` makes of sdpa on a GPU at 4-byte precision, fp32 or tf32):
+  eager's saves, one fp32 [b, h, s_q, s_k] matrix per core. With fp32 queries torch has neither FlashAttention
+  nor cuDNN; HF's Llama passes a boolean mask (and K/V repeated to the query heads) in this regime, and either
+  the math path (its softmax probabilities) or the memory-efficient kernel (its bias expanded to every head)
+  keeps such a matrix for backward. On a lent H200 (2026-11-28, benchmarks/techniques_h200.py) a tf32 Llama 3.2 1B
+  step (4 x 2,048 tokens a micro-batch, 32 heads) allocated 85.0 GiB where the sdpa rule counted 51.4: 32 GiB,
+  one fp32 [4, 32, 2,048, 2,048] matrix for each of its 16 layers. Which of the two kernels ran was not traced;
+  no fp32 run of a model without the mask was measured. The CPU's SDPA (flash for fp32) keeps none.
 
 Recompute policies (`block_saved`), applied to ops inside repeated blocks (ops outside blocks, the
 embeddings, final norm, LM head and loss, are never checkpointed):
@@ -107,6 +115,8 @@ from tracer.ir import DTYPE_BYTES, DimRole, OpKind, OpNode, TensorMeta, split_ro
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 ATTENTION_IMPLS = ("sdpa", "eager")
+SDPA_FP32 = "sdpa-fp32"
+"""sdpa as torch runs it on a GPU at 4-byte precision (module docstring): eager's saves."""
 SELECTIVE_MATMUL_PERIOD = 2
 """Selective checkpointing caches one weight matmul output in this many (`selective_cached`)."""
 FUSIBLE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION, OpKind.COPY, OpKind.VIEW})
@@ -151,10 +161,24 @@ def _core_saved(op: OpNode, cp: int) -> tuple[TensorMeta, ...]:
     return op.saved if cp == 1 else context_parallel_saved(op, op.saved)
 
 
+def sdpa_attention(attention: str, precision: str | None, device_kind: str) -> str:
+    """The implementation whose saves a run's attention cores keep: `SDPA_FP32` for sdpa on a GPU (`device_kind`,
+    `DeviceProfile.kind`) at a 4-byte precision (fp32, tf32: no autocast), else `attention`."""
+    if attention == "sdpa" and device_kind == "gpu" and precision is not None and activation_itemsize(precision) == 4:
+        return SDPA_FP32
+    return attention
+
+
+def core_impl(attention: str) -> str:
+    """sdpa or eager: the saves of an attention core under `attention`."""
+    return "eager" if attention == SDPA_FP32 else attention
+
+
 def attention_saved(op: OpNode, attention: str, cp: int = 1) -> tuple[TensorMeta, ...]:
     """What an ATTENTION op saves under `attention` and context parallelism `cp` (see the module docstring)."""
     q, k = op.inputs[:2]
     saved = _core_saved(op, cp)
+    attention = core_impl(attention)
     if attention == "sdpa":
         return saved
     probs = TensorMeta((*q.shape[:-1], k.shape[-2]), q.dtype, (*q.roles[:-1], DimRole.NONE if cp > 1 else k.roles[-2]))
@@ -255,7 +279,7 @@ def selective_cached(ops: Sequence[OpNode], attention: str) -> tuple[bool, ...]:
             matmuls += 1
             cached.append(matmuls % SELECTIVE_MATMUL_PERIOD == 1)
         else:
-            cached.append(op.kind is OpKind.ATTENTION and len(op.inputs) >= 2 and attention == "sdpa")
+            cached.append(op.kind is OpKind.ATTENTION and len(op.inputs) >= 2 and core_impl(attention) == "sdpa")
     return tuple(cached)
 
 
@@ -362,7 +386,7 @@ def activation_parts(
     loss it computes (`loss_tensors`)."""
     if recompute not in RECOMPUTE_POLICIES:
         raise SoapError(f"unknown recompute policy {recompute!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
-    if attention not in ATTENTION_IMPLS:
+    if attention not in (*ATTENTION_IMPLS, SDPA_FP32):
         raise SoapError(f"unknown attention implementation {attention!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
     ops = tuple(ops)
     traced_low = traced_in_low_precision(ops)

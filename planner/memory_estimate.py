@@ -78,7 +78,7 @@ class MemoryTables:
 
     def _unit_activations_uncached(self, u: int, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
                                    policy: str, precision: str, attention: str, compiled: bool,
-                                   cross_entropy: str) -> tuple[float, float, float]:
+                                   cross_entropy: str, device_kind: str = "gpu") -> tuple[float, float, float]:
         """(kept, recompute window, loss transient) of one instance of unit u: the simulator's chunk rules, on a
         strategy reduced to what the placements and sizes read (the data-parallel and batch fields do not
         matter)."""
@@ -89,13 +89,13 @@ class MemoryTables:
         strategy = Strategy(dims=dims, train=train)
         shape = activation_shape(self.graph, strategy)
         placements = block_placements(self.units[u].ops, strategy, shape)
-        kept, window = placed_activations(placements, strategy, self.graph.batch, shape, policy)
+        kept, window = placed_activations(placements, strategy, self.graph.batch, shape, policy, device_kind)
         return kept, window, placed_loss_transient(placements, strategy, self.graph.batch)
 
     def _rank_activations_uncached(self, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
                                    recompute: str, recompute_per_block: tuple, precision: str, attention: str,
                                    compiled: bool, cross_entropy: str, bounds: tuple[int, ...], schedule: str,
-                                   microbatches: int, stages_per_rank: int
+                                   microbatches: int, stages_per_rank: int, device_kind: str = "gpu"
                                    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Each pipeline rank's activation peak: per layer, then per stage (kept, backward peak), then per
         rank over the schedule; and each rank's loss transient (the largest over its stages' units). Memoized:
@@ -110,7 +110,7 @@ class MemoryTables:
         unit_acts = np.array([
             self.unit_activations(u, tp, cp, ep, unit_pp, sequence_parallel, mb,
                                   "none" if unit.id.startswith("<") else policies.get(unit.id, recompute),
-                                  precision, attention, compiled, cross_entropy)
+                                  precision, attention, compiled, cross_entropy, device_kind)
             for u, unit in enumerate(self.units)])
         stage_acts = stage_activations(unit_acts[self.layers, 0], unit_acts[self.layers, 1], bounds)
         transient = [max(unit_acts[self.layers[a:b], 2], default=0.0) for a, b in zip(bounds, bounds[1:])]
@@ -196,7 +196,7 @@ class MemoryTables:
         name, pp, m, v, _ = step_shape(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
         activations, transients = self.rank_activations(
             d.tp, d.cp, d.ep, d.pp, t.sequence_parallel, t.micro_batch, t.recompute, t.recompute_per_block,
-            t.precision, t.attention, t.compile, t.cross_entropy, bounds, name, m, v)
+            t.precision, t.attention, t.compile, t.cross_entropy, bounds, name, m, v, device.kind)
         # model state per stage, on the engine the executor runs
         fsdp = runs_on_fsdp2(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp, zero=t.zero, offload=t.offload_optimizer)
         ranks = self.rank_state(bounds, name, pp, v, d.tp, d.ep, vocab, t.precision, t.optimizer, t.zero,

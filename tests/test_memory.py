@@ -205,7 +205,9 @@ def test_estimate_memory_adds_state_activations_buffers_and_context():
     params = 100 * H + 100 * H + 3 * (H + 3 * H * H + 4 * H * H + 4 * H * H)
     est = estimate_memory(graph, device=device, train=train, dp=4)
     assert (est.weights, est.grads, est.optimizer) == (4 * params, 4 * params, 8 * params)
-    assert est.activations == _acts("none")
+    # fp32 on a GPU: each SDPA core keeps an fp32 score matrix, as eager attention does (memory_activations)
+    assert est.activations == _acts("none", attention="eager") > _acts("none")
+    assert estimate_memory(graph, device=load_device("local-cpu"), train=train, dp=4).activations == _acts("none")
     assert est.buffers == 0  # DDP's buckets are the gradients (gradient_as_bucket_view)
     assert est.workspace == device.context_bytes
     assert est.total == sum((est.weights, est.grads, est.optimizer, est.activations, est.buffers, est.workspace))
@@ -394,3 +396,18 @@ def test_the_loss_memory_is_what_the_executors_loss_keeps_live(dtype, precision,
         expected = {"fp32": 4.0, "bf16": 3.5}[precision] if pipelined else 3.0
     assert measured == pytest.approx(expected, abs=0.02)
     assert predicted == pytest.approx(measured, rel=0.01)
+
+
+def test_an_fp32_attention_on_a_gpu_keeps_its_score_matrices_and_a_tight_limit_makes_the_plan_recompute():
+    """A lent H200 ran a tf32 Llama 3.2 1B step at 4 x 2,048 tokens a micro-batch in 85.0 GiB (benchmarks/
+    techniques_h200.py): 32 GiB more than the fused-kernel count, one fp32 [4, 32, 2,048, 2,048] matrix per layer.
+    Counted now, the same plan no longer fits an 80 GB card's 70 GiB, where bf16's (41.6 GiB measured) still does."""
+    from pathlib import Path
+
+    from planner.api import plan
+
+    config = str(Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "llama-3.2-1b.json")
+    pins = dict(gpus=1, cluster="dgx-h200", global_batch=16, seq_len=2048, micro_batch=4, compile="off", offload="off")
+    assert plan(config, precision="tf32", recompute="none", **pins).predicted["peak_memory_gib"] > 80
+    assert plan(config, precision="bf16", mem_limit_gib=70, **pins).parallelism.recompute == "none"
+    assert plan(config, precision="tf32", mem_limit_gib=70, **pins).parallelism.recompute != "none"

@@ -128,7 +128,7 @@ from costmodel.memory import (
     buffer_bytes, fsdp_param_bytes, grads_held_at_peak, held_autocast_copies, model_state_bytes, stage_params,
     workspace_bytes,
 )
-from costmodel.memory_activations import chunk_activations, chunk_loss_transient, selective_cached
+from costmodel.memory_activations import chunk_activations, chunk_loss_transient, sdpa_attention, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, fp8_cast_launches, loss_launches, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
@@ -285,7 +285,8 @@ def price_step(
                         activation_factor=cluster.device.activation_collective_factor,
                         host_dispatch_s=cluster.device.host_dispatch_s, kernel_s=cluster.device.kernel_overhead_s,
                         host_jitter_s=cluster.device.host_jitter_s,
-                        pipelined_sync_s=cluster.device.pipelined_sync_s if d.pp > 1 else 0.0)
+                        pipelined_sync_s=cluster.device.pipelined_sync_s if d.pp > 1 else 0.0,
+                        device_kind=cluster.device.kind)
     stages = tuple(_price_stage(layers[bounds[k]:bounds[k + 1]], units, strategy, pricer, groups, shape)
                    for k in range(n_stages))
     schedule, passes = step_schedule(t.schedule, d.pp, t.num_microbatches, t.grad_accum, t.virtual_stages)
@@ -319,8 +320,11 @@ class _UnitPricer:
 
     def __init__(self, graph: OpGraph, strategy: Strategy, pricer: Pricer, groups: MeshGroups, shape: ActivationShape,
                  *, activation_factor: float = 1.0, host_dispatch_s: float = 0.0, kernel_s: float = 0.0,
-                 host_jitter_s: float = 0.0, pipelined_sync_s: float = 0.0) -> None:
+                 host_jitter_s: float = 0.0, pipelined_sync_s: float = 0.0, device_kind: str = "gpu") -> None:
         self.graph, self.strategy, self.pricer, self.groups, self.shape = graph, strategy, pricer, groups, shape
+        self.device_kind = device_kind
+        """`DeviceProfile.kind`: what torch's SDPA keeps and recomputes (`memory_activations.sdpa_attention`)."""
+        self.attention = sdpa_attention(strategy.train.attention, strategy.train.precision, device_kind)
         self.activation_factor = activation_factor
         """The device's `activation_collective_factor` (TP/SP/CP/EP collectives in a step)."""
         self.host_dispatch_s = host_dispatch_s
@@ -372,7 +376,7 @@ class _UnitPricer:
         placements = self._placements(layer)
         fwd = bwd_in = bwd_w = selective = 0.0
         fwd_kernels = bwd_kernels = selective_kernels = 0
-        cached = selective_cached([p.op for p in placements], t.attention)
+        cached = selective_cached([p.op for p in placements], self.attention)
         for p, kept in zip(placements, cached, strict=True):
             f, bi, bw = self.pricer.op(p.op, p.split.local(), t.micro_batch, self.graph.batch)
             fwd, bwd_in, bwd_w = fwd + f, bwd_in + bi, bwd_w + bw
@@ -400,7 +404,8 @@ class _UnitPricer:
         blocking = self._tensor_gathers(layer)  # per tensor: on the critical path, again in a full recompute
         fwd_comm, bwd_comm = fwd_comm + blocking, bwd_comm + blocking
         policy = t.recompute_for(layer.block_id) if layer.block_id is not None else "none"
-        kept, recompute_bytes = placed_activations(placements, self.strategy, self.graph.batch, self.shape, policy)
+        kept, recompute_bytes = placed_activations(placements, self.strategy, self.graph.batch, self.shape, policy,
+                                                   self.device_kind)
         if policy == "full":
             recompute_s, bwd_comm = fwd, bwd_comm + fwd_comm
         elif policy == "selective":
@@ -467,13 +472,15 @@ class _UnitPricer:
 
 
 def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, batch_traced: int,
-                       shape: ActivationShape, policy: str) -> tuple[int, int]:
+                       shape: ActivationShape, policy: str, device_kind: str = "gpu") -> tuple[int, int]:
     """(kept, recompute window) bytes of one chunk under its placements: `memory_activations.chunk_activations`
-    with each op at its local split; the planner's estimate calls this too."""
+    with each op at its local split, its attention cores as torch runs them on `device_kind` (`sdpa_attention`);
+    the planner's estimate calls this too."""
     d, t = strategy.dims, strategy.train
     sp = t.sequence_parallel and d.tp > 1
+    attention = sdpa_attention(t.attention, t.precision, device_kind)
     return chunk_activations(((p.op, p.split.local()) for p in placements), policy=policy, micro_batch=t.micro_batch,
-                             batch_traced=batch_traced, attention=t.attention, precision=t.precision,
+                             batch_traced=batch_traced, attention=attention, precision=t.precision,
                              block_input_bytes=shape.hidden_bytes(d.cp) / (d.tp if sp else 1), compiled=t.compile,
                              pipelined=d.pp > 1, cross_entropy=t.cross_entropy)
 
@@ -635,7 +642,8 @@ def _facts(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec) -> StepFact
             blocks.setdefault(op.block_id, []).append(op)
     for block_id, ops in blocks.items():
         policy = t.recompute_for(block_id)
-        cached = selective_cached(ops, t.attention) if policy == "selective" else (False,) * len(ops)
+        attention = sdpa_attention(t.attention, t.precision, cluster.device.kind)
+        cached = selective_cached(ops, attention) if policy == "selective" else (False,) * len(ops)
         if policy != "none":
             recomputed += sum(op.fwd_flops * graph.multiplicity(op) for op, kept in zip(ops, cached) if not kept)
     model = (graph.fwd_flops + graph.bwd_flops) * scale
