@@ -57,7 +57,7 @@ from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import GRAD_BYTES, MemoryBreakdown, fsdp_param_bytes, model_state_bytes
 from costmodel.memory_activations import selective_cached
 from costmodel.opcost import activation_itemsize, op_time
-from costmodel.placement import is_expert
+from costmodel.placement import is_expert, moe_blocks, replicated_in_moe
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
 from costmodel.simulator.pricing import data_parallel_traffic, offload_host_bytes
@@ -139,14 +139,19 @@ class Estimator:
         """(forward, backward, attention-core forward, selective recompute) seconds of one instance of
         unit u; the selective recompute is the forward of the ops selective checkpointing does not cache,
         as the simulator prices it (`costmodel.memory_activations.selective_cached`)."""
-        dense, experts = {"parameter": tp, "attribute": cp}, {"parameter": ep, "attribute": cp}
+        # as the simulator places them (`costmodel.placement`, `OpSplit.local`): an expert op's local work is the
+        # whole expert's (1/ep of the experts, the tokens of all ep ranks routed to them), and an MoE block's other
+        # ops run replicated over tp under expert parallelism
+        dense, whole = {"parameter": tp, "attribute": cp}, {"parameter": 1, "attribute": cp}
         fwd = bwd = attn = selective = 0.0
         ops = self.units[u].ops
+        moe = moe_blocks(ops) if ep > 1 else frozenset()
         cached = {id(op): kept for op, kept in zip(ops, selective_cached(ops, attention), strict=True)}
         for op in self._costed_ops[u]:
+            split = whole if is_expert(op) or replicated_in_moe(op, moe, ep) else dense
             cost = op_time(
                 op, device=self.cluster.device, precision=precision, micro_batch=mb,
-                batch_traced=self.graph.batch, split=experts if is_expert(op) else dense, compile=compile,
+                batch_traced=self.graph.batch, split=split, compile=compile,
             )
             fwd += cost.fwd_s
             bwd += cost.bwd_s
