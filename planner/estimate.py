@@ -55,7 +55,7 @@ import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import GRAD_BYTES, MemoryBreakdown, fsdp_param_bytes, model_state_bytes
-from costmodel.memory_activations import selective_cached
+from costmodel.memory_activations import sdpa_attention, selective_cached
 from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import is_expert, moe_blocks, replicated_in_moe
 from costmodel.profiles import ClusterSpec
@@ -272,8 +272,9 @@ class Estimator:
     def estimate(self, mesh: MeshChoice, train: TrainingConfig) -> Estimate:
         d, t = mesh.dims, train
         policies = self._policies(t.recompute, t.recompute_per_block)
+        attention = sdpa_attention(t.attention, t.precision, self.cluster.device.kind)  # as the simulator runs it
         tables_key = (d.pp, t.virtual_stages, t.schedule, d.tp, d.cp, d.ep, t.micro_batch, t.precision, policies,
-                      t.attention, t.compile)
+                      attention, t.compile)
         tables = self._rank_tables(*tables_key)
         bottleneck = tables.bottleneck
 
