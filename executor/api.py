@@ -11,7 +11,8 @@ The transforms run in the fixed order of the executor (see `executor/__init__.py
     7. data parallel             FSDP2 on meta, before materialization (experts first, over the ranks
                                  holding the same experts); DDP after it
 A model on the meta device is materialized between 7's FSDP and DDP (`executor.model.materialize`,
-seeded per FQN, or from `weights`); a model with real weights keeps them.
+seeded per FQN, or from `weights`); a model with real weights keeps them. Parameters go to the rank's device, or
+to the host where FSDP offloads them (`parameter_device`); buffers always to the device.
 """
 
 from __future__ import annotations
