@@ -76,9 +76,9 @@ def optimizer_factors() -> dict[str, list[list[float]]]:
     return out
 
 
-OPTIMIZER_SOURCE = ("adamw8bit, adafactor, sgd: measured on a lent H200, 2026-11-28, each step over the AdamW run of "
-                    "the same Llama 3.2 1B plan (benchmarks/techniques_h200.py), the fused AdamW's own time as "
-                    "h200-x1-measured prices it, over the one-pass estimate")
+OPTIMIZER_SOURCE = ("measured on a lent H200, 2026-11-28, for adamw8bit, adafactor and sgd: each step over the AdamW "
+                    "run of the same Llama 3.2 1B plan (benchmarks/techniques_h200.py), the fused AdamW's own time "
+                    "as h200-x1-measured prices it, over the one-pass estimate")
 
 
 def with_optimizers(device_json: dict) -> dict:
