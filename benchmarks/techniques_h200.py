@@ -37,10 +37,9 @@ def rows() -> list[dict]:
     out = []
     for record in records():
         p = plan_from_dict(record["plan"]).parallelism
-        out.append(dict(name=record["name"], precision=p.precision, optimizer=p.optimizer, offload=p.offload_optimizer,
+        out.append(dict(name=record["name"], precision=p.precision, optimizer=p.optimizer,
                         measured_s=steady_step_s(record["step_times_s"]), measured_gib=record["peak_memory_gib"],
-                        reserved_gib=record.get("peak_memory_reserved_gib"), then_s=record["predicted_step_time_s"],
-                        then_gib=record["predicted_peak_memory_gib"])
+                        reserved_gib=record.get("peak_memory_reserved_gib"), then_s=record["predicted_step_time_s"])
                    | priced(record, {name: name for name in CLUSTERS}))
     return out
 
@@ -83,12 +82,10 @@ OPTIMIZER_SOURCE = ("measured on a lent H200, 2026-11-28, for adamw8bit, adafact
 
 def with_optimizers(device_json: dict) -> dict:
     """`device_json` with the unfused optimizers' measured factors (`optimizer_factors`) added to its own."""
-    table = dict(device_json.get("optimizer_factors") or {"source": "", "factors": {}})
-    factors = {**table.get("factors", {}), **optimizer_factors()}
-    source = table.get("source", "")
-    if OPTIMIZER_SOURCE not in source:
-        source = f"{source}; {OPTIMIZER_SOURCE}" if source else OPTIMIZER_SOURCE
-    return {**device_json, "optimizer_factors": {**table, "source": source, "factors": factors}}
+    from costmodel.profiles import with_measured_factors
+
+    table = with_measured_factors(device_json.get("optimizer_factors"), optimizer_factors(), OPTIMIZER_SOURCE)
+    return {**device_json, "optimizer_factors": table}
 
 
 def pct(p: float, m: float) -> str:
@@ -131,11 +128,10 @@ READING = """Reading it:
   matrix for backward; which of the two ran was not traced. The memory model now counts eager's saves for SDPA at
   4-byte precision on a GPU (`costmodel.memory_activations.sdpa_attention`; the CPU's flash kernel keeps none), and
   prices the step's allocated peak 2% low (83.4 GiB; 1.6 short, about one more such matrix, a transient not
-  modelled); such a plan no longer fits an 80 GB card at this
-  micro-batch without recompute (tests/test_memory.py). Its time is left: the attention core is still priced as the
-  fused kernel (1.28x bf16's step where 2.56x was measured), and without knowing which kernel ran, the price of the
-  math path (unfused GEMMs over the whole square, softmax passes over it) would be a guess. The planner picks tf32 or
-  fp32 only where pinned.
+  modelled); such a plan no longer fits an 80 GB card at this micro-batch without recompute (tests/test_memory.py).
+  Its time is left: the attention core is still priced as the fused kernel (1.28x bf16's step where 2.56x was
+  measured), and without knowing which kernel ran, the price of the math path (unfused GEMMs over the whole square,
+  softmax passes over it) would be a guess. The planner picks tf32 or fp32 only where pinned.
 - **8-bit AdamW, Adafactor and SGD** ran 5.9%, 6.3% and 2.1% slower than AdamW, priced 0.995-0.997x when planned:
   the fused AdamW is one kernel over every parameter; bitsandbytes' 8-bit step, Adafactor's foreach factored step
   and SGD's foreach momentum step are several passes each, 15-45 ms a step here that one memory-bound pass does

@@ -78,11 +78,8 @@ LOWER_RIGHT_SOURCE = (f"{LOWER_RIGHT_CLASS} x{H100_LOWER_RIGHT_CURVE[-1][1]}-{H1
 def with_lower_right(kernel_factors: dict | None) -> dict:
     """A Hopper profile's `kernel_factors` JSON table (`{"source": ..., "factors": {...}}`) with the lower-right
     causal kernel's factor at every 16-bit precision (`H100_LOWER_RIGHT`), its source appended once."""
-    table = {"source": "", "factors": {}} if not kernel_factors else dict(kernel_factors)
-    factors = dict(table.get("factors", {}))
-    for precision in ("bf16", "fp16"):
-        factors[f"{LOWER_RIGHT_CLASS}/{precision}"] = [list(point) for point in H100_LOWER_RIGHT_CURVE]
-    source = table.get("source", "")
-    if LOWER_RIGHT_SOURCE not in source:
-        source = f"{source}; {LOWER_RIGHT_SOURCE}" if source else LOWER_RIGHT_SOURCE
-    return {**table, "source": source, "factors": factors}
+    from costmodel.profiles import with_measured_factors
+
+    curve = [list(point) for point in H100_LOWER_RIGHT_CURVE]
+    return with_measured_factors(kernel_factors, {f"{LOWER_RIGHT_CLASS}/{p}": curve for p in ("bf16", "fp16")},
+                                 LOWER_RIGHT_SOURCE)

@@ -450,3 +450,14 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict:
     from costmodel.profiles_json import cluster_to_dict as to_dict
 
     return to_dict(cluster)
+
+
+def with_measured_factors(table: dict | None, factors: Mapping[str, Any], source: str) -> dict:
+    """A factor table as profile JSON holds one (`{"source": ..., "factors": {class/precision: curve}}`, e.g.
+    `kernel_factors`, `optimizer_factors`) with `factors` measured apart written over its own, their `source`
+    appended once."""
+    out = {"source": "", "factors": {}} if not table else dict(table)
+    own = out.get("source", "")
+    if source not in own:
+        own = f"{own}; {source}" if own else source
+    return {**out, "source": own, "factors": {**out.get("factors", {}), **factors}}

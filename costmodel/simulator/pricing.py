@@ -640,9 +640,9 @@ def _facts(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec) -> StepFact
     for op in graph.ops:
         if op.block_id is not None:
             blocks.setdefault(op.block_id, []).append(op)
+    attention = sdpa_attention(t.attention, t.precision, cluster.device.kind)
     for block_id, ops in blocks.items():
         policy = t.recompute_for(block_id)
-        attention = sdpa_attention(t.attention, t.precision, cluster.device.kind)
         cached = selective_cached(ops, attention) if policy == "selective" else (False,) * len(ops)
         if policy != "none":
             recomputed += sum(op.fwd_flops * graph.multiplicity(op) for op, kept in zip(ops, cached) if not kept)
