@@ -18,11 +18,9 @@ set -u
 W=/tmp/gs9; DEADLINE=${DEADLINE:-540}
 source benchmarks/gpu_lib.sh
 export HF_HUB_OFFLINE=1
-python3 -c "import peft, bitsandbytes as b, transformers as t; print('peft', peft.__version__, 'bitsandbytes',
-    b.__version__, 'transformers', t.__version__)" >>"$W/env.txt" 2>&1
-tail -1 "$W/env.txt"
+peft_versions
 PLANS=benchmarks/data/h100-2026-11-27/plans
-ex() { step "$1" "$2" python3 -m soap execute "$PLANS/$1.plan.json" --steps "$3" --report "$W/$1.run.json" --json; }
+ex() { execute "$1" "$2" "$PLANS" "$3"; }
 ex 8b4l-lora 70 5
 ex 8b4l-qlora 75 5
 ex 8b4l-eager-bf16 60 5

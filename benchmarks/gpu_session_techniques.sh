@@ -15,11 +15,9 @@ set -u
 W=/tmp/gs-tech; DEADLINE=${DEADLINE:-430}
 source benchmarks/gpu_lib.sh
 export HF_HUB_OFFLINE=1
-python3 -c "import peft, bitsandbytes as b, transformers as t; print('peft', peft.__version__, 'bitsandbytes',
-    b.__version__, 'transformers', t.__version__)" >>"$W/env.txt" 2>&1
-tail -1 "$W/env.txt"
+peft_versions
 PLANS=benchmarks/data/h200-2026-11-28/plans
-ex() { step "$1" "$2" python3 -m soap execute "$PLANS/$1.plan.json" --steps "$3" --report "$W/$1.run.json" --json; }
+ex() { execute "$1" "$2" "$PLANS" "$3"; }
 # the first call ran all; 1b-offload failed (FSDP's CPUOffloadPolicy refused parameters materialized on the GPU,
 # fixed in executor.api.parameter_device) and 1b-sgd ran out of time; the second call (`bash THIS 1b-offload
 # pytest-offload 1b-sgd`) ran SGD, but the offload run outran its 90 s (now 180) without a step and the test's
