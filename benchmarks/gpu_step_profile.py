@@ -3,9 +3,11 @@
 
     python -m benchmarks.gpu_step_profile gpt2 32 1024 > FILE      # on a CUDA machine
     python -m benchmarks.gpu_step_profile benchmarks/configs/llama-3-8b-4l.json 1 8192 --compile --json OUT.json
+    python -m benchmarks.gpu_step_profile llama-3.2-1b 4 2048 --micro-batches 4 --precision tf32 --json OUT.json
 
 It runs the step the executor runs for a single-rank bf16 plan: fp32 parameters, `torch.autocast(cuda,
-bf16)` around forward and loss, cross-entropy on `logits.float()`, fused AdamW. It prints the median step
+bf16)` around forward and loss, cross-entropy on `logits.float()`, fused AdamW (`--precision tf32`: no autocast,
+fp32 tensors with TF32 matmuls on, as `executor.precision` runs a tf32 plan). It prints the median step
 time, the peak allocated memory, the bytes saved for backward by dtype (a `saved_tensors_hooks` count)
 and torch.profiler's top kernels by CUDA time. `--compile` compiles each block in place as the executor does
 (`executor.api.compile_blocks`); `--micro-batches N` accumulates N forward and backward passes into each optimizer
@@ -39,7 +41,11 @@ def main() -> None:
                         help="swap the blocks' Linears for torchao's float8 ones first, as the executor's fp8 plans do")
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="forward and backward passes per optimizer step (gradient accumulation)")
+    parser.add_argument("--precision", choices=("bf16", "tf32"), default="bf16",
+                        help="bf16 autocast (default), or fp32 tensors with TF32 matmuls")
     args = parser.parse_args()
+    tf32 = args.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     name, batch, seq, micro = args.model, args.batch, args.seq, args.micro_batches
     model = build_model(resolve_spec(name), device="cuda")
     if args.fp8:  # before compile, as `executor.api` converts before it compiles
@@ -65,7 +71,7 @@ def main() -> None:
         pack = count if hooks else (lambda t: t)
         for _ in range(micro):
             with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-                  torch.autocast("cuda", dtype=torch.bfloat16)):
+                  torch.autocast("cuda", dtype=torch.bfloat16, enabled=not tf32)):
                 logits = model(input_ids=ids, use_cache=False).logits
                 loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
             loss.backward()
@@ -84,7 +90,7 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    print(f"{name} batch {batch} x seq {seq} x {micro} micro-batches, bf16 autocast"
+    print(f"{name} batch {batch} x seq {seq} x {micro} micro-batches, {'tf32' if tf32 else 'bf16 autocast'}"
           f"{', float8 Linears' if args.fp8 else ''}"
           f"{', compiled blocks' if args.compile else ''}, "
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
@@ -105,7 +111,7 @@ def main() -> None:
         groups = kernel_groups(kernels)
         with open(args.json, "w") as out:
             json.dump({"model": name, "batch": batch, "seq": seq, "micro_batches": micro, "compile": args.compile,
-                       "fp8": args.fp8,
+                       "fp8": args.fp8, "precision": args.precision,
                        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                        "step_s": sorted(times)[2], "groups_s": groups, "kernel_total_us": sum(us.values()),
                        "kernels_us": [[n, round(t, 1), calls[n]] for n, t in us.most_common()]}, out, indent=1)

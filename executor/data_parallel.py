@@ -26,9 +26,9 @@ blocks) or beside DDP (zero 0/1: parameters kept gathered, no mixed-precision po
 under zero 1 ZeroRedundancyOptimizer gets the other parameters and the experts an optimizer of their own,
 `OptimizerPair`).
 
-Optimizers: adamw (fused on CUDA, foreach on CPU), adafactor (torch.optim.Adafactor), sgd, adamw8bit
-(bitsandbytes, when importable). Parameters are grouped by their DTensor mesh (plain tensors apart),
-because foreach kernels cannot mix tensors of different meshes.
+Optimizers: adamw (fused on CUDA and on the host of an offloaded optimizer, foreach on a CPU rank), adafactor
+(torch.optim.Adafactor), sgd, adamw8bit (bitsandbytes, when importable). Parameters are grouped by their DTensor
+mesh (plain tensors apart), because foreach kernels cannot mix tensors of different meshes.
 """
 
 from __future__ import annotations
@@ -114,18 +114,20 @@ def build_optimizer(plan: Plan, params: list[nn.Parameter], *, lr: float, mesh: 
     p = plan.parallelism
     params = [q for q in params if q.requires_grad] or params  # a part with nothing to train still steps
     groups = _group_by_mesh(params)
-    on_cuda = params[0].device.type == "cuda"
+    # the fused AdamW on a GPU, and on the host an offloaded optimizer steps on: there 4x the foreach one's speed
+    # (benchmarks/host_adamw.py); a CPU rank keeps the foreach one its profile's optimizer_factors measured
+    fused = params[0].device.type == "cuda" or p.offload_optimizer
     if p.zero == 1 and mesh is not None and uses_ddp(plan):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        cls, kwargs = _optimizer_class(p.optimizer, on_cuda)
+        cls, kwargs = _optimizer_class(p.optimizer, fused)
         dense = [q for q in params if not is_expert_parameter(q)]
         zero = ZeroRedundancyOptimizer(dense, optimizer_class=cls, process_group=mesh.dp_cp.get_group(), lr=lr,
                                        **kwargs)
         experts = [q for q in params if is_expert_parameter(q)]
         # ZeRO broadcasts each parameter from the rank that steps it: expert-parallel ones differ per rank
         return OptimizerPair(zero, cls(experts, lr=lr, **kwargs)) if experts else zero
-    cls, kwargs = _optimizer_class(p.optimizer, on_cuda)
+    cls, kwargs = _optimizer_class(p.optimizer, fused)
     return cls([{"params": g} for g in groups], lr=lr, **kwargs)
 
 
@@ -153,9 +155,9 @@ class OptimizerPair:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def _optimizer_class(name: str, on_cuda: bool) -> tuple[type, dict[str, Any]]:
+def _optimizer_class(name: str, fused: bool) -> tuple[type, dict[str, Any]]:
     if name == "adamw":
-        return torch.optim.AdamW, ({"fused": True} if on_cuda else {"foreach": True})
+        return torch.optim.AdamW, ({"fused": True} if fused else {"foreach": True})
     if name == "adafactor":
         return torch.optim.Adafactor, {"foreach": True}
     if name == "sgd":
