@@ -125,13 +125,20 @@ READING = """Reading it:
   [4, 32, 2,048, 2,048] matrix for each of the 16 layers: with fp32 queries torch's SDPA has neither FlashAttention
   nor cuDNN, HF's Llama passes a boolean mask (K/V repeated to the query heads) in this regime, and either the math
   path (its softmax probabilities) or the memory-efficient kernel (its bias expanded to every head) keeps such a
-  matrix for backward; which of the two ran was not traced. The memory model now counts eager's saves for SDPA at
-  4-byte precision on a GPU (`costmodel.memory_activations.sdpa_attention`; the CPU's flash kernel keeps none), and
-  prices the step's allocated peak 2% low (83.4 GiB; 1.6 short, about one more such matrix, a transient not
-  modelled); such a plan no longer fits an 80 GB card at this micro-batch without recompute (tests/test_memory.py).
-  Its time is left: the attention core is still priced as the fused kernel (1.28x bf16's step where 2.56x was
-  measured), and without knowing which kernel ran, the price of the math path (unfused GEMMs over the whole square,
-  softmax passes over it) would be a guess. The planner picks tf32 or fp32 only where pinned.
+  matrix for backward. A later call traced it (benchmarks/data/h200-2026-11-28b): one profiled tf32 step of this
+  plan (`benchmarks/gpu_step_profile.py --precision tf32`: 1.89 s, against 0.73 s in bf16) ran no attention kernel
+  at all, but the math path: TF32 GEMMs over the whole square, `where` for the mask, softmax forward and backward
+  over [4, 32, 2,048, 2,048] fp32 (GEMMs 1.00 s and memory-bound kernels 0.85 s of the step, against 0.32 and 0.33
+  in bf16). Alone, SDPA at the same shape with the causal boolean mask and K/V already repeated picks the
+  memory-efficient kernel (`benchmarks/sdpa_fp32.py`: 15.9 ms forward and backward, 15 TFLOP/s of causal work; the
+  math path 12.5 ms, `is_causal` 7.9, bf16's cuDNN kernel 0.84), so the model's call differs (likely HF's
+  `enable_gqa`, which the memory-efficient kernel lacks; not verified). The memory model now counts eager's saves
+  for SDPA at 4-byte precision on a GPU (`costmodel.memory_activations.sdpa_attention`; the CPU's flash kernel keeps
+  none), and prices the step's allocated peak 2% low (83.4 GiB; 1.6 short, about one more such matrix, a transient
+  not modelled); such a plan no longer fits an 80 GB card at this micro-batch without recompute
+  (tests/test_memory.py). Its time is left: the attention core is still priced as one fused kernel (1.28x bf16's
+  step where 2.56x was measured); pricing it as the math path it is (its GEMMs and passes, as the profile lists
+  them) is next. The planner picks tf32 or fp32 only where pinned.
 - **8-bit AdamW, Adafactor and SGD** ran 5.9%, 6.3% and 2.1% slower than AdamW, priced 0.995-0.997x when planned:
   the fused AdamW is one kernel over every parameter; bitsandbytes' 8-bit step, Adafactor's foreach factored step
   and SGD's foreach momentum step are several passes each, 15-45 ms a step here that one memory-bound pass does
@@ -143,10 +150,9 @@ READING = """Reading it:
   priced within 0.5% (34.7, 32.4 and 37.0 GiB against AdamW's 41.6), as bf16's and fp16's are.
 - **Offload failed on the GPU** (the first call): FSDP2's CPUOffloadPolicy refuses parameters allocated on the
   device, and soap's executor materialized them there. Fixed (`executor.api.parameter_device`: the host for the
-  parameters, the GPU for the buffers), with a GPU-marked test; the second call's offload run outran its 90 s
-  without printing a step (the seeded init, FSDP's pinning of 5 GB of fp32 shards and a CPU AdamW over 1.2e9
-  parameters are all in those 90 s; priced at 2.83 s a step) and the test's subprocesses lacked the carried
-  packages (fixed). So the offload step is still unmeasured on a GPU."""
+  parameters, the GPU for the buffers), with a GPU-marked test, which passes on the H200. A later call measured the
+  offload step: 12.8 s at these 4 micro-batches, priced 2.83 (section "The optimizer offloaded to the host, on one
+  H200", `benchmarks/offload_h200.py`)."""
 
 
 def main() -> None:

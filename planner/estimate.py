@@ -39,7 +39,7 @@ Step time:
                    stream: m x max(0, gathers + syncs - compute), and dp_exposed is 0
                    (`costmodel.simulator.pricing.data_parallel_traffic` and its arithmetic);
     optimizer      device state read and written once at memory bandwidth; with offload the
-                   simulator's host traffic (`costmodel.simulator.pricing.offload_host_bytes`).
+                   simulator's host share (`costmodel.offload.offload_time`).
 Memory: the simulator's model, term by term, from per-unit tables (`planner.memory_estimate`), over
 the same stages (`Estimator.stage_bounds`, which `planner.pricing.Pricer` simulates): equal to the
 simulated peak, so pruning by it never drops a plan the simulator would accept.
@@ -60,7 +60,8 @@ from costmodel.opcost import activation_itemsize, op_time
 from costmodel.placement import is_expert, moe_blocks, replicated_in_moe
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
-from costmodel.simulator.pricing import data_parallel_traffic, offload_host_bytes
+from costmodel.offload import offload_time
+from costmodel.simulator.pricing import data_parallel_traffic
 from costmodel.strategy import ParallelDims, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
@@ -297,7 +298,7 @@ class Estimator:
         dp_exposed, zero3_exposed = self._dp_comm(d, t.zero, t.precision, t.offload_optimizer, m, tables_key)
         device = self.cluster.device
         if t.offload_optimizer:
-            optimizer_s = offload_host_bytes(params_local / d.shard_degree, pp=d.pp, train=t) / device.host_bandwidth
+            optimizer_s = offload_time(params_local / d.shard_degree, pp=d.pp, train=t, device=device)
         else:
             optimizer_s = 2 * (state.weights + state.grads + state.optimizer) / device.memory_bandwidth
         step = pipeline + dp_exposed + zero3_exposed + optimizer_s

@@ -73,8 +73,8 @@ class CachedPrices:
     def optimizer_time(self, optimizer: str, elements: float) -> float:
         return self.inner.optimizer_time(optimizer, elements)
 
-    def host_time(self, nbytes: float) -> float:
-        return self.inner.host_time(nbytes)
+    def offload_time(self, elements: float, *, pp: int, train) -> float:
+        return self.inner.offload_time(elements, pp=pp, train=train)
 
 
 class Pricer:

@@ -122,16 +122,34 @@ def test_offload_keeps_master_weights_gradients_and_optimizer_state_on_the_host(
     assert (piped.weights, piped.grads, piped.optimizer, piped.offloaded) == (8_000 * 2, 8_000 * 4, 0, s.offloaded)
 
 
-def test_offload_traffic_syncs_every_microbatch_without_a_pipeline_and_once_per_run_with_one():
-    from costmodel.simulator.pricing import offload_host_bytes
+def test_offload_syncs_every_microbatch_without_a_pipeline_and_once_per_run_with_one():
+    from costmodel.offload import offload_syncs
 
-    cpu_step = 2 * 4 + 4 + 2 * 8  # fp32 shard read and written, fp32 gradient read, two moments read and written
     accum = TrainingConfig(global_batch=8, seq_len=T, num_microbatches=8, grad_accum=8, offload_optimizer=True)
-    assert offload_host_bytes(1_000, pp=1, train=accum) == 1_000 * (8 * 4 + 8 * 4 + 7 * 12 + cpu_step)
+    assert offload_syncs(pp=1, train=accum) == (8, 8)
     one_run = TrainingConfig(global_batch=8, seq_len=T, num_microbatches=8, grad_accum=1, offload_optimizer=True)
-    assert offload_host_bytes(1_000, pp=2, train=one_run) == 1_000 * (4 + 4 + cpu_step)
+    assert offload_syncs(pp=2, train=one_run) == (1, 1)
     zero3 = TrainingConfig(global_batch=8, seq_len=T, num_microbatches=8, grad_accum=1, zero=3, offload_optimizer=True)
-    assert offload_host_bytes(1_000, pp=2, train=zero3) == 1_000 * (2 * 8 * 4 + 4 + cpu_step)
+    assert offload_syncs(pp=2, train=zero3) == (1, 16)
+
+
+def test_offloaded_accumulation_on_a_gpu_costs_what_the_h200_measured_and_a_cpu_device_its_host_rate():
+    """FSDP2 accumulates each later micro-batch's offloaded gradient on the CPU through a blocking copy: on a lent
+    H200 each micro-batch after the first added ~3.4 s to a 1.24e9-parameter step (costmodel.offload)."""
+    from costmodel.offload import HOST_ACCUMULATE_BYTES_PER_S, HOST_STEP_BYTES_PER_S, offload_time
+
+    gpu, cpu = load_device("h200-sxm"), load_device("local-cpu")
+    one = TrainingConfig(global_batch=4, seq_len=T, num_microbatches=1, grad_accum=1, offload_optimizer=True)
+    four = TrainingConfig(global_batch=16, seq_len=T, num_microbatches=4, grad_accum=4, offload_optimizer=True)
+    e = 1.24e9
+    assert offload_time(e, pp=1, train=one, device=gpu) == pytest.approx(
+        e * 8 / gpu.host_bandwidth + e * 28 / HOST_STEP_BYTES_PER_S)
+    extra = offload_time(e, pp=1, train=four, device=gpu) - offload_time(e, pp=1, train=one, device=gpu)
+    assert extra == pytest.approx(3 * e * 4 / gpu.host_bandwidth + 3 * e * 4 / HOST_ACCUMULATE_BYTES_PER_S)
+    assert 9 < extra < 11  # 11.19 - 0.58 s measured, less three micro-batches' compute
+    cpu_step = 2 * 4 + 4 + 2 * 8  # fp32 shard read and written, fp32 gradient read, two moments read and written
+    assert offload_time(1_000, pp=1, train=four, device=cpu) == pytest.approx(
+        1_000 * (4 * 4 + 4 * 4 + 3 * 12 + cpu_step) / cpu.host_bandwidth)
 
 
 def test_offload_buffers_are_one_unit_of_gradients_or_the_gathered_units():

@@ -89,9 +89,8 @@ matmul/embedding weights); the optimizer step is memory-bound: local elements up
 share when zero >= 1) times bytes read (weights, gradients, state) and written (weights, state), at
 the device's memory bandwidth, times the device's measured `optimizer_factors`
 (`costmodel.optimizer_step`, `Pricer.optimizer_time`); with offload (FSDP2 CPUOffloadPolicy, see
-`costmodel.memory`), fp32 gradient shards go down and fp32 parameter shards come up over the host
-link for every sync and all-gather, and the CPU's gradient accumulation and step on the fp32 shards
-are priced at the host-link rate too (the profiles carry no CPU memory bandwidth): `offload_host_bytes`.
+`costmodel.memory`), fp32 parameter shards come up over the host link at every all-gather, gradients go
+down at every sync, later syncs accumulate on the CPU, and the CPU steps: `costmodel.offload`.
 The host-resident bytes are the stage's `host_bytes`. Zero 1 (ZeroRedundancyOptimizer) all-gathers the updated shards after the step.
 Pipeline transfers: the hidden state [micro_batch, seq/cp, hidden] (/tp with SP) as a send_recv.
 
@@ -129,6 +128,7 @@ from costmodel.memory import (
     workspace_bytes,
 )
 from costmodel.memory_activations import chunk_activations, chunk_loss_transient, sdpa_attention, selective_cached
+from costmodel.offload import offload_time
 from costmodel.opcost import activation_itemsize, backward_kernels, fp8_cast_launches, loss_launches, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
@@ -158,8 +158,8 @@ class Pricer(Protocol):
     def optimizer_time(self, optimizer: str, elements: float) -> float:
         """The optimizer step over `elements` local parameters (no offload)."""
 
-    def host_time(self, nbytes: float) -> float:
-        """Moving `nbytes` between device and host."""
+    def offload_time(self, elements: float, *, pp: int, train: TrainingConfig) -> float:
+        """The host's share of a step under offload for `elements` local parameter shards (`costmodel.offload`)."""
 
 
 def profile_pricer(cluster: ClusterSpec, strategy: Strategy) -> ProfilePricer:
@@ -215,8 +215,8 @@ class ProfilePricer:
         return self.slowdown * optimizer_step_time(self.cluster.device, elements, precision=self.precision,
                                                    optimizer=optimizer)
 
-    def host_time(self, nbytes: float) -> float:
-        return nbytes / self.cluster.device.host_bandwidth
+    def offload_time(self, elements: float, *, pp: int, train: TrainingConfig) -> float:
+        return offload_time(elements, pp=pp, train=train, device=self.cluster.device)
 
 
 @dataclass(frozen=True)
@@ -605,31 +605,9 @@ def stage_param_set(layers: Sequence[Layer], tensor_parallel: int, pp: int, expe
 def _optimizer_time(params: int, strategy: Strategy, pricer: Pricer) -> float:
     d, t = strategy.dims, strategy.train
     if t.offload_optimizer:
-        return pricer.host_time(offload_host_bytes(params / d.shard_degree, pp=d.pp, train=t))
+        return pricer.offload_time(params / d.shard_degree, pp=d.pp, train=t)
     sharded = t.zero >= 1 or fsdp_engine(strategy)  # FSDP2 steps on its shards whatever the stage
     return pricer.optimizer_time(t.optimizer, params / (d.shard_degree if sharded else 1))
-
-
-def offload_host_bytes(elems: float, *, pp: int, train: TrainingConfig) -> float:
-    """Bytes one rank moves over its host link, or through host memory, per step under offload, for
-    `elems` elements of parameter shards (FSDP2 CPUOffloadPolicy, as `executor.data_parallel` runs it):
-
-        gradient syncs  s = num_microbatches without a pipeline (the training loop has no no_sync for
-                            FSDP2: every backward reduce-scatters), grad_accum with one (torch's stage
-                            defers the sync and the reshard to each schedule run's last backward)
-        all-gathers     g = 2 x num_microbatches with zero 3 (reshard after forward), else s
-        bytes/element   4 g (fp32 shards up) + 4 s (fp32 gradients down) + 12 (s - 1) (CPU gradient
-                        accumulation) + 2 x 4 + 4 + 2 x optimizer state (the CPU step)
-
-    All of it counts at the host-link rate and none of it overlaps compute: an upper bound, since FSDP2
-    copies on its all-gather and reduce-scatter streams."""
-    t = train
-    syncs = t.num_microbatches if pp == 1 else t.grad_accum
-    gathers = 2 * t.num_microbatches if t.zero == 3 else syncs
-    opt_bytes = OPTIMIZER_BYTES.get(t.optimizer, 4)
-    per_element = (FSDP_MASTER_BYTES * gathers + FSDP_GRAD_BYTES * syncs + 3 * FSDP_GRAD_BYTES * (syncs - 1)
-                   + 2 * FSDP_MASTER_BYTES + FSDP_GRAD_BYTES + 2 * opt_bytes)
-    return elems * per_element
 
 
 def _facts(graph: OpGraph, strategy: Strategy, cluster: ClusterSpec) -> StepFacts:

@@ -1,0 +1,67 @@
+"""The host's share of a training step whose optimizer is offloaded (FSDP2's CPUOffloadPolicy, as
+`executor.data_parallel` runs it): what one rank moves and computes outside the GPU's kernels, per optimizer step.
+
+For `e` elements of fp32 parameter shards on a rank (its stage's parameters / dp_shard), with
+
+    s = gradient syncs a step: num_microbatches without a pipeline (the training loop has no no_sync for FSDP2:
+        every backward reduce-scatters), grad_accum with one (torch's stage defers the sync and the reshard to
+        each schedule run's last backward)
+    g = all-gathers a step: 2 x num_microbatches with zero 3 (reshard after forward), else s
+
+the step pays, serially with the GPU's kernels (an upper bound: FSDP2 issues its copies on its all-gather and
+reduce-scatter streams):
+
+    up          4 e g / L          each all-gather copies the fp32 shards up (pinned, non-blocking)
+    down        4 e / L            the first sync copies its fp32 gradient down (pinned, non-blocking)
+    accumulate  4 e (s - 1) / A    every later sync: FSDP2 copies the gradient down blocking, into pageable memory,
+                                   and adds it to the host's on the CPU, parameter by parameter
+                                   (torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce)
+    step        b e / H            the optimizer on the host, one pass over b = 2 x 4 + 4 + 2 x state bytes an
+                                   element (parameter read and written, gradient read, state read and written)
+
+L is the device's host link (`DeviceProfile.host_bandwidth`); A and H are the host's, measured on one GPU
+machine's host (below) and used for every GPU profile, whose hosts no profile describes. On a CPU device
+(`kind` "cpu") the "host" is the device: every term is at its host rate L, as before this module.
+
+Measured on a lent H200 with a 16-core host, 2026-11-28 (benchmarks/offload_h200.py,
+benchmarks/data/h200-2026-11-28/): Llama 3.2 1B (1.24e9 parameters), 4 x 2,048 tokens a micro-batch, offload, ran
+0.58 s a step with 1 micro-batch, 4.44 s with 2 and 11.2 s with 4: each micro-batch after the first cost about
+3.4 s, against 0.18 s of compute. HOST_ACCUMULATE is fitted to the 4-micro-batch run (1 and 2 held out);
+HOST_STEP is the host's torch fused AdamW timed alone over the same elements (benchmarks/host_adamw.py: 0.30 s,
+where the foreach AdamW took 1.23 s; the executor steps the fused one on the host). Other optimizers on the host
+(foreach Adafactor and SGD: several passes) are priced as one pass: unmeasured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from costmodel.memory import FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, OPTIMIZER_BYTES
+
+HOST_STEP_BYTES_PER_S = 115.3e9
+"""The host's optimizer pass (bytes it reads and writes a second): torch's fused AdamW over 1.24e9 fp32 elements
+on a lent H200's 16-core host, 0.3015 s at 28 bytes an element (benchmarks/host_adamw.py, 2026-11-28)."""
+HOST_ACCUMULATE_BYTES_PER_S = 1.51e9
+"""fp32 gradient bytes a second that FSDP2's offloaded accumulation takes in (blocking copy into pageable memory
+and the CPU's add), fitted to Llama 3.2 1B's 4-micro-batch offload run on a lent H200 (11.19 s a step; the 1- and
+2-micro-batch runs held out: benchmarks/offload_h200.py)."""
+
+
+def offload_syncs(*, pp: int, train: Any) -> tuple[int, int]:
+    """(gradient syncs, all-gathers) one rank's parameter shards see in a step (the module's s and g)."""
+    syncs = train.num_microbatches if pp == 1 else train.grad_accum
+    gathers = 2 * train.num_microbatches if train.zero == 3 else syncs
+    return syncs, gathers
+
+
+def offload_time(elems: float, *, pp: int, train: Any, device: Any) -> float:
+    """Seconds of one rank's step outside its GPU kernels under offload (the module's up + down + accumulate +
+    step) for `elems` elements of parameter shards on `device`."""
+    syncs, gathers = offload_syncs(pp=pp, train=train)
+    step_bytes = 2 * FSDP_MASTER_BYTES + FSDP_GRAD_BYTES + 2 * OPTIMIZER_BYTES.get(train.optimizer, 4)
+    link = elems * FSDP_MASTER_BYTES * gathers + elems * FSDP_GRAD_BYTES
+    accumulate = elems * FSDP_GRAD_BYTES * (syncs - 1)
+    if device.kind == "cpu":
+        return (link + 4 * accumulate + elems * step_bytes) / device.host_bandwidth  # 4 e (s - 1) down, 12 to add
+    return (link / device.host_bandwidth + accumulate / HOST_ACCUMULATE_BYTES_PER_S
+            + elems * step_bytes / HOST_STEP_BYTES_PER_S)
