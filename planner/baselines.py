@@ -11,8 +11,9 @@ isolates the parallelization. Families (`baseline_families`):
   on one GPU; else TP across the node (none when the node has no fast link: PP wins there) plus the
   fewest pipeline stages that fit (1F1B), ZeRO-1 data parallelism over the rest; else ZeRO data
   parallelism.
-No baseline offloads optimizer state. The search space contains every family, so the chosen plan is
-never slower than a baseline.
+No baseline offloads optimizer state: where the pins leave a family no member (`--offload`: none), the report
+says it is outside the pins, not that it does not fit. The search space contains every family, so the chosen plan
+is never slower than a baseline.
 """
 
 from __future__ import annotations

@@ -208,5 +208,5 @@ def _run_search(request: PlanRequest, graph: OpGraph, *, time_budget_s: float | 
         plan=plan, chosen=chosen, alternatives=outcome.ranked[1:], baselines=outcome.baselines, why=why,
         model=request.model_name, cluster=request.cluster.name, gpus=request.space.gpus,
         memory_limit_bytes=request.memory_limit, candidates=outcome.candidates, simulated=outcome.simulated,
-        limit=request.limit,
+        limit=request.limit, baselines_outside=outcome.baselines_outside,
     )

@@ -46,6 +46,8 @@ class PlanReport:
     """Configurations priced by full simulation."""
     limit: MemoryLimit | None = None
     """How the memory limit was set (`costmodel.allocator`); None for reports built without a request."""
+    baselines_outside: tuple[str, ...] = ()
+    """Baseline families the pins leave no member of (no baseline offloads: none under `--offload`)."""
 
 
 def contract(p: Priced) -> dict[str, Any]:
@@ -106,7 +108,8 @@ def report_json(report: PlanReport) -> dict[str, Any]:
         memory_limit_source=("mem-limit" if report.limit.given else "device less margin") if report.limit else None,
         alternatives=[_row(p, report.chosen) for p in report.alternatives],
         baselines=[
-            {"name": name, **(_row(p, report.chosen) if p else {"fits": False})} for name, p in report.baselines
+            {"name": name, **(_row(p, report.chosen) if p else {"fits": False})}
+            | ({"outside_pins": True} if name in report.baselines_outside else {}) for name, p in report.baselines
         ],
         why=list(report.why), candidates_estimated=report.candidates, candidates_simulated=report.simulated,
     )
@@ -195,7 +198,8 @@ def render_summary(report: PlanReport, *, output: str | None = None) -> None:
         table.add_column(col, justify="left" if col in ("baseline", "plan") else "right")
     for name, p in report.baselines:
         if p is None:
-            table.add_row(name, "does not fit", "-", "-", "-")
+            table.add_row(name, "outside the pins" if name in report.baselines_outside else "does not fit", "-", "-",
+                          "-")
         else:
             table.add_row(name, describe(p), f"{p.step_time_s:.3f}", f"{p.result.tokens_per_s:,.0f}",
                           f"{p.step_time_s / c.step_time_s:.2f}x")

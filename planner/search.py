@@ -154,6 +154,8 @@ class SearchOutcome:
     refine_steps: int = 0
     rejected_by_simulation: tuple[Priced, ...] = field(default=())
     """Simulated plans whose simulated memory exceeded the limit."""
+    baselines_outside: tuple[str, ...] = ()
+    """Baseline families with no member in the searched space (the pins exclude them: no baseline offloads, say)."""
     priced: tuple[Priced, ...] = field(default=())
     """Every simulated plan that fits, fastest first (the explanation's counterfactuals)."""
 
@@ -386,9 +388,12 @@ def search(
                 cache(variant)
         fitting_now = [p for p in cache.priced if p.fits]
     family_best: list[tuple[str, Priced | None]] = []
+    outside: list[str] = []
     if baselines is not None and fitting_now:
         for family in baselines(fitting_now[0].candidate):
             members = [c for c in candidates if family.member(c)][: config.baseline_tries]
+            if not members:
+                outside.append(family.name)
             tried: list[Priced] = []
             for i, c in enumerate(members):
                 if not cache.has(c):
@@ -403,7 +408,8 @@ def search(
     priced = cache.priced
     ranked = tuple(p for p in priced if p.fits)
     return SearchOutcome(
-        ranked=ranked[: config.top_k + 1], baselines=tuple(family_best), candidates=estimated or len(candidates),
+        ranked=ranked[: config.top_k + 1], baselines=tuple(family_best), baselines_outside=tuple(outside),
+        candidates=estimated or len(candidates),
         simulated=cache.calls, refine_steps=steps, rejected_by_simulation=tuple(p for p in priced if not p.fits),
         priced=ranked,
     )

@@ -57,6 +57,17 @@ def test_json_output_holds_the_contract_keys_and_the_baselines(tiny, capsys):
     assert out["why"]
 
 
+def test_baselines_the_pins_exclude_say_so_rather_than_that_they_do_not_fit(tiny, capsys):
+    """No baseline offloads optimizer state: under `--offload` each family is outside the pins, not out of memory."""
+    assert main(["plan", tiny, "--gpus", "8", "--global-batch", "64", "--offload", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parallelism"]["offload_optimizer"]
+    assert all(b["fits"] is False and b["outside_pins"] for b in out["baselines"])
+    assert main(["plan", tiny, "--gpus", "8", "--global-batch", "64", "--offload"]) == 0
+    summary = capsys.readouterr().out
+    assert "outside the pins" in summary and "does not fit" not in summary
+
+
 def test_plan_json_round_trips_and_matches_the_prediction(tiny, tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", tiny, "--gpus", "8", "--global-batch", "64", "--pp", "2", "-o", str(out)]) == 0
