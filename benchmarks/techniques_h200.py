@@ -136,9 +136,12 @@ READING = """Reading it:
   for SDPA at 4-byte precision on a GPU (`costmodel.memory_activations.sdpa_attention`; the CPU's flash kernel keeps
   none), and prices the step's allocated peak 2% low (83.4 GiB; 1.6 short, about one more such matrix, a transient
   not modelled); such a plan no longer fits an 80 GB card at this micro-batch without recompute
-  (tests/test_memory.py). Its time is left: the attention core is still priced as one fused kernel (1.28x bf16's
-  step where 2.56x was measured); pricing it as the math path it is (its GEMMs and passes, as the profile lists
-  them) is next. The planner picks tf32 or fp32 only where pinned.
+  (tests/test_memory.py). Its time: the attention core was priced as one fused kernel (1.17 ms a core, the step
+  1.28x bf16's where 2.56x was measured); it is now priced as the math path the profile shows
+  (`costmodel.math_attention`: six batched GEMMs and the passes over the score matrix, 8.8 ms a core; the passes
+  priced 5.29 ms against 5.41 measured), so the tf32 step is priced 2.28x bf16's on `h200-x1-measured` (-17%) and
+  1.83x on `dgx-h200` (-30%): the rest is the tf32 GEMMs, whose rate the default profile (fitted on bf16 runs) takes
+  from the datasheet. The planner picks tf32 or fp32 only where pinned.
 - **8-bit AdamW, Adafactor and SGD** ran 5.9%, 6.3% and 2.1% slower than AdamW, priced 0.995-0.997x when planned:
   the fused AdamW is one kernel over every parameter; bitsandbytes' 8-bit step, Adafactor's foreach factored step
   and SGD's foreach momentum step are several passes each, 15-45 ms a step here that one memory-bound pass does

@@ -87,6 +87,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from costmodel.context_attention import LOWER_RIGHT_CLASS, pieces
+from costmodel.math_attention import math_core_time, runs_math_path
 from costmodel.profiles import UNALIGNED_MATMUL, DeviceProfile
 from costmodel.strategy import FP8_CASTS
 from tracer.errors import SoapError
@@ -549,6 +550,19 @@ def _all_gather_attention(op: OpNode, fwd_flops: float, bwd_flops: float, nbytes
     return fwd_s, bwd_s, bound
 
 
+def _math_gemm(op: OpNode, device: DeviceProfile, precision: str):
+    """One batched GEMM of an attention core's math path: a roofline kernel at the precision's matmul peak,
+    efficiency and `matmul` factor (`costmodel.math_attention`)."""
+    peak = compute_peak(op, device, precision)
+    curve = device.kernel_factors.get(f"matmul/{kernel_precision(op, precision)}")
+
+    def gemm(flops: float, nbytes: float) -> float:
+        factor = curve.at(flops) if curve is not None else 1.0
+        return kernel_time(flops, nbytes, peak=peak, matmul=True, device=device, factor=factor)[0]
+
+    return gemm
+
+
 def has_backward(op: OpNode) -> bool:
     return op.bwd_flops > 0 or bool(op.saved) or bool(op.params)
 
@@ -591,6 +605,7 @@ def op_time(
     fp8_casts: str = "torchao",
     microbatches: int = 1,
     cp_attention: str = "all-gather",
+    math_attention: bool | None = None,
 ) -> OpCost:
     """Time of `op` for a micro-batch of `micro_batch` samples (the graph was traced at `batch_traced`),
     under torch.compile when `compile` and `op` is in a block (the device's `compile_factors`, see the module
@@ -599,7 +614,8 @@ def op_time(
     the same, but for the vocabulary-parallel path's (`VOCAB_PARALLEL_LOSS_EXTRA_BYTES`). An fp8 op takes
     `fp8_casts`'s casts (`FP8_CASTS`); Transformer Engine's weight cast a step's `microbatches` share. A causal
     attention core split over the sequence (context parallelism) runs as `cp_attention`'s kernels
-    (`costmodel.context_attention`).
+    (`costmodel.context_attention`); one on a GPU at fp32 or tf32 as SDPA's math path (`costmodel.math_attention`;
+    `math_attention` overrides that rule: `soap calibrate` times SDPA's own choice on a causal call).
 
     `split` gives the SOAP degree per dimension role ("sample", "attribute", "parameter"); each tensor
     of the op that has a dimension with that role is divided by the degree (once per role), so the
@@ -610,9 +626,15 @@ def op_time(
     )
     compile = compile and op.block_id is not None  # the executor compiles the blocks only
     cp = int(dict(split or {}).get("attribute", 1)) if cp_attention == "all-gather" and op.attrs.get("causal") else 1
+    math = runs_math_path(device, precision) if math_attention is None else math_attention
     if op.kind is OpKind.ATTENTION and cp > 1:
         fwd_s, bwd_s, bound = _all_gather_attention(op, fwd_flops, bwd_flops, nbytes, cp, device=device,
                                                     precision=precision, compile=compile)
+    elif op.kind is OpKind.ATTENTION and math:
+        fwd_s, bwd_s = math_core_time(op.inputs[0].shape[-1], fwd_flops, bwd_flops, device=device,
+                                      precision=precision, gemm_time=_math_gemm(op, device, precision),
+                                      pass_time=lambda b: kernel_time(0.0, b, peak=1.0, matmul=False, device=device)[0])
+        bound = "memory"
     else:
         fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile,
                                     casts=fp8_casts, weight_share=1 / microbatches)

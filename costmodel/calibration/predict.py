@@ -1,7 +1,8 @@
 """Predicting microbenchmark points from a profile, through the simulator's own cost functions.
 
 A kernel case becomes its `OpNode` (`KernelCase.op_node`) priced by `costmodel.opcost.op_time`
-(forward time, micro-batch = traced batch, no split); a collective case is priced by
+(forward time, micro-batch = traced batch, no split; an SDPA case as SDPA's own kernel, which a causal call
+without a mask gets at fp32 too, not as the math path a model's fp32 core runs); a collective case is priced by
 `costmodel.collectives.collective_time` on a one-node group of its size (send_recv: a pair).
 Calibration fits through these predictors and validates held-out points with them, so a profile is
 judged by the numbers the planner will actually see.
@@ -24,7 +25,8 @@ from costmodel.profiles import ClusterSpec, DeviceProfile
 
 def predict_kernel(case: KernelCase, device: DeviceProfile) -> float:
     """Forward seconds the cost model gives `case` on `device`."""
-    return op_time(case.op_node(), device=device, precision=case.precision_key, micro_batch=1, batch_traced=1).fwd_s
+    return op_time(case.op_node(), device=device, precision=case.precision_key, micro_batch=1, batch_traced=1,
+                   math_attention=False).fwd_s  # the sweep times SDPA's own kernel on a causal call
 
 
 def comm_group(case: CommCase) -> CommGroup:
