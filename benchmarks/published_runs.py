@@ -136,13 +136,14 @@ def main() -> None:
     from benchmarks.gpu_repredict import host_floor, with_host_floor
     from benchmarks.unaligned_gemm import with_unaligned
 
+    from benchmarks.fp32_gemm import with_fp32_gemms
     from benchmarks.techniques_h200 import with_optimizers
     from costmodel.context_attention import with_lower_right
 
     floor, _ = host_floor()
     # measured on soap's own runs, not fitted here: no corpus row has an unaligned GEMM, a host-bound step, an unfused
-    # optimizer or soap's context-parallel kernels (the published rings keep the one-kernel price)
-    device = with_optimizers(with_host_floor(with_unaligned(refit.profile["device"]), floor))
+    # optimizer, soap's context-parallel kernels (the published rings keep the one-kernel price) or an fp32/tf32 GEMM
+    device = with_fp32_gemms(with_optimizers(with_host_floor(with_unaligned(refit.profile["device"]), floor)))
     device["kernel_factors"] = with_lower_right(device.get("kernel_factors"))
     profile = {**refit.profile, "device": device}
     written = () if args.dry_run or args.keep_profile else write_fitted(profile, name=FITTED, device_name=FITTED_DEVICE,

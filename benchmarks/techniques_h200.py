@@ -139,9 +139,11 @@ READING = """Reading it:
   (tests/test_memory.py). Its time: the attention core was priced as one fused kernel (1.17 ms a core, the step
   1.28x bf16's where 2.56x was measured); it is now priced as the math path the profile shows
   (`costmodel.math_attention`: six batched GEMMs and the passes over the score matrix, 8.8 ms a core; the passes
-  priced 5.29 ms against 5.41 measured), so the tf32 step is priced 2.28x bf16's on `h200-x1-measured` (-17%) and
-  1.83x on `dgx-h200` (-30%): the rest is the tf32 GEMMs, whose rate the default profile (fitted on bf16 runs) takes
-  from the datasheet. The planner picks tf32 or fp32 only where pinned.
+  priced 5.29 ms against 5.41 measured), and the default's tf32 and fp32 GEMMs, which had kept the datasheet's rates
+  (a tf32 GEMM priced 1.25x a bf16 one; the profiled step's ran 3.2x), now take its fitted bf16 price times the
+  tf32/bf16 time ratio soap calibrate measured on a lent H100 (`benchmarks/fp32_gemm.py`: 1.9-2.6x). The tf32 step
+  is now priced 2.62x bf16's on `dgx-h200` (-0%) and 2.28x on `h200-x1-measured` (-17%). The planner picks tf32 or
+  fp32 only where pinned.
 - **8-bit AdamW, Adafactor and SGD** ran 5.9%, 6.3% and 2.1% slower than AdamW, priced 0.995-0.997x when planned:
   the fused AdamW is one kernel over every parameter; bitsandbytes' 8-bit step, Adafactor's foreach factored step
   and SGD's foreach momentum step are several passes each, 15-45 ms a step here that one memory-bound pass does
