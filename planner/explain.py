@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from costmodel.offload import offload_syncs
 from costmodel.profiles import ClusterSpec
 from planner.estimate import group_ranks_per_node
 from planner.search import Candidate, Priced
@@ -105,8 +106,14 @@ def explain(
     if t.offload_optimizer:
         reason = versus(lambda c: not c.train.offload_optimizer, f"no plan without it fits in {limit} per {noun}",
                         pinned="--offload" if pins.offload else None)
-        lines.append("Offload (FSDP2 CPUOffloadPolicy): fp32 master weights, gradients and optimizer state live in "
-                     f"host memory and the optimizer steps on the CPU, {reason}.")
+        line = ("Offload (FSDP2 CPUOffloadPolicy): fp32 master weights, gradients and optimizer state live in "
+                f"host memory and the optimizer steps on the CPU, {reason}")
+        syncs, _ = offload_syncs(pp=d.pp, train=t)
+        if syncs > 1:  # costmodel.offload: FSDP2's blocking copy-and-add of each later gradient
+            line += (f"; each of the step's {syncs - 1} gradient syncs after the first copies the gradients to the "
+                     "host blocking and adds them there (a lent H200 took 3.4 s each for a 1.2B model), priced in "
+                     "its optimizer time")
+        lines.append(line + ".")
     if t.compile:
         reason = versus(lambda c: not c.train.compile, "compile was pinned on",
                         pinned="--compile" if pins.compile else None)

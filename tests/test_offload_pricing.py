@@ -14,16 +14,18 @@ PINS = dict(gpus=1, cluster="dgx-h200", global_batch=16, seq_len=2048, recompute
 
 
 def test_with_offload_the_1b_is_planned_at_one_micro_batch_and_accumulating_costs_what_it_measured():
-    from planner.api import plan
+    from planner.api import plan_report
 
-    roomy = plan(CONFIG, **PINS)
-    assert roomy.parallelism.num_microbatches == 1 and roomy.parallelism.micro_batch == 16
-    tight = plan(CONFIG, **PINS, mem_limit_gib=roomy.predicted["peak_memory_gib"] / 2)
-    p = tight.parallelism
+    roomy = plan_report(CONFIG, **PINS)
+    assert roomy.plan.parallelism.num_microbatches == 1 and roomy.plan.parallelism.micro_batch == 16
+    tight = plan_report(CONFIG, **PINS, mem_limit_gib=roomy.plan.predicted["peak_memory_gib"] / 2)
+    p = tight.plan.parallelism
     assert p.num_microbatches > 1
     # measured on the H200: 0.58 s at one micro-batch of 4, then ~3.4 s for each micro-batch after the first
-    extra = tight.predicted["step_time_s"] - roomy.predicted["step_time_s"]
+    extra = tight.plan.predicted["step_time_s"] - roomy.plan.predicted["step_time_s"]
     assert extra > 2.5 * (p.num_microbatches - 1)
+    assert any(f"{p.num_microbatches - 1} gradient syncs after the first" in line for line in tight.why)
+    assert not any("gradient syncs after the first" in line for line in roomy.why)
 
 
 def test_the_h200_runs_are_priced_within_15_percent_the_fitted_one_within_2():
