@@ -33,6 +33,7 @@ torch.compile the core is priced the same (not measured). `tests/test_math_atten
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 SCORE_BYTES = 4
@@ -51,8 +52,8 @@ def runs_math_path(device: Any, precision: str) -> bool:
     return device.kind == "gpu" and precision in ("fp32", "tf32")
 
 
-def math_core_time(head_dim: int, fwd_flops: float, bwd_flops: float, *, device: Any, precision: str,
-                   gemm_time: Any, pass_time: Any) -> tuple[float, float]:
+def math_core_time(head_dim: int, fwd_flops: float, bwd_flops: float, *, gemm_time: Callable[[float, float], float],
+                   pass_time: Callable[[float], float]) -> tuple[float, float]:
     """(forward, backward) seconds of one core of `fwd_flops` / `bwd_flops` (local) as the math path (module
     docstring); `gemm_time(flops, nbytes)` prices one GEMM, `pass_time(nbytes)` one memory-bound pass."""
     scores = fwd_flops / (4 * head_dim) if head_dim > 0 else 0.0
@@ -60,7 +61,6 @@ def math_core_time(head_dim: int, fwd_flops: float, bwd_flops: float, *, device:
         return 0.0, 0.0
     s_bytes = scores * SCORE_BYTES
     fwd = FWD_GEMMS * gemm_time(fwd_flops / FWD_GEMMS, s_bytes) + pass_time(scores * MATH_FWD_BYTES)
-    bwd = (BWD_GEMMS * gemm_time(bwd_flops / BWD_GEMMS, s_bytes) if bwd_flops > 0 else 0.0)
-    if bwd_flops > 0:
-        bwd += pass_time(scores * MATH_BWD_BYTES)
-    return fwd, bwd
+    if bwd_flops <= 0:
+        return fwd, 0.0
+    return fwd, BWD_GEMMS * gemm_time(bwd_flops / BWD_GEMMS, s_bytes) + pass_time(scores * MATH_BWD_BYTES)

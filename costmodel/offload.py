@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from costmodel.memory import FSDP_GRAD_BYTES, FSDP_MASTER_BYTES, OPTIMIZER_BYTES
+from costmodel.memory import FSDP_GRAD_BYTES, FSDP_MASTER_BYTES
+from costmodel.optimizer_step import optimizer_step_bytes
 
 HOST_STEP_BYTES_PER_S = 115.3e9
 """The host's optimizer pass (bytes it reads and writes a second): torch's fused AdamW over 1.24e9 fp32 elements
@@ -58,10 +59,9 @@ def offload_time(elems: float, *, pp: int, train: Any, device: Any) -> float:
     """Seconds of one rank's step outside its GPU kernels under offload (the module's up + down + accumulate +
     step) for `elems` elements of parameter shards on `device`."""
     syncs, gathers = offload_syncs(pp=pp, train=train)
-    step_bytes = 2 * FSDP_MASTER_BYTES + FSDP_GRAD_BYTES + 2 * OPTIMIZER_BYTES.get(train.optimizer, 4)
+    step = optimizer_step_bytes(elems, precision="fp32", optimizer=train.optimizer)  # the host's fp32 shards
     link = elems * FSDP_MASTER_BYTES * gathers + elems * FSDP_GRAD_BYTES
     accumulate = elems * FSDP_GRAD_BYTES * (syncs - 1)
     if device.kind == "cpu":
-        return (link + 4 * accumulate + elems * step_bytes) / device.host_bandwidth  # 4 e (s - 1) down, 12 to add
-    return (link / device.host_bandwidth + accumulate / HOST_ACCUMULATE_BYTES_PER_S
-            + elems * step_bytes / HOST_STEP_BYTES_PER_S)
+        return (link + 4 * accumulate + step) / device.host_bandwidth  # 4 e (s - 1) down, 12 to add
+    return link / device.host_bandwidth + accumulate / HOST_ACCUMULATE_BYTES_PER_S + step / HOST_STEP_BYTES_PER_S

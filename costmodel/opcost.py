@@ -88,6 +88,7 @@ from dataclasses import dataclass
 
 from costmodel.context_attention import LOWER_RIGHT_CLASS, pieces
 from costmodel.math_attention import math_core_time, runs_math_path
+from costmodel.optimizer_step import memory_pass_time
 from costmodel.profiles import UNALIGNED_MATMUL, DeviceProfile
 from costmodel.strategy import FP8_CASTS
 from tracer.errors import SoapError
@@ -631,9 +632,9 @@ def op_time(
         fwd_s, bwd_s, bound = _all_gather_attention(op, fwd_flops, bwd_flops, nbytes, cp, device=device,
                                                     precision=precision, compile=compile)
     elif op.kind is OpKind.ATTENTION and math:
-        fwd_s, bwd_s = math_core_time(op.inputs[0].shape[-1], fwd_flops, bwd_flops, device=device,
-                                      precision=precision, gemm_time=_math_gemm(op, device, precision),
-                                      pass_time=lambda b: kernel_time(0.0, b, peak=1.0, matmul=False, device=device)[0])
+        fwd_s, bwd_s = math_core_time(op.inputs[0].shape[-1], fwd_flops, bwd_flops,
+                                      gemm_time=_math_gemm(op, device, precision),
+                                      pass_time=lambda b: memory_pass_time(device, b) + device.kernel_overhead_s)
         bound = "memory"
     else:
         fwd_s, bound = forward_time(op, fwd_flops, nbytes, device=device, precision=precision, compile=compile,

@@ -57,10 +57,10 @@ from costmodel.collectives import CommGroup, collective_time
 from costmodel.memory import GRAD_BYTES, MemoryBreakdown, fsdp_param_bytes, model_state_bytes
 from costmodel.memory_activations import sdpa_attention, selective_cached
 from costmodel.opcost import activation_itemsize, op_time
+from costmodel.offload import offload_time
 from costmodel.placement import is_expert, moe_blocks, replicated_in_moe
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
-from costmodel.offload import offload_time
 from costmodel.simulator.pricing import data_parallel_traffic
 from costmodel.strategy import ParallelDims, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
