@@ -110,7 +110,7 @@ READING = """Reading it:
   arithmetic, is the cost.
 - **The price now follows the mechanism** (`costmodel.offload`): the shards up and the first gradients down at the
   host link, each later micro-batch's gradients at the measured accumulation rate (fitted to the 4-micro-batch run;
-  the 1- and 2-micro-batch runs, held out, are priced +9% and -6%), the host's step at its fused AdamW's measured
+  the 1- and 2-micro-batch runs, held out, are priced +9% and -7%), the host's step at its fused AdamW's measured
   rate. So with `--offload` the planner now takes one micro-batch of 16 on this H200 (priced 1.13 s a step, 29k
   tokens/s) where it had planned 4 x 4 (11.2 s measured); accumulating under offload is priced at what it costs
   where memory forces it (`tests/test_offload_pricing.py`).
