@@ -36,7 +36,7 @@ from costmodel.memory import (
     model_state_bytes, parameter_degrees, rank_breakdown, stage_params, workspace_bytes,
 )
 from costmodel.memory_schedule import activation_peaks, stage_activations
-from costmodel.placement import block_placements
+from costmodel.placement import OpPlacement, block_placements
 from costmodel.profiles import DeviceProfile
 from costmodel.schedule import stage_to_rank, step_shape
 from costmodel.simulator.pricing import activation_shape, placed_activations, placed_loss_transient
@@ -57,6 +57,7 @@ class MemoryTables:
         self.params = lru_cache(maxsize=None)(self._params_uncached)
         self.joint = lru_cache(maxsize=None)(self._joint_uncached)
         self.unit_activations = lru_cache(maxsize=None)(self._unit_activations_uncached)
+        self.placements = lru_cache(maxsize=None)(self._placements_uncached)
         self.stage_counts = lru_cache(maxsize=None)(self._stage_counts_uncached)
         self.rank_activations = lru_cache(maxsize=4096)(self._rank_activations_uncached)
         self.held = lru_cache(maxsize=16384)(self._held_uncached)
@@ -76,6 +77,17 @@ class MemoryTables:
         ops = [op for u in sorted(group) for op in self.units[u].ops]
         return stage_params(ops, block_counts={}, degrees=self.degrees(tp, ep, vocab))
 
+    def _placements_uncached(self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, sequence_parallel: bool,
+                             cross_entropy: str) -> tuple[OpPlacement, ...]:
+        """Unit u's ops with their splits and activation collectives, as the simulator places them by default
+        (`costmodel.placement.block_placements`), on a strategy reduced to what they read (data parallelism sizes no
+        op and no collective)."""
+        dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp_shard=ep)
+        train = TrainingConfig(global_batch=mb * ep, seq_len=self.graph.seq_len, micro_batch=mb, precision=precision,
+                               sequence_parallel=sequence_parallel, cross_entropy=cross_entropy)
+        strategy = Strategy(dims=dims, train=train)
+        return block_placements(self.units[u].ops, strategy, activation_shape(self.graph, strategy))
+
     def _unit_activations_uncached(self, u: int, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
                                    policy: str, precision: str, attention: str, compiled: bool,
                                    cross_entropy: str, device_kind: str = "gpu") -> tuple[float, float, float]:
@@ -88,7 +100,7 @@ class MemoryTables:
                                compile=compiled, cross_entropy=cross_entropy)
         strategy = Strategy(dims=dims, train=train)
         shape = activation_shape(self.graph, strategy)
-        placements = block_placements(self.units[u].ops, strategy, shape)
+        placements = self.placements(u, tp, cp, ep, mb, precision, sequence_parallel, cross_entropy)
         kept, window = placed_activations(placements, strategy, self.graph.batch, shape, policy, device_kind)
         return kept, window, placed_loss_transient(placements, strategy, self.graph.batch)
 

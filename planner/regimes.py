@@ -92,9 +92,9 @@ class RegimeEstimator:
         return self.for_dtype(regime_dtype(mesh.dims, train, self.device)).estimate(mesh, train)
 
     def time_floor(self, mesh: MeshChoice, mb: int, num_microbatches: int, grad_accum: int, precision: str,
-                   bubble_factor: float, compile: bool = False) -> float:
+                   bubble_factor: float, compile: bool = False, cross_entropy: str = "chunked") -> float:
         """The smaller floor of the regimes the mesh runs `precision` in, with and without offload."""
         dtypes = {_on_device(trace_dtype_for(precision, runs_fsdp(mesh.dims, mesh.zero, offload)), self.device)
                   for offload in (False, True)}
         return min(self.for_dtype(d).time_floor(mesh, mb, num_microbatches, grad_accum, precision, bubble_factor,
-                                                compile) for d in dtypes)
+                                                compile, cross_entropy) for d in dtypes)

@@ -248,7 +248,8 @@ def enumerate_candidates(
             continue
         floors = sorted(
             ((estimator.time_floor(mesh, h.micro_batch, h.num_microbatches, h.grad_accum, h.precision,
-                                   _bubble_factor(h), compiled), i, h) for i, h in enumerate(heads)),
+                                   _bubble_factor(h), compiled, req.pins.cross_entropy), i, h)
+             for i, h in enumerate(heads)),
             key=lambda x: (x[0], x[1]),
         )
         scored.append((floors[0][0], mesh.sort_key, mesh, [(f, h) for f, _, h in floors]))

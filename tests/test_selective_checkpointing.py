@@ -140,4 +140,4 @@ def test_the_simulator_and_the_estimator_price_the_uncached_forward_as_the_recom
     assert 0 < uncached < sum(forward)
     estimator = Estimator(graph, cluster, model_units(graph))
     u = next(i for i, unit in enumerate(estimator.units) if unit.id == graph.blocks[0].id)
-    assert estimator.unit_time(u, 1, 1, 1, BATCH, "bf16", attention)[3] == pytest.approx(uncached, rel=1e-9)
+    assert estimator.unit_time(u, 1, 1, 1, BATCH, "bf16", attention)[2] == pytest.approx(uncached, rel=1e-9)
