@@ -1,7 +1,12 @@
 """What an offloaded optimizer's host work costs: torch's AdamW on fp32 tensors in host memory, foreach against fused,
-the gradient accumulation FSDP2's CPUOffloadPolicy does there, and the host's copy bandwidth.
+SGD (momentum 0.9, as the executor runs it) foreach and fused, Adafactor foreach (it has no fused kernel), the gradient
+accumulation FSDP2's CPUOffloadPolicy does there, and the host's copy bandwidth.
 
     python -m benchmarks.host_adamw --elements 1.24e9 --json OUT.json     # on the GPU machine's host
+    python -m benchmarks.host_adamw --elements 1e8 --json benchmarks/data/local-cpu-2026-11-28/host-optimizers.json
+
+Only AdamW ran on the lent H200's host (2026-11-28b); SGD and Adafactor were added afterwards and timed on the
+CPU machine, whose AdamW foreach/fused ratio checks that a ratio measured there carries to another host.
 
 The tensors are Llama 3.2 1B's sizes in spirit: `--elements` fp32 parameters in 8.4M-element tensors (2,048 x 4,096),
 each with a gradient and AdamW's two moments, as FSDP2 keeps them on the host under offload. Each line is the median of
@@ -21,6 +26,10 @@ import torch
 
 TENSOR = 2048 * 4096
 ADAMW_BYTES = 28
+SGD_BYTES = 20
+"""Read parameter, gradient and momentum, write parameter and momentum."""
+ADAFACTOR_BYTES = 12
+"""Read parameter and gradient, write parameter (its factored statistics are a few bytes a row and column)."""
 
 
 def timed(fn, repeats: int) -> float:
@@ -55,6 +64,13 @@ def main() -> None:
         opt = torch.optim.AdamW(params, lr=1e-4, **{mode: True})
         record(f"adamw {mode}", timed(opt.step, args.repeats), n * ADAMW_BYTES)
         del opt
+    for mode in ("fused", "foreach"):
+        opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9, **{mode: True})
+        record(f"sgd {mode}", timed(opt.step, args.repeats), n * SGD_BYTES)
+        del opt
+    opt = torch.optim.Adafactor(params, lr=1e-4, foreach=True)
+    record("adafactor foreach", timed(opt.step, args.repeats), n * ADAFACTOR_BYTES)
+    del opt
     grads = [torch.randn(TENSOR) for _ in range(count)]
     record("grad accumulation (foreach add)", timed(lambda: torch._foreach_add_([p.grad for p in params], grads),
                                                      args.repeats), n * 12)

@@ -119,8 +119,12 @@ READING = """Reading it:
   12.8 s to 11.2 s a step. A CPU rank (no GPU) keeps the foreach AdamW its profile's optimizer factors measured.
 - **Left:** both host rates were measured on one 16-core host and serve every GPU profile (no profile describes its
   host); FSDP2's accumulation could be avoided (gradients kept unsharded on the GPU until the last micro-batch, at
-  their memory), which the executor does not do; Adafactor and SGD on the host are priced as one pass (unmeasured).
-  Allocated memory is priced 9% high (22.5 GiB against 20.7)."""
+  their memory), which the executor does not do. Allocated memory is priced 9% high (22.5 GiB against 20.7).
+- **SGD and Adafactor on the host** (foreach, as the executor runs them: DTensor has no rule for the fused SGD, and
+  Adafactor has no fused kernel) had been priced as one pass over their bytes, under the fused AdamW. Timed on the
+  CPU machine (`benchmarks/data/local-cpu-2026-11-28/host-optimizers.json`, 1e8 elements), they take 1.20x and
+  5.40x the fused AdamW's time, and are now priced so (`costmodel.offload.HOST_OPTIMIZER_RATIO`). A ratio carries
+  from one host to the other: that run's foreach AdamW took 4.17x its fused one, this H200 host's 4.09x."""
 
 
 def main() -> None:

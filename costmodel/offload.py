@@ -16,8 +16,10 @@ reduce-scatter streams):
     accumulate  4 e (s - 1) / A    every later sync: FSDP2 copies the gradient down blocking, into pageable memory,
                                    and adds it to the host's on the CPU, parameter by parameter
                                    (torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce)
-    step        b e / H            the optimizer on the host, one pass over b = 2 x 4 + 4 + 2 x state bytes an
-                                   element (parameter read and written, gradient read, state read and written)
+    step        r_o 28 e / H       the optimizer o on the host: r_o times torch's fused AdamW, one pass over 28
+                                   bytes an element (parameter, gradient and two moments read, parameter and
+                                   moments written); an optimizer without a measured r_o is one pass over
+                                   b = 2 x 4 + 4 + 2 x state bytes an element, b e / H
 
 L is the device's host link (`DeviceProfile.host_bandwidth`); A and H are the host's, measured on one GPU
 machine's host (below) and used for every GPU profile, whose hosts no profile describes. On a CPU device
@@ -28,8 +30,14 @@ benchmarks/data/h200-2026-11-28/): Llama 3.2 1B (1.24e9 parameters), 4 x 2,048 t
 0.58 s a step with 1 micro-batch, 4.44 s with 2 and 11.2 s with 4: each micro-batch after the first cost about
 3.4 s, against 0.18 s of compute. HOST_ACCUMULATE is fitted to the 4-micro-batch run (1 and 2 held out);
 HOST_STEP is the host's torch fused AdamW timed alone over the same elements (benchmarks/host_adamw.py: 0.30 s,
-where the foreach AdamW took 1.23 s; the executor steps the fused one on the host). Other optimizers on the host
-(foreach Adafactor and SGD: several passes) are priced as one pass: unmeasured.
+where the foreach AdamW took 1.23 s; the executor steps the fused one on the host).
+
+The other optimizers run as the executor runs them on the host, foreach (DTensor, FSDP2's parameters, has no rule for
+torch's fused SGD; Adafactor has no fused kernel): r_o (`HOST_OPTIMIZER_RATIO`) is their time an element over the
+fused AdamW's, timed on the 2-core CPU machine (benchmarks/data/local-cpu-2026-11-28/host-optimizers.json, 1e8 fp32
+elements): SGD with momentum 1.20, Adafactor 5.40 (its row and column statistics are several passes of small
+kernels). The lent H200's host ran only AdamW; a ratio carries from one host to the other: the same run's foreach
+AdamW is 4.17x its fused one, the H200 host's 4.09x; its gradient add 0.43x, the H200 host's 0.45x.
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ from costmodel.optimizer_step import optimizer_step_bytes
 HOST_STEP_BYTES_PER_S = 115.3e9
 """The host's optimizer pass (bytes it reads and writes a second): torch's fused AdamW over 1.24e9 fp32 elements
 on a lent H200's 16-core host, 0.3015 s at 28 bytes an element (benchmarks/host_adamw.py, 2026-11-28)."""
+HOST_OPTIMIZER_RATIO = {"adamw": 1.0, "sgd": 1.20, "adafactor": 5.40}
+"""The executor's host optimizer's time an element over torch's fused AdamW's (module docstring: r_o), timed on the
+CPU machine over 1e8 fp32 elements (benchmarks/host_adamw.py): fused AdamW 105.7 ms, foreach SGD (momentum 0.9)
+126.8 ms, foreach Adafactor 571.2 ms."""
+ADAMW_STEP_BYTES = 28
+"""Bytes an element of the fused AdamW's one pass (the unit `HOST_STEP_BYTES_PER_S` was measured in)."""
 HOST_ACCUMULATE_BYTES_PER_S = 1.51e9
 """fp32 gradient bytes a second that FSDP2's offloaded accumulation takes in (blocking copy into pageable memory
 and the CPU's add), fitted to Llama 3.2 1B's 4-micro-batch offload run on a lent H200 (11.19 s a step; the 1- and
@@ -59,7 +73,9 @@ def offload_time(elems: float, *, pp: int, train: Any, device: Any) -> float:
     """Seconds of one rank's step outside its GPU kernels under offload (the module's up + down + accumulate +
     step) for `elems` elements of parameter shards on `device`."""
     syncs, gathers = offload_syncs(pp=pp, train=train)
-    step = optimizer_step_bytes(elems, precision="fp32", optimizer=train.optimizer)  # the host's fp32 shards
+    ratio = HOST_OPTIMIZER_RATIO.get(train.optimizer)
+    step = (ratio * ADAMW_STEP_BYTES * elems if ratio is not None  # the host's fp32 shards, at the fused AdamW's bytes
+            else optimizer_step_bytes(elems, precision="fp32", optimizer=train.optimizer))
     link = elems * FSDP_MASTER_BYTES * gathers + elems * FSDP_GRAD_BYTES
     accumulate = elems * FSDP_GRAD_BYTES * (syncs - 1)
     if device.kind == "cpu":
