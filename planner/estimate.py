@@ -28,8 +28,9 @@ stages:
 Step time:
     pp = 1:  T = m * t_0 + dp_exposed + zero3_exposed + optimizer
     pp > 1:  T = A * ((m/A) * max_r t_r + bubble) + dp_exposed + zero3_exposed + optimizer,
-             bubble = (pp - 1) * (max_r t_r / v + 2 p2p)   (GPipe/1F1B v = 1; Interleaved1F1B v chunks;
-                                                    ZBVZeroBubble halves the compute term: W fills it)
+             bubble = sum_{r != busiest} t_r / v + (pp - 1) 2 p2p   (the fill and drain wait for the other
+                      stages; GPipe/1F1B v = 1; Interleaved1F1B v chunks; ZBVZeroBubble halves the compute
+                      term: W fills it)
     dp_exposed     fp32 gradient all-reduce (ZeRO 0/1; ZeRO 1 adds the updated shards' all-gather), or
                    per unit a reduce-scatter over dp_shard (+ HSDP's replicate all-reduce) (ZeRO 2/3),
                    minus one micro-batch's backward it overlaps with, once per step; without a pipeline at
@@ -88,6 +89,8 @@ class _RankTables:
 
     bottleneck: float
     """The busiest rank's time with TP/CP/EP communication, or its pipeline sends where they take longer."""
+    others: float
+    """The other ranks' times (the same terms) summed: what the pipeline's fill and drain wait for."""
     compute_max: float
     params_local: float
     """The local parameters of the rank holding the most."""
@@ -312,7 +315,8 @@ class Estimator:
         rank_params = counts @ params_unit
         worst = int(np.argmax(rank_params))
         return _RankTables(
-            bottleneck=float(rank_time.max()), compute_max=float(rank_compute.max()),
+            bottleneck=float(rank_time.max()), others=float(rank_time.sum() - rank_time.max()),
+            compute_max=float(rank_compute.max()),
             params_local=float(rank_params[worst]), worst_counts=counts[worst], params_unit=params_unit,
             worst_bwd=float(rank_bwd[worst]), worst_compute=float(rank_compute[worst]),
             worst_windows=(float(counts[worst] @ fwd_window), float(counts[worst] @ bwd_window)), p2p=p2p,
@@ -330,7 +334,7 @@ class Estimator:
         m, runs = t.num_microbatches, t.grad_accum
         bubble = 0.0
         if d.pp > 1:
-            bubble = bottleneck / t.virtual_stages
+            bubble = tables.others / (d.pp - 1) / t.virtual_stages
             if t.schedule == "ZBVZeroBubble":
                 bubble /= 2
             bubble = runs * (d.pp - 1) * (bubble + 2 * tables.p2p)
