@@ -141,7 +141,7 @@ def test_a_tensor_parallel_estimate_prices_the_placements_collectives_as_the_sim
 def test_a_pipelined_tp_estimate_charges_each_collectives_host_waits():
     """Where a profile carries host waits (`host_jitter_s`, and `pipelined_sync_s` in a pipelined run:
     `costmodel.host_sync`), each activation collective pays them in the simulator; the estimate charged none
-    (-15% at tp4 x pp2 with the waits below) and now charges them per collective."""
+    (-22% at tp4 x pp2 with the waits and factor below) and now charges them per collective."""
     import dataclasses
 
     from costmodel.profiles import load_cluster
