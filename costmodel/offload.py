@@ -54,8 +54,6 @@ HOST_OPTIMIZER_RATIO = {"adamw": 1.0, "sgd": 1.20, "adafactor": 5.40}
 """The executor's host optimizer's time an element over torch's fused AdamW's (module docstring: r_o), timed on the
 CPU machine over 1e8 fp32 elements (benchmarks/host_adamw.py): fused AdamW 105.7 ms, foreach SGD (momentum 0.9)
 126.8 ms, foreach Adafactor 571.2 ms."""
-ADAMW_STEP_BYTES = 28
-"""Bytes an element of the fused AdamW's one pass (the unit `HOST_STEP_BYTES_PER_S` was measured in)."""
 HOST_ACCUMULATE_BYTES_PER_S = 1.51e9
 """fp32 gradient bytes a second that FSDP2's offloaded accumulation takes in (blocking copy into pageable memory
 and the CPU's add), fitted to Llama 3.2 1B's 4-micro-batch offload run on a lent H200 (11.19 s a step; the 1- and
@@ -73,8 +71,10 @@ def offload_time(elems: float, *, pp: int, train: Any, device: Any) -> float:
     """Seconds of one rank's step outside its GPU kernels under offload (the module's up + down + accumulate +
     step) for `elems` elements of parameter shards on `device`."""
     syncs, gathers = offload_syncs(pp=pp, train=train)
+    # the host's fp32 shards: a measured optimizer at its ratio to the fused AdamW's pass (the bytes
+    # HOST_STEP_BYTES_PER_S was measured in), another as one pass over its own bytes
     ratio = HOST_OPTIMIZER_RATIO.get(train.optimizer)
-    step = (ratio * ADAMW_STEP_BYTES * elems if ratio is not None  # the host's fp32 shards, at the fused AdamW's bytes
+    step = (ratio * optimizer_step_bytes(elems, precision="fp32", optimizer="adamw") if ratio is not None
             else optimizer_step_bytes(elems, precision="fp32", optimizer=train.optimizer))
     link = elems * FSDP_MASTER_BYTES * gathers + elems * FSDP_GRAD_BYTES
     accumulate = elems * FSDP_GRAD_BYTES * (syncs - 1)

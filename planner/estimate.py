@@ -64,14 +64,13 @@ from functools import lru_cache
 import numpy as np
 
 from costmodel.collectives import CommGroup, collective_time
-from costmodel.host_sync import chain_wait, sync_wait
 from costmodel.memory import GRAD_BYTES, MemoryBreakdown, fsdp_param_bytes, model_state_bytes
 from costmodel.memory_activations import sdpa_attention, selective_cached
 from costmodel.opcost import activation_itemsize, backward_kernels, fp8_cast_launches, loss_launches, op_time
 from costmodel.offload import offload_time
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import stage_to_rank
-from costmodel.simulator.pricing import data_parallel_traffic
+from costmodel.simulator.pricing import activation_comm_time, data_parallel_traffic
 from costmodel.strategy import ParallelDims, TrainingConfig, runs_on_fsdp2, shards_vocabulary
 from planner.memory_estimate import MemoryTables
 from planner.space import MeshChoice
@@ -98,7 +97,6 @@ class _RankTables:
     """Unit instances on that rank."""
     params_unit: np.ndarray
     worst_bwd: float
-    worst_compute: float
     worst_windows: tuple[float, float]
     """That rank's forward and backward critical paths (compute and activation collectives): the most a
     micro-batch's forward or backward can hide of the data-parallel stream (`Estimator._dp_comm`)."""
@@ -247,25 +245,23 @@ class Estimator:
     def _placed_comm_uncached(self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, pipelined: bool,
                               sequence_parallel: bool, cross_entropy: str) -> tuple[float, float]:
         """(forward, backward) seconds of the activation collectives (TP/SP, CP, EP) the placement issues for one
-        instance of unit u (`MemoryTables.placements`, the simulator's default placement), each
-        priced as the simulator's `_UnitPricer._comm` prices it: times the device's `activation_collective_factor`,
-        plus its wait for its group's hosts (`costmodel.host_sync`: the slowest host, and in a pipelined run the
-        ring's)."""
+        instance of unit u (`MemoryTables.placements`, the simulator's default placement), priced as the simulator
+        prices them (`costmodel.simulator.pricing.activation_comm_time`: the device's `activation_collective_factor`
+        and each one's wait for its group's hosts, the pipelined ring's only where pp > 1)."""
         if tp == cp == ep == 1:
             return 0.0, 0.0
         gpn, device = self.cluster.domain_size, self.cluster.device
-        groups = {"tp": (tp, group_ranks_per_node(tp, 1, gpn)), "cp": (cp, group_ranks_per_node(cp, tp, gpn)),
-                  "ep": (ep, group_ranks_per_node(ep, tp, gpn))}
-        times = {"fwd": 0.0, "bwd": 0.0}
-        for placed in self.memory_tables.placements(u, tp, cp, ep, mb, precision, sequence_parallel, cross_entropy):
-            for c in placed.collectives:
-                size, per_node = groups[c.group]
-                if size == 1:
-                    continue
-                wait = (sync_wait(1, size, device.host_jitter_s)
-                        + (chain_wait(1, size, device.pipelined_sync_s) if pipelined else 0.0))
-                priced = self._comm(c.kind, c.nbytes, size, per_node)
-                times[c.phase] += device.activation_collective_factor * priced + wait
+        groups = {"tp": CommGroup(tp, group_ranks_per_node(tp, 1, gpn)),
+                  "cp": CommGroup(cp, group_ranks_per_node(cp, tp, gpn)),
+                  "ep": CommGroup(ep, group_ranks_per_node(ep, tp, gpn))}
+        placements = self.memory_tables.placements(u, tp, cp, ep, mb, precision, sequence_parallel, cross_entropy)
+        times = {}
+        for phase in ("fwd", "bwd"):
+            issued = [(c, groups[c.group]) for p in placements for c in p.collectives if c.phase == phase]
+            times[phase] = activation_comm_time(
+                issued, lambda kind, nbytes, g: self._comm(kind, nbytes, g.size, g.ranks_per_node),
+                factor=device.activation_collective_factor, jitter_s=device.host_jitter_s,
+                pipelined_s=device.pipelined_sync_s if pipelined else 0.0)
         return times["fwd"], times["bwd"]
 
     def _p2p_dims(self, pp: int, cp: int, tp: int, mb: int, precision: str) -> float:
@@ -318,7 +314,7 @@ class Estimator:
             bottleneck=float(rank_time.max()), others=float(rank_time.sum() - rank_time.max()),
             compute_max=float(rank_compute.max()),
             params_local=float(rank_params[worst]), worst_counts=counts[worst], params_unit=params_unit,
-            worst_bwd=float(rank_bwd[worst]), worst_compute=float(rank_compute[worst]),
+            worst_bwd=float(rank_bwd[worst]),
             worst_windows=(float(counts[worst] @ fwd_window), float(counts[worst] @ bwd_window)), p2p=p2p,
         )
 
@@ -384,7 +380,8 @@ class Estimator:
         replicate_group = (d.dp_replicate, group_ranks_per_node(d.dp_replicate, inner * d.shard_degree, gpn))
         dp_group = (d.sync_degree, group_ranks_per_node(d.sync_degree, inner, gpn))
         present = unit_counts > 0
-        first = int(np.argmax(present))  # the rank's first unit: its gather opens a forward, its sync closes a backward
+        held = np.flatnonzero(present)
+        first, last = int(held[0]), int(held[-1])  # the first unit's gather opens a forward, its sync closes a backward
         if t.zero >= 2 and d.shard_degree > 1:
             per_unit = [self._comm("reduce_scatter", p * grad_b, *shard_group)
                         + self._comm("all_reduce", p * grad_b / d.shard_degree, *replicate_group) if c else 0.0
@@ -402,7 +399,7 @@ class Estimator:
             per_unit = [self._comm("all_gather", p * fsdp_param_bytes(t.precision), *shard_group) if c else 0.0
                         for p, c in zip(params_unit, present)]
             gather_all, first_gather = float(unit_counts @ np.array(per_unit)), per_unit[first]
-            last_gather = per_unit[len(present) - 1 - int(np.argmax(present[::-1]))]
+            last_gather = per_unit[last]
         gathers = traffic.gathers_per_microbatch * gather_all
         critical = sum(tables.worst_windows)
         if d.pp > 1:  # micro-batches' forwards and backwards interleave: the dp stream hides behind any of them

@@ -80,25 +80,26 @@ class MemoryTables:
     def _placements_uncached(self, u: int, tp: int, cp: int, ep: int, mb: int, precision: str, sequence_parallel: bool,
                              cross_entropy: str) -> tuple[OpPlacement, ...]:
         """Unit u's ops with their splits and activation collectives, as the simulator places them by default
-        (`costmodel.placement.block_placements`), on a strategy reduced to what they read (data parallelism sizes no
-        op and no collective)."""
-        dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp_shard=ep)
-        train = TrainingConfig(global_batch=mb * ep, seq_len=self.graph.seq_len, micro_batch=mb, precision=precision,
-                               sequence_parallel=sequence_parallel, cross_entropy=cross_entropy)
-        strategy = Strategy(dims=dims, train=train)
+        (`costmodel.placement.block_placements`), on a strategy reduced to what they read (`_reduced_strategy`)."""
+        strategy = self._reduced_strategy(tp, cp, ep, 1, sequence_parallel, mb, precision, cross_entropy)
         return block_placements(self.units[u].ops, strategy, activation_shape(self.graph, strategy))
+
+    def _reduced_strategy(self, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int, precision: str,
+                          cross_entropy: str, **train: object) -> Strategy:
+        """A strategy reduced to what placements, sizes and activation rules read: the data-parallel and batch fields
+        do not matter (dp_shard = ep only so that ep divides it)."""
+        return Strategy(dims=ParallelDims(tp=tp, cp=cp, ep=ep, pp=pp, dp_shard=ep),
+                        train=TrainingConfig(global_batch=mb, seq_len=self.graph.seq_len, micro_batch=mb,
+                                             sequence_parallel=sequence_parallel, precision=precision,
+                                             cross_entropy=cross_entropy, **train))
 
     def _unit_activations_uncached(self, u: int, tp: int, cp: int, ep: int, pp: int, sequence_parallel: bool, mb: int,
                                    policy: str, precision: str, attention: str, compiled: bool,
                                    cross_entropy: str, device_kind: str = "gpu") -> tuple[float, float, float]:
         """(kept, recompute window, loss transient) of one instance of unit u: the simulator's chunk rules, on a
-        strategy reduced to what the placements and sizes read (the data-parallel and batch fields do not
-        matter)."""
-        dims = ParallelDims(tp=tp, cp=cp, ep=ep, pp=pp, dp_shard=ep)
-        train = TrainingConfig(global_batch=mb, seq_len=self.graph.seq_len, micro_batch=mb, recompute=policy,
-                               sequence_parallel=sequence_parallel, precision=precision, attention=attention,
-                               compile=compiled, cross_entropy=cross_entropy)
-        strategy = Strategy(dims=dims, train=train)
+        strategy reduced to what the placements and sizes read (`_reduced_strategy`)."""
+        strategy = self._reduced_strategy(tp, cp, ep, pp, sequence_parallel, mb, precision, cross_entropy,
+                                          recompute=policy, attention=attention, compile=compiled)
         shape = activation_shape(self.graph, strategy)
         placements = self.placements(u, tp, cp, ep, mb, precision, sequence_parallel, cross_entropy)
         kept, window = placed_activations(placements, strategy, self.graph.batch, shape, policy, device_kind)

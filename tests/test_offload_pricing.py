@@ -45,7 +45,8 @@ def test_the_hosts_sgd_and_adafactor_are_priced_at_their_measured_time_over_the_
     28); timed, Adafactor takes 5.4x the fused AdamW and SGD 1.2x (benchmarks/host_adamw.py on the CPU machine)."""
     import json
 
-    from costmodel.offload import ADAMW_STEP_BYTES, HOST_STEP_BYTES_PER_S, offload_time
+    from costmodel.offload import HOST_STEP_BYTES_PER_S, offload_time
+    from costmodel.optimizer_step import optimizer_step_bytes
     from costmodel.profiles import load_cluster
     from costmodel.strategy import TrainingConfig
 
@@ -55,6 +56,6 @@ def test_the_hosts_sgd_and_adafactor_are_priced_at_their_measured_time_over_the_
     step = {o: offload_time(elements, pp=1, device=device, train=TrainingConfig(
         global_batch=1, seq_len=1, optimizer=o, offload_optimizer=True, zero=2)) for o in ("adamw", optimizer)}
     # one micro-batch: the shards' trips up and down are the same for both, so the difference is the steps'
-    fused_adamw = ADAMW_STEP_BYTES * elements / HOST_STEP_BYTES_PER_S
+    fused_adamw = optimizer_step_bytes(elements, precision="fp32", optimizer="adamw") / HOST_STEP_BYTES_PER_S
     assert step[optimizer] > step["adamw"]
     assert (step[optimizer] - step["adamw"]) / fused_adamw + 1 == pytest.approx(measured, rel=0.01)

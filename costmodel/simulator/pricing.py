@@ -115,7 +115,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,7 +132,7 @@ from costmodel.offload import offload_time
 from costmodel.opcost import activation_itemsize, backward_kernels, fp8_cast_launches, loss_launches, op_time
 from costmodel.optimizer_step import memory_pass_time, optimizer_step_time
 from costmodel.param_gathers import gather_width, gathers_per_microbatch, tensor_gathers_time
-from costmodel.placement import ActivationShape, OpPlacement, block_placements, chosen_placements
+from costmodel.placement import ActivationShape, Collective, OpPlacement, block_placements, chosen_placements
 from costmodel.profiles import ClusterSpec
 from costmodel.schedule import step_schedule
 from costmodel.simulator.costs import ChunkCost, StageCost, StepCosts
@@ -365,11 +365,9 @@ class _UnitPricer:
         """The phase's activation collectives: their time and each one's wait for its group's hosts (the slowest
         of them, and in a pipelined run its ring's, `costmodel.host_sync`)."""
         group = {"tp": self.groups.tp, "cp": self.groups.cp, "ep": self.groups.ep}
-        issued = [c for p in placements for c in p.collectives if c.phase == phase]
-        wait = sum(sync_wait(1, group[c.group].size, self.host_jitter_s)
-                   + chain_wait(1, group[c.group].size, self.pipelined_sync_s) for c in issued)
-        return self.activation_factor * sum(self.pricer.collective(c.kind, c.nbytes, group[c.group])
-                                            for c in issued) + wait
+        issued = [(c, group[c.group]) for p in placements for c in p.collectives if c.phase == phase]
+        return activation_comm_time(issued, self.pricer.collective, factor=self.activation_factor,
+                                    jitter_s=self.host_jitter_s, pipelined_s=self.pipelined_sync_s)
 
     def _price(self, layer: Layer) -> ChunkCost:
         t = self.strategy.train
@@ -469,6 +467,18 @@ class _UnitPricer:
         if not data_parallel_traffic(d, t).gathers_per_microbatch or params == 0:
             return 0.0
         return self.pricer.collective("all_gather", params * fsdp_param_bytes(t.precision), self.groups.dp_shard)
+
+
+def activation_comm_time(issued: Iterable[tuple[Collective, CommGroup]],
+                         price: Callable[[str, float, CommGroup], float], *, factor: float, jitter_s: float,
+                         pipelined_s: float) -> float:
+    """Seconds of activation collectives (each with the group it runs on), blocking as a step runs them: their
+    prices (`price`, a `Pricer.collective`) times the device's `activation_collective_factor`, plus each one's wait
+    for its group's slowest host (`jitter_s`) and, in a pipelined run, for its ring's hosts (`pipelined_s`;
+    `costmodel.host_sync`). The simulator's chunks and the planner's estimate both price them so."""
+    issued = list(issued)
+    wait = sum(sync_wait(1, g.size, jitter_s) + chain_wait(1, g.size, pipelined_s) for _, g in issued)
+    return factor * sum(price(c.kind, c.nbytes, g) for c, g in issued) + wait
 
 
 def placed_activations(placements: Sequence[OpPlacement], strategy: Strategy, batch_traced: int,
