@@ -47,7 +47,9 @@ Step time:
                        m x (g_1 + max(0, G_f - g_1 - W_f) + s_1 + max(0, G_b + S - s_1 - W_b))
                    (W_f, W_b the forward's and backward's critical paths, g_1 and s_1 the first unit's
                    gather and sync); a lower bound on the simulator's per-chunk prefetch, which exposes more
-                   where one unit's traffic outlasts its neighbour's compute;
+                   where one unit's traffic outlasts its neighbour's compute. Without gathers (FSDP2 at ZeRO
+                   0/1) nothing queues behind a micro-batch's syncs, which hide behind the next forward too:
+                   max(s_1, m x (S - W_f - W_b));
     optimizer      device state read and written once at memory bandwidth; with offload the
                    simulator's host share (`costmodel.offload.offload_time`).
 Memory: the simulator's model, term by term, from per-unit tables (`planner.memory_estimate`), over
@@ -406,10 +408,14 @@ class Estimator:
             if traffic.sync_every_microbatch:
                 return 0.0, m * max(0.0, gathers + sync - critical)
             return max(0.0, sync - bwd_s), m * max(0.0, gathers - critical)
+        fwd_w, bwd_w = tables.worst_windows
+        if traffic.sync_every_microbatch and not gathers:
+            # syncs alone on the dp stream: a micro-batch's hide behind the next one's forward too (FSDP2 waits for
+            # its reduce-scatters only after the last backward), so only the last one's closing sync is sure to show
+            return 0.0, max(last_sync, m * (sync - fwd_w - bwd_w))
         # one micro-batch after another: a forward hides only its gathers (never the first unit's, which opens it;
         # the last unit's backward gather is prefetched during it), a backward its gathers and syncs (never the
-        # first unit's sync, which closes it)
-        fwd_w, bwd_w = tables.worst_windows
+        # first unit's sync, which closes it: the next forward's first gather queues behind it)
         prefetched = last_gather if traffic.gathers_per_microbatch > 1 else 0.0
         forward = first_gather + max(0.0, gather_all + prefetched - first_gather - fwd_w)
         backward_gathers = gathers - gather_all - prefetched

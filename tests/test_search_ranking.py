@@ -180,3 +180,12 @@ def test_a_pipelines_fill_and_drain_are_estimated_from_the_other_stages():
     priced = report.chosen
     assert priced.candidate.train.num_microbatches == 4
     assert abs(priced.candidate.estimate.step_time_s / priced.result.step_time_s - 1) < 0.015
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "fp8"])
+def test_fsdp_without_gathers_lets_a_micro_batchs_syncs_hide_behind_the_next_forward(precision):
+    """FSDP2 at ZeRO 0/1 beside TP syncs gradients every micro-batch but gathers nothing: a micro-batch's closing sync
+    hides behind the next one's forward (nothing queues behind it on the dp stream), as the simulator runs it. The
+    estimate charged it to every micro-batch, 1.8-1.9% above the simulation for llama-3-8b tp2 on 16 H100s."""
+    errors = _estimate_errors("llama-3-8b", 16, precision=precision, tp=2, compile="off")
+    assert all(abs(e) < 0.015 for e in errors.values()), errors
