@@ -28,11 +28,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 CP_ATTENTION = "soap_cp"
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+"""The differentiable all-gather: torch 2.13 renamed it (the old name warns on every call); older torch has only
+the old name."""
 
 
 def _in_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
@@ -76,8 +79,8 @@ def _cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     """HF's attention interface: gather K/V over the cp group, then `cp_attention` -> (B, S_local, H, D)."""
     group = module.soap_cp_group
     cp = group.size()
-    key = _in_sequence_order(all_gather_tensor_autograd(key.contiguous(), gather_dim=2, group=group), cp)
-    value = _in_sequence_order(all_gather_tensor_autograd(value.contiguous(), gather_dim=2, group=group), cp)
+    key = _in_sequence_order(_all_gather(key.contiguous(), gather_dim=2, group=group), cp)
+    value = _in_sequence_order(_all_gather(value.contiguous(), gather_dim=2, group=group), cp)
     out = cp_attention(query, key, value, rank=group.get_local_rank(), cp=cp,
                        causal=bool(getattr(module, "is_causal", False)),
                        dropout=dropout if module.training else 0.0, scale=scaling)
