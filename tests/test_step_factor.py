@@ -16,6 +16,16 @@ def graph():
     return reference_graph()
 
 
+@pytest.fixture(scope="module")
+def quick_cpu():
+    """One quick CPU calibration's measurements (a minute of microbenchmarks on 2 cores), shared by the tests that fit
+    a step onto them: a quick calibration never profiles the step (`calibrate.measure`), so no test's patches reach it."""
+    from costmodel.calibration.calibrate import CalibrationConfig, measure
+
+    config = CalibrationConfig(quick=True, nproc=1, rounds=1)
+    return config, measure(config)
+
+
 def test_kernels_are_grouped_by_name_and_none_is_lost():
     kernels = [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 3.0), ("sm90_xmma_gemm_bf16bf16", 1.0),
                ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", 2.0),
@@ -49,14 +59,13 @@ def test_the_factor_makes_the_profile_price_the_step_as_measured_and_leaves_gemm
     assert wild == BOUNDS[1]
 
 
-def test_calibrate_writes_the_factor_of_a_measured_step(monkeypatch, graph):
+def test_calibrate_writes_the_factor_of_a_measured_step(monkeypatch, graph, quick_cpu):
     """`fit` applies a measured step (GPU calibrations measure one; here a quick CPU measurement carries a stub)."""
     from costmodel.calibration import step_factor
-    from costmodel.calibration.calibrate import CalibrationConfig, fit, measure
+    from costmodel.calibration.calibrate import fit
 
     monkeypatch.setattr(step_factor, "reference_graph", lambda: graph)
-    config = CalibrationConfig(quick=True, nproc=1, rounds=1)
-    meas = measure(config)
+    config, meas = quick_cpu
     assert meas.step == ()  # a CPU calibration profiles no step
     plain = fit(meas, config).device_json
     stepped = fit(dataclasses.replace(meas, step=(("gemm", 1.0), ("memory-bound", 1.0))), config).device_json
@@ -81,10 +90,10 @@ def test_a_training_step_is_profiled_on_the_gpu():
     assert compiled["gemm"] == pytest.approx(groups["gemm"], rel=0.2)
 
 
-def test_a_step_that_cannot_run_or_be_priced_loses_no_calibration(monkeypatch, capsys, graph):
+def test_a_step_that_cannot_run_or_be_priced_loses_no_calibration(monkeypatch, capsys, graph, quick_cpu):
     """A GPU calibration spends minutes on kernels before the step: a failing step or pricing only warns."""
     from costmodel.calibration import calibrate, step_factor
-    from costmodel.calibration.calibrate import CalibrationConfig, fit, measure
+    from costmodel.calibration.calibrate import fit
 
     def broken():
         raise RuntimeError("no CUDA kernels here")
@@ -92,8 +101,8 @@ def test_a_step_that_cannot_run_or_be_priced_loses_no_calibration(monkeypatch, c
     monkeypatch.setattr(calibrate, "measure_step", broken)
     assert calibrate._measured_step() == ()
     monkeypatch.setattr(step_factor, "reference_graph", broken)
-    config = CalibrationConfig(quick=True, nproc=1, rounds=1)
-    meas = dataclasses.replace(measure(config), step=(("memory-bound", 1.0),))
+    config, meas = quick_cpu
+    meas = dataclasses.replace(meas, step=(("memory-bound", 1.0),))
     device_json = fit(meas, config).device_json
     assert "training step" not in device_json.get("kernel_factors", {}).get("source", "")
     assert capsys.readouterr().err.count("warning:") == 2
