@@ -19,7 +19,8 @@ def graph():
 @pytest.fixture(scope="module")
 def quick_cpu():
     """One quick CPU calibration's measurements (a minute of microbenchmarks on 2 cores), shared by the tests that fit
-    a step onto them: a quick calibration never profiles the step (`calibrate.measure`), so no test's patches reach it."""
+    a step onto them: a quick calibration never profiles the step (`calibrate.measure`), so no test's patches reach
+    it."""
     from costmodel.calibration.calibrate import CalibrationConfig, measure
 
     config = CalibrationConfig(quick=True, nproc=1, rounds=1)
