@@ -16,7 +16,7 @@ model that ran on 1 to 64 nodes of 8 H100 (EFA between nodes), nanotron, global 
    and synced once per step (`TrainingConfig.accumulate_locally`).
 3. Per node count: Spearman's rank correlation of predicted vs measured tokens/s per GPU, and pick/best (the
    measured throughput of the configuration soap predicts fastest over the best measured), and their geometric
-   means over node counts. Before (datasheet `dgx-h100`), collectives only, and after the full fit
+   means over node counts. Before (`dgx-h100-datasheet`), collectives only, and after the full fit
    (`soap calibrate --from-runs`'s `executor.validation.external.fit` on the collectives-calibrated cluster),
    leave-one-node-count-out: each node count predicted by a fit on the others.
    Between them, the host-bound floor (`DeviceProfile.host_dispatch_s`: nanotron is eager PyTorch) fitted on
@@ -212,6 +212,25 @@ def _score_lines(title: str, scores) -> tuple[list[str], float, float]:
             + f" | {rho:.2f} / {pick:.2f} | {min(s.pick_best for s in scores):.2f} |"], rho, pick
 
 
+def _shipped_lines(scores: dict) -> list[str]:
+    """What the two shipped rows say: the plan a user gets here, with nothing fitted to this grid."""
+    from executor.validation.grid import geometric_mean
+
+    def said(prefix: str) -> str:
+        group = next(v for t, v in scores.items() if t.startswith(prefix))
+        late = ", ".join(f"{s.pick_best:.2f} at {s.group}" for s in group if s.pick_best < 0.95)
+        return (f"pick/best {geometric_mean([s.pick_best for s in group]):.2f} (geometric mean) and rank correlation "
+                f"{geometric_mean([s.spearman for s in group]):.2f}; at least 0.95 on every node count but {late}")
+
+    return [
+        "The shipped rows are what a user plans this cluster with, nothing in them fitted to this grid: `dgx-h100`'s "
+        "compute is fitted to torchtitan's and NeMo's runs (`benchmarks/published_runs.py`; the Playbook's rows are "
+        "its out-of-sample check), and its network is a DGX's InfiniBand, not EFA. Out of the box it reaches "
+        f"{said('shipped `dgx-h100`')} nodes. `{PROFILE}` is the same compute with the network step 1 fits to the "
+        f"cluster's collective bandwidths (what `soap calibrate --from-nccl-tests` gives a user who ran nccl-tests): "
+        f"{said(f'shipped `{PROFILE}`')} nodes."]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print, but do not write docs")
@@ -227,6 +246,10 @@ def main() -> None:
     graphs: dict = {}
     datasheet = load_cluster(BASE)
     before = [price_row(r, datasheet, graphs=graphs).tokens_per_s_per_gpu for r in ran]
+    # what a user plans with, nothing fitted here: the default H100 out of the box (its InfiniBand network, not this
+    # cluster's EFA) and the shipped profile of this cluster (the default H100's compute, the network step 1 fits)
+    shipped = {name: [price_row(r, cluster, graphs=graphs).tokens_per_s_per_gpu for r in ran]
+               for name, cluster in ((name, load_cluster(name)) for name in ("dgx-h100", PROFILE))}
     network = collectives_cluster()
     calibrated = network.cluster
     priced = [price_row(r, calibrated, graphs=graphs) for r in ran]
@@ -241,14 +264,17 @@ def main() -> None:
     synced = with_pipelined_sync(floored, delta)
     with_sync = [r.batch * r.seq / (t * r.gpus) for r, t in zip(ran, step_times(plans, synced))]
     prepared = [prepare_row(r, synced, graphs=graphs) for r in ran]
-    print(f"priced {len(ran)} rows three times in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"priced {len(ran)} rows five times in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     held = {q.name: q.predicted_tokens for q in leave_out(prepared, "gpus", robust=ROBUST)}
     full_out = [held[r.name] for r in ran]
     everything = fit(prepared, robust=ROBUST)
     in_sample = [predict(p, everything).predicted_tokens for p in prepared]
     elapsed = time.perf_counter() - start
 
-    runs = {"datasheet `dgx-h100`": before, "network from collectives only": collectives_only,
+    runs = {"`dgx-h100-datasheet`": before,
+            "shipped `dgx-h100` (the default: compute fitted to published runs, InfiniBand)": shipped["dgx-h100"],
+            f"shipped `{PROFILE}` (the default's compute, the network of step 1)": shipped[PROFILE],
+            "network from collectives only": collectives_only,
             f"collectives + host floor {host * 1e6:.0f} us/kernel (fitted on 1 node)": with_floor,
             f"collectives + host floor + pipelined TP wait {delta * 1e6:.0f} us per rank (fitted on 1-"
             f"{SYNC_FIT_NODES} nodes)": with_sync,
@@ -284,6 +310,8 @@ def main() -> None:
         f"{TARGETS['rank correlation']}. {elapsed:.0f} s in all.",
         "",
         *rows,
+        "",
+        *_shipped_lines(scores),
         "",
         "Network from collectives only: the cluster's median bus bandwidths (all-reduce, all-gather, reduce-scatter "
         "at 1-64 nodes; message size not stated) become nccl-tests logs at bandwidth-bound sizes and `soap calibrate "
