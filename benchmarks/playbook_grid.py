@@ -248,8 +248,10 @@ def main() -> None:
     before = [price_row(r, datasheet, graphs=graphs).tokens_per_s_per_gpu for r in ran]
     # what a user plans with, nothing fitted here: the default H100 out of the box (its InfiniBand network, not this
     # cluster's EFA) and the shipped profile of this cluster (the default H100's compute, the network step 1 fits)
-    shipped = {name: [price_row(r, cluster, graphs=graphs).tokens_per_s_per_gpu for r in ran]
-               for name, cluster in ((name, load_cluster(name)) for name in ("dgx-h100", PROFILE))}
+    shipped = {}
+    for name in ("dgx-h100", PROFILE):
+        cluster = load_cluster(name)
+        shipped[name] = [price_row(r, cluster, graphs=graphs).tokens_per_s_per_gpu for r in ran]
     network = collectives_cluster()
     calibrated = network.cluster
     priced = [price_row(r, calibrated, graphs=graphs) for r in ran]
