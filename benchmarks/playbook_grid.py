@@ -220,15 +220,16 @@ def _shipped_lines(scores: dict) -> list[str]:
         group = next(v for t, v in scores.items() if t.startswith(prefix))
         late = ", ".join(f"{s.pick_best:.2f} at {s.group}" for s in group if s.pick_best < 0.95)
         return (f"pick/best {geometric_mean([s.pick_best for s in group]):.2f} (geometric mean) and rank correlation "
-                f"{geometric_mean([s.spearman for s in group]):.2f}; at least 0.95 on every node count but {late}")
+                f"{geometric_mean([s.spearman for s in group]):.2f}; at least 0.95 on every node count"
+                + (f" but {late} nodes" if late else ""))
 
     return [
         "The shipped rows are what a user plans this cluster with, nothing in them fitted to this grid: `dgx-h100`'s "
         "compute is fitted to torchtitan's and NeMo's runs (`benchmarks/published_runs.py`; the Playbook's rows are "
         "its out-of-sample check), and its network is a DGX's InfiniBand, not EFA. Out of the box it reaches "
-        f"{said('shipped `dgx-h100`')} nodes. `{PROFILE}` is the same compute with the network step 1 fits to the "
+        f"{said('shipped `dgx-h100`')}. `{PROFILE}` is the same compute with the network step 1 fits to the "
         f"cluster's collective bandwidths (what `soap calibrate --from-nccl-tests` gives a user who ran nccl-tests): "
-        f"{said(f'shipped `{PROFILE}`')} nodes."]
+        f"{said(f'shipped `{PROFILE}`')}."]
 
 
 def main() -> None:
