@@ -177,7 +177,7 @@ def test_resuming_after_an_interrupt_reruns_no_finished_trial(tuned):
 def test_a_trial_over_the_memory_cap_is_out_of_memory_and_excluded(tmp_path):
     # a 131072-token vocabulary: the top two plans are zero0 and zero1 (the latter shards AdamW's ~270 MB of
     # moments over 2 ranks); at 65536 their measured RSS peaks came 18-48 MB apart, too close for a cap between.
-    # fp32: the same peaks 180 MB apart, at a tenth of bf16's step time on a CPU (1 s against 11 s here)
+    # fp32: the same peaks 0.18 GiB apart, at a tenth of bf16's step time on a CPU (1 s against 11 s here)
     model = write_model(tmp_path / "model", vocab_size=131072, hidden_size=128, intermediate_size=256,
                         num_hidden_layers=2)
     common = [str(model), "--gpus", "2", "--cluster", "local-cpu", "--seq-len", "32", "--global-batch", "4",
