@@ -8,7 +8,9 @@ refuse fails here, as one `error:` line, before any worker starts) and against t
 - otherwise it launches `nnodes x nproc_per_node` workers with `elastic_launch(LaunchConfig(...))`, with
   torchrun's semantics: one node and no rendezvous endpoint is `--standalone` (a c10d store on a free
   local port); otherwise the given rendezvous backend (torchrun's default `static`, at
-  `--rdzv-endpoint` or `--master-addr:--master-port`, with this node's `--node-rank`).
+  `--rdzv-endpoint` or `--master-addr:--master-port`, with this node's `--node-rank`). On a CUDA host the
+  agent spawns the ranks, as torchrun does; on a CPU host it forks them from a forkserver that imported
+  the executor once (`start_method`), each with the launching process's environment of the moment.
 A worker that raises writes its traceback into a per-launch log directory; the parent turns the
 group's failure into one line (`worker_failure`: the rank, its exception's message, the log file with
 every rank's traceback), and torch's elastic loggers stay quiet unless `LaunchOptions.debug`.
@@ -35,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -162,18 +165,20 @@ def _elastic(plan: Plan, run: Any, launch: LaunchOptions, nproc: int, min_nodes:
     endpoint = "localhost:0" if standalone else (launch.rdzv_endpoint or f"{launch.master_addr}:{launch.master_port}")
     configs: dict[str, Any] = {"rank": launch.node_rank} if backend == "static" else {}
     configs.update(rdzv_configs(launch.rdzv_conf))
+    method = start_method(plan)
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         run_id=launch.rdzv_id or (uuid.uuid4().hex if standalone else "none"),
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
-        max_restarts=launch.max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=launch.max_restarts, monitor_interval=0.1, start_method=method,
     )
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     log_dir = Path(tempfile.mkdtemp(prefix="soap-workers-"))
     try:
         with _quiet_torch_logs(enabled=not launch.debug), fresh_store_per_round(enabled=backend != "static"):
-            results = elastic_launch(config, _worker)(plan.to_json(), run, str(log_dir), launch.replan)
+            environ = dict(os.environ) if method == "forkserver" else None
+            results = elastic_launch(config, _worker)(plan.to_json(), run, str(log_dir), launch.replan, environ)
     except ChildFailedError as exc:
         raise SoapError(worker_failure(exc.failures, log_dir)) from None
     shutil.rmtree(log_dir, ignore_errors=True)
@@ -255,9 +260,13 @@ def worker_failure(failures: dict[int, Any], log_dir: Path) -> str:
 
 
 def _worker(plan_json: str, run: Any, log_dir: str | None = None,
-            replan: Callable[[Plan, int], Plan] | None = None) -> dict[str, Any] | None:
+            replan: Callable[[Plan, int], Plan] | None = None,
+            environ: dict[str, str] | None = None) -> dict[str, Any] | None:
     """One rank: join the process group from torchrun's environment, train, report from rank 0. An
-    exception other than a SoapError is written to `log_dir` (see `worker_failure`) and re-raised."""
+    exception other than a SoapError is written to `log_dir` (see `worker_failure`) and re-raised.
+    `environ`: the launching process's environment when the rank was forked (`start_method`)."""
+    if environ is not None:
+        adopt_environment(environ)
     try:
         return _train_rank(plan_json, run, log_dir, replan)
     except Exception as exc:
@@ -265,6 +274,7 @@ def _worker(plan_json: str, run: Any, log_dir: str | None = None,
             message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             record = {"error": message.rstrip(": "), "traceback": traceback.format_exc()}
             Path(log_dir, f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+        time.sleep(RAISED_EXIT_DELAY_S)
         raise
 
 
@@ -299,6 +309,56 @@ def _train_rank(plan_json: str, run: Any, log_dir: str | None = None,
         watchdog.activity("on destroying the process group")
         dist.destroy_process_group()
         watchdog.stop()
+
+
+RAISED_EXIT_DELAY_S = 1.0
+"""How long a rank that raised waits before it exits. The agent names the first rank it sees exit; when a
+peer was killed (out of memory, a lost node), this rank's exception is what the peer's death caused (gloo's
+"Connection closed by peer"), and a rank forked from the forkserver ends fast enough to be seen first."""
+
+SERVER_ENVIRON = dict(os.environ)
+"""The environment this module was imported under: in a rank forked from the forkserver (`start_method`),
+the server's, as it was when the launching process first started it."""
+
+FORKSERVER_PRELOAD = ["executor.launch", "executor.train"]
+"""What the forkserver imports once for every rank it forks (torch, transformers, the executor), with the
+plan's model code: about 5 s of one core per rank otherwise."""
+
+
+def start_method(plan: Plan) -> str:
+    """How the elastic agent starts the ranks. On a CUDA host `spawn`, as torchrun does (a rank must not
+    inherit a CUDA context). On a CPU host `forkserver`: a server process imports the executor and the
+    plan's HF model code once (`FORKSERVER_PRELOAD`) and forks every rank of this and later launches from
+    it, where `spawn` would import them again in each rank (5 s of CPU each; 4 ranks on a 2-core host
+    wait 10 s before they start). A later launch of another model imports its model code in each rank."""
+    import multiprocessing
+
+    import torch
+
+    if torch.cuda.is_available():
+        return "spawn"
+    model_type = str(plan.model.config.get("model_type", "")).replace("-", "_")
+    model_code = [f"transformers.models.{model_type}.modeling_{model_type}"] if model_type.isidentifier() else []
+    # takes effect when the server first starts (a server started earlier, by this process, is kept); the
+    # server skips a module it cannot import
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*FORKSERVER_PRELOAD, *model_code])
+    return "forkserver"
+
+
+def adopt_environment(environ: dict[str, str]) -> None:
+    """Give a forked rank the environment a spawned one gets: the launching process's `environ` now, with
+    what the elastic agent set for this rank (RANK, LOCAL_RANK, MASTER_PORT, TORCHELASTIC_*, ...) on top.
+    The forkserver's own environment is the launching process's at the time it started, so a variable
+    set or removed since (a test's, a notebook's) would otherwise be missed; the agent's are the ones
+    that differ from the server's. OpenMP read OMP_NUM_THREADS when the server imported torch, so the
+    rank's own thread count is set again."""
+    import torch
+
+    agent = {key: value for key, value in os.environ.items() if SERVER_ENVIRON.get(key) != value}
+    os.environ.clear()
+    os.environ.update({**environ, **agent})
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 STALLED_EXIT_CODE = 124

@@ -5,8 +5,9 @@ One host plays the nodes: `soap execute plan.json --elastic --nnodes MIN:MAX --n
 --rdzv-backend c10d` agents (torchrun's elastic agent, in each soap process) rendezvous on localhost.
 
 A lost node: four agents run a dp4 plan (tiny llama, global batch 12 x 16), `--nnodes 3:4`. After
-optimizer step 3 of the first attempt, the worker of rank 3 kills its agent and itself (SIGKILL: a node
-lost, nothing soap does on the way). The other workers' collectives fail (or their agents stop them for
+optimizer step 3 of the first attempt, the worker of rank 3 kills its node's processes (SIGKILL to the
+agent's process group: the agent, the forkserver it forks ranks from, and itself; a node lost, nothing
+soap does on the way). The other workers' collectives fail (or their agents stop them for
 the membership change: then the agent counts no restart), the agents re-rendezvous, and the new round
 closes with the 3 nodes left (MIN 3). Each new worker sees WORLD_SIZE 3 against the plan's 4, re-plans
 (`soap.elastic`: dp3, the same global batch), resumes from the checkpoint of step 2 and runs to step 6.
@@ -52,8 +53,7 @@ if os.environ.get("SOAP_TEST_LOSE_NODE"):
         if _count[0] == 3 and os.environ.get("RANK") == "3" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             import signal
 
-            os.kill(os.getppid(), signal.SIGKILL)  # the node's agent
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # the node: its agent, the agent's forkserver, this worker
 
     register_optimizer_step_post_hook(_after_step)
 
