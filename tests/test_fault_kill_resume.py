@@ -1,9 +1,10 @@
 """Issue 8 §3: a worker killed during `soap execute` (CPU, gloo, 2 ranks) loses no work.
 
 The kill is deterministic: a `sitecustomize.py` written by the test into a directory on PYTHONPATH is
-imported by every spawned worker, and on rank 1 of the first attempt only (TORCHELASTIC_RESTART_COUNT=0)
-it SIGKILLs its own process (the decision is taken when the hook fires: the elastic agent sets RANK
-in the worker after the interpreter started)
+imported when a worker's interpreter starts (on this CPU host the forkserver's, which forks the workers),
+and on rank 1 of the first attempt only (TORCHELASTIC_RESTART_COUNT=0) it SIGKILLs its own process (the
+decision is taken when the hook fires: the elastic agent sets RANK in the worker after the interpreter
+started)
 - `step:N`: right after the N-th optimizer step (a global torch optimizer-step hook): mid-run;
 - `save:N`: inside the DCP save of step N, after rank 1 wrote its shard and before the checkpoint's
   metadata exists: mid-save.
