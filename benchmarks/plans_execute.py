@@ -263,6 +263,7 @@ def _worker(rank: int, world: int, store: str, plans: list[dict[str, Any]], out:
     or errors (`merged` keeps rank 0's losses, or the failing rank's own error)."""
     import datetime
 
+    import torch
     import torch.distributed as dist
 
     from executor.launch import check_plan_rules
@@ -271,6 +272,9 @@ def _worker(rank: int, world: int, store: str, plans: list[dict[str, Any]], out:
 
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # one thread per rank, as soap's launcher gives several ranks on a host: the forkserver's torch read
+    # OMP_NUM_THREADS when the server started (its environment then, which may have had none)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180))
     results: dict[str, Any] = {}

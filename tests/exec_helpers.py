@@ -171,11 +171,16 @@ def run_cases(rank: int, world: int, store: str, cases: list[dict[str, Any]], ou
     import json
     import traceback
 
+    import torch
     import torch.distributed as dist
 
     from executor.train import RunConfig, train
 
     os.environ["LOCAL_RANK"] = str(rank)
+    # one thread per rank, as soap's launcher gives several ranks on a host. The forkserver's torch read
+    # OMP_NUM_THREADS when the server started, whoever started it (this helper, the launcher, a benchmark):
+    # with none set, 4 ranks on 2 cores ran 2 threads each, 10 4-rank layouts in 105 s instead of 31 s
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     results: dict[str, Any] = {}
