@@ -45,7 +45,7 @@ def test_the_agent_s_variables_win_and_the_launcher_s_current_ones_are_kept(monk
 def test_a_forked_rank_sees_the_environment_of_each_launch(monkeypatch):
     """Two launches from this process: the forkserver started at the first (or earlier), yet the second
     launch's rank sees the variable as set then, not one removed since, its own RANK, and as many threads
-as OMP_NUM_THREADS says then."""
+    as OMP_NUM_THREADS says then."""
     plan = make_plan("llama")
     seen = []
     for mark in ("first", "second"):
